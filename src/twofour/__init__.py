@@ -1,0 +1,32 @@
+"""twofour: pre-training transformers with 2:4 sparse weights (S-STE and earlier recipes).
+
+    import twofour
+    model = twofour.sparsify(model, "s-ste")       # swap eligible nn.Linear layers
+    twofour.attach(model, optimizer)               # masks advance once per optimizer step
+    twofour.flip_rate(model)["total"]              # monitor mask changes
+"""
+
+from . import pruning
+from .layer import SparseLinear
+from .optim import STEPAdamW
+from .recipes import DEFAULT_RECIPE, RECIPES, Recipe, make_recipe
+from .sparsify import DEFAULT_EXCLUDE, advance, attach, flip_rate, sparse_layers, sparsify
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "pruning",
+    "SparseLinear",
+    "STEPAdamW",
+    "Recipe",
+    "make_recipe",
+    "RECIPES",
+    "DEFAULT_RECIPE",
+    "sparsify",
+    "attach",
+    "advance",
+    "flip_rate",
+    "sparse_layers",
+    "DEFAULT_EXCLUDE",
+    "__version__",
+]

@@ -1,0 +1,209 @@
+"""SparseLinear: an nn.Linear whose forward multiplies by a 2:4 effective weight.
+
+The dense ``weight`` stays the master the optimizer updates (so state-dict keys, optimizers,
+DDP and FSDP see a plain nn.Linear); the recipe's state (scale, masks, step counter, phase)
+lives in buffers. One autograd function carries the whole layer: the forward on the effective
+weight, dX from the dense dY, dW from dY^T (or its MVUE 2:4 estimate) and X, passed straight
+through to the master weight, plus SR-STE's masked decay.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from torch import nn
+
+from .fp8 import E4M3, E5M2, fake_fp8
+from .pruning import _fixed_scale, _mask_24, _soft_threshold_24, _transposable_mask_24, mvue_24_padded
+from .recipes import DEFAULT_RECIPE, Recipe, make_recipe
+
+__all__ = ["SparseLinear", "effective_weight"]
+
+
+def effective_weight(weight: torch.Tensor, recipe: Recipe, beta: torch.Tensor | None,
+                     mask: torch.Tensor | None, dense: bool) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """What the forward multiplies by, and the hard mask used for masked decay (or None)."""
+    w = weight.detach()
+    if dense or recipe.pruning == "none":
+        return w, None
+    if recipe.pruning == "soft":
+        return beta.to(w.dtype) * _soft_threshold_24(w), None
+    m = mask if recipe.pruning == "transposable" else _mask_24(w)
+    return w * m, m
+
+
+def _compute_dtype(x: torch.Tensor) -> torch.dtype:
+    dev = x.device.type
+    if torch.is_autocast_enabled(dev):
+        return torch.get_autocast_dtype(dev)
+    return x.dtype
+
+
+class _SparseLinearFn(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, weight, bias, beta, mask, recipe: Recipe, dense: bool):
+        cdt = _compute_dtype(x)
+        with torch.autocast(x.device.type, enabled=False):
+            w_eff, m = effective_weight(weight, recipe, beta, mask, dense)
+            x2 = x.reshape(-1, x.shape[-1]).to(cdt)
+            w_eff = w_eff.to(cdt)
+            if recipe.fp8:
+                x2, w_eff = fake_fp8(x2, E4M3), fake_fp8(w_eff, E4M3)
+            y = x2 @ w_eff.t()
+            if bias is not None:
+                y = y + bias.to(cdt)
+        ctx.save_for_backward(x2, w_eff, weight if m is not None and recipe.decay else None, m)
+        ctx.recipe, ctx.dense, ctx.x_shape, ctx.x_dtype = recipe, dense, x.shape, x.dtype
+        ctx.has_bias = bias is not None
+        return y.reshape(*x.shape[:-1], y.shape[-1])
+
+    @staticmethod
+    def backward(ctx, dy):
+        x2, w_eff, weight, m = ctx.saved_tensors
+        recipe: Recipe = ctx.recipe
+        dy2 = dy.reshape(-1, dy.shape[-1]).to(w_eff.dtype)
+        if recipe.fp8:
+            dy2 = fake_fp8(dy2, E5M2)
+        dx = dw = db = None
+        if ctx.needs_input_grad[0]:
+            dx = (dy2 @ w_eff).reshape(ctx.x_shape).to(ctx.x_dtype)
+        if ctx.needs_input_grad[1]:
+            dyt = dy2.t()
+            if recipe.mvue and not ctx.dense:
+                dyt = mvue_24_padded(dyt.contiguous())  # unbiased 2:4 along tokens
+            dw = (dyt @ x2).float()
+            if weight is not None:  # SR-STE: dL/dW = dL/dW_eff + lambda * (1 - m) * W
+                dw = dw + recipe.decay * (~m) * weight.float()
+            dw = dw.to(w_eff.dtype if weight is None else weight.dtype)
+        if ctx.has_bias and ctx.needs_input_grad[2]:
+            db = dy2.sum(0)
+        return dx, dw, db, None, None, None, None
+
+
+class SparseLinear(nn.Linear):
+    """A drop-in ``nn.Linear`` trained with a 2:4 recipe (default S-STE).
+
+    ``weight`` is the dense master; :meth:`effective_weight` is what the forward uses. Call
+    :meth:`advance` once per optimizer step (``twofour.attach(model, optimizer)`` does it for
+    every layer): it refreshes masks, counts flips, and moves step-based phases on.
+    """
+
+    def __init__(self, in_features: int, out_features: int, bias: bool = True, device: Any = None,
+                 dtype: torch.dtype | None = None, recipe: str | Recipe = DEFAULT_RECIPE, **options: Any):
+        super().__init__(in_features, out_features, bias, device=device, dtype=dtype)
+        self.recipe = make_recipe(recipe, **options)
+        self._init_state()
+
+    @classmethod
+    def from_linear(cls, linear: nn.Linear, recipe: str | Recipe = DEFAULT_RECIPE, **options: Any) -> SparseLinear:
+        """A SparseLinear sharing ``linear``'s parameters (same objects: optimizers and ties stay valid)."""
+        new = cls(linear.in_features, linear.out_features, linear.bias is not None, device="meta",
+                  recipe=recipe, **options)
+        new.weight = linear.weight
+        new.bias = linear.bias
+        new._init_state()
+        return new
+
+    # -- recipe state ------------------------------------------------------------------------
+
+    def _check_shape(self) -> None:
+        if self.recipe.sparse and self.in_features % 4:
+            raise ValueError(f"SparseLinear: in_features={self.in_features} is not a multiple of 4 "
+                             f"(weight shape {tuple(self.weight.shape)}), so it cannot be 2:4")
+        if self.recipe.pruning == "transposable" and self.out_features % 4:
+            raise ValueError(f"SparseLinear: recipe {self.recipe.name!r} needs both dimensions to be multiples "
+                             f"of 4, got weight shape {tuple(self.weight.shape)}")
+
+    def _initial_state(self, w: torch.Tensor) -> dict[str, torch.Tensor]:
+        """Buffers for a layer made sparse from weight ``w`` (fresh init or a dense checkpoint)."""
+        r, dev = self.recipe, w.device
+        state = {"step": torch.zeros((), dtype=torch.long, device=dev),
+                 "flips": torch.zeros((), dtype=torch.long, device=dev),
+                 "dense": torch.tensor(r.starts_dense, device=dev)}
+        if r.pruning == "soft":
+            state["beta"] = _fixed_scale(w)  # computed once, then frozen (DESIGN.md: it drifts otherwise)
+        state["mask"] = _transposable_mask_24(w) if r.pruning == "transposable" else _mask_24(w)
+        return state
+
+    def _init_state(self) -> None:
+        self._check_shape()
+        state = self._initial_state(self.weight.detach()) if self.recipe.sparse else {}
+        for name in ("step", "flips", "dense", "beta", "mask"):
+            self.register_buffer(name, state.get(name))  # None (not in the state dict) if unused
+        self._step, self._dense = 0, not self.recipe.sparse or self.recipe.starts_dense
+
+    def reset_recipe_state(self) -> None:
+        """Recompute scale and masks from the current weight and restart the step counter."""
+        self._init_state()
+
+    def _load_from_state_dict(self, state_dict, prefix, local_metadata, strict, missing_keys,
+                              unexpected_keys, error_msgs):
+        # A dense checkpoint (no recipe buffers) is loaded as "made sparse from these weights".
+        wkey = prefix + "weight"
+        if self.recipe.sparse and wkey in state_dict and prefix + "mask" not in state_dict:
+            for name, value in self._initial_state(state_dict[wkey].detach().to(self.weight.device)).items():
+                state_dict[prefix + name] = value
+        super()._load_from_state_dict(state_dict, prefix, local_metadata, strict, missing_keys,
+                                      unexpected_keys, error_msgs)
+        if self.recipe.sparse:
+            self._step, self._dense = int(self.step), bool(self.dense)
+
+    def _set_dense(self, dense: bool) -> None:
+        if dense == self._dense:
+            return
+        self._dense = dense
+        self.dense.fill_(dense)
+        if not dense:  # (re)entering the sparse phase: start from the current weight's mask
+            w = self.weight.detach()
+            self.mask.copy_(_transposable_mask_24(w) if self.recipe.pruning == "transposable" else _mask_24(w))
+
+    @torch.no_grad()
+    def advance(self, sparse_phase: bool | None = None) -> None:
+        """Move the recipe on by one optimizer step: masks, flip count, phases.
+
+        ``sparse_phase`` (from an Adam-aware optimizer such as STEPAdamW) turns a STEP layer's
+        sparse phase on once the optimizer has switched.
+        """
+        r = self.recipe
+        if not r.sparse:
+            return
+        self._step += 1
+        self.step.fill_(self._step)
+        if r.starts_dense and sparse_phase:
+            self._set_dense(False)
+        if r.dense_finetune and r.total_steps and self._step >= r.total_steps * (1 - r.dense_finetune):
+            self._set_dense(True)
+        if self._dense:
+            self.flips.zero_()
+            return
+        w = self.weight.detach()
+        if r.pruning == "transposable":
+            if self._step % r.mask_interval:
+                self.flips.zero_()
+                return
+            new = _transposable_mask_24(w)
+        else:
+            new = _mask_24(w)
+        self.flips.copy_((new != self.mask).sum())
+        self.mask.copy_(new)
+
+    @property
+    def is_dense_phase(self) -> bool:
+        """True while the layer trains dense (dense recipe, STEP's phase 1, final dense fine-tune)."""
+        return self._dense
+
+    # -- forward -----------------------------------------------------------------------------
+
+    def effective_weight(self) -> torch.Tensor:
+        """The weight the forward multiplies by: W, W*m or beta*S(W) (no gradient)."""
+        return effective_weight(self.weight, self.recipe, self.beta, self.mask, self._dense)[0]
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if not self.recipe.sparse:
+            return super().forward(x)
+        return _SparseLinearFn.apply(x, self.weight, self.bias, self.beta, self.mask, self.recipe, self._dense)
+
+    def extra_repr(self) -> str:
+        opts = ", ".join(f"{k}={v}" for k, v in self.recipe.to_dict().items() if k not in ("name", "pruning"))
+        return f"{super().extra_repr()}, recipe={self.recipe.name}({opts})"

@@ -1,0 +1,125 @@
+"""The training recipes (DESIGN.md section 2) as small immutable value objects.
+
+A :class:`Recipe` says *what* a sparse layer does (which pruning, which gradient extras, which
+schedule); the layer reads its fields and never parses the name. Build one with
+:func:`make_recipe`, which knows each recipe's options and defaults.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+from typing import Any, Literal
+
+__all__ = ["Recipe", "make_recipe", "RECIPES", "DEFAULT_RECIPE"]
+
+Pruning = Literal["none", "hard", "soft", "transposable"]
+
+
+@dataclass(frozen=True)
+class Recipe:
+    """How a SparseLinear prunes its weight and shapes its gradient.
+
+    Attributes:
+        name: the recipe's public name (``dense``, ``ste``, ``sr-ste``, ``s-ste``, ``t-sr-ste``, ``step``).
+        pruning: ``none`` (dense), ``hard`` (top-2 of 4), ``soft`` (S-STE soft threshold with a
+            fixed per-tensor scale) or ``transposable`` (2:4 both ways, refreshed periodically).
+        mvue: estimate dW from an unbiased 2:4 MVUE of dY^T instead of the dense dY^T.
+        fp8: simulate FP8 operands (e4m3 forward, e5m2 gradients, per-tensor current scaling).
+        decay: SR-STE masked decay lambda, added to the gradient as ``decay * (1 - m) * W``.
+        mask_interval: optimizer steps between mask refreshes (transposable masks only).
+        dense_finetune: fraction of ``total_steps`` at the end trained dense (masks dropped).
+        total_steps: the run's length in optimizer steps; needed for ``dense_finetune``.
+        starts_dense: the layer begins dense and an Adam-aware optimizer switches it (STEP).
+    """
+
+    name: str
+    pruning: Pruning = "none"
+    mvue: bool = False
+    fp8: bool = False
+    decay: float = 0.0
+    mask_interval: int = 1
+    dense_finetune: float = 0.0
+    total_steps: int | None = None
+    starts_dense: bool = False
+
+    @property
+    def sparse(self) -> bool:
+        """Whether this recipe prunes at all (False only for ``dense``)."""
+        return self.pruning != "none"
+
+    def to_dict(self) -> dict[str, Any]:
+        """A plain dict, for checkpoints and logs; ``make_recipe(**d)`` rebuilds it."""
+        return dataclasses.asdict(self)
+
+
+# name -> (fixed fields, {option: default}) ; options not listed are refused
+_SPARSE_COMMON = {"mvue": False, "fp8": False}
+_TABLE: dict[str, tuple[dict[str, Any], dict[str, Any]]] = {
+    "dense": ({"pruning": "none"}, {}),
+    "ste": ({"pruning": "hard"}, dict(_SPARSE_COMMON)),
+    "sr-ste": ({"pruning": "hard"}, {**_SPARSE_COMMON, "decay": 2e-4}),
+    "s-ste": ({"pruning": "soft"}, {**_SPARSE_COMMON, "mvue": True}),
+    "t-sr-ste": (
+        {"pruning": "transposable"},
+        {
+            **_SPARSE_COMMON,
+            "mvue": True,
+            "decay": 2e-4,
+            "mask_interval": 40,
+            "dense_finetune": 1 / 6,
+            "total_steps": None,
+        },
+    ),
+    "step": ({"pruning": "hard", "starts_dense": True}, {**_SPARSE_COMMON, "decay": 2e-4}),
+}
+RECIPES: tuple[str, ...] = tuple(_TABLE)
+DEFAULT_RECIPE = "s-ste"
+
+
+def recipe_options(name: str) -> dict[str, Any]:
+    """The options ``name`` accepts, with their defaults."""
+    _known(name)
+    return dict(_TABLE[name][1])
+
+
+def _known(name: str) -> None:
+    if name not in _TABLE:
+        raise ValueError(f"unknown recipe {name!r}; valid recipes: {', '.join(RECIPES)}")
+
+
+def make_recipe(recipe: str | Recipe = DEFAULT_RECIPE, **options: Any) -> Recipe:
+    """Build a :class:`Recipe` from its name and options, validating both.
+
+    ``make_recipe("sr-ste", decay=6e-5)``; a Recipe passed in is returned with ``options``
+    applied. Unknown names or options raise ``ValueError`` listing the valid ones.
+    """
+    if isinstance(recipe, Recipe):
+        options = {**{k: getattr(recipe, k) for k in _TABLE[recipe.name][1]}, **options}
+        recipe = recipe.name
+    if not isinstance(recipe, str):
+        raise TypeError(f"recipe must be a name or a Recipe, got {type(recipe).__name__}")
+    _known(recipe)
+    fixed, defaults = _TABLE[recipe]
+    unknown = sorted(set(options) - set(defaults))
+    if unknown:
+        valid = ", ".join(defaults) or "none"
+        raise ValueError(f"recipe {recipe!r} takes no option {', '.join(unknown)}; valid options: {valid}")
+    values = {**defaults, **options}
+    _validate(recipe, values)
+    return Recipe(name=recipe, **fixed, **values)
+
+
+def _validate(name: str, v: dict[str, Any]) -> None:
+    for key in ("mvue", "fp8"):
+        if key in v and not isinstance(v[key], bool):
+            raise TypeError(f"recipe {name!r}: option {key} must be a bool, got {v[key]!r}")
+    if "decay" in v and (not isinstance(v["decay"], (int, float)) or v["decay"] < 0):
+        raise ValueError(f"recipe {name!r}: decay must be a number >= 0, got {v['decay']!r}")
+    if "mask_interval" in v and (not isinstance(v["mask_interval"], int) or v["mask_interval"] < 1):
+        raise ValueError(f"recipe {name!r}: mask_interval must be an int >= 1, got {v['mask_interval']!r}")
+    if "dense_finetune" in v and not 0 <= v["dense_finetune"] < 1:
+        raise ValueError(f"recipe {name!r}: dense_finetune must be in [0, 1), got {v['dense_finetune']!r}")
+    ts = v.get("total_steps")
+    if ts is not None and (not isinstance(ts, int) or ts < 1):
+        raise ValueError(f"recipe {name!r}: total_steps must be a positive int, got {ts!r}")

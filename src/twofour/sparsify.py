@@ -1,0 +1,119 @@
+"""Applying a recipe to a model and driving it: sparsify(), attach(), advance(), flip_rate()."""
+
+from __future__ import annotations
+
+import fnmatch
+import logging
+import warnings
+from collections.abc import Iterable, Iterator
+from typing import Any
+
+import torch
+from torch import nn
+
+from .layer import SparseLinear
+from .optim import STEPAdamW
+from .recipes import DEFAULT_RECIPE, Recipe, make_recipe
+
+__all__ = ["sparsify", "attach", "advance", "flip_rate", "sparse_layers", "DEFAULT_EXCLUDE"]
+
+log = logging.getLogger("twofour")
+
+#: Module-name patterns left dense by default: output heads (embeddings are not nn.Linear).
+DEFAULT_EXCLUDE: tuple[str, ...] = ("lm_head", "*.lm_head", "head", "*.head", "classifier", "*.classifier",
+                                    "score", "*.score")
+
+
+def _matches(name: str, patterns: Iterable[str]) -> bool:
+    return any(fnmatch.fnmatchcase(name, p) for p in patterns)
+
+
+def sparsify(model: nn.Module, recipe: str | Recipe = DEFAULT_RECIPE, *, include: Iterable[str] | None = None,
+             exclude: Iterable[str] = DEFAULT_EXCLUDE, **options: Any) -> nn.Module:
+    """Swap the eligible ``nn.Linear`` layers of ``model`` for :class:`SparseLinear`, in place.
+
+    ``include``/``exclude`` are ``fnmatch`` patterns on module names (``"*.mlp.*"``); by default
+    every Linear is a candidate except output heads (:data:`DEFAULT_EXCLUDE`) and layers whose
+    weight is tied to an embedding. Layers whose shape can't be 2:4 are skipped with a warning
+    naming them. Parameters are kept (the same objects), so an existing optimizer stays valid.
+    """
+    rec = make_recipe(recipe, **options)
+    include = None if include is None else tuple([include] if isinstance(include, str) else include)
+    exclude = tuple([exclude] if isinstance(exclude, str) else exclude)
+    tied = {id(m.weight) for m in model.modules() if isinstance(m, nn.Embedding)}
+    mha_children = {id(c) for m in model.modules() if isinstance(m, nn.MultiheadAttention) for c in m.children()}
+    converted, skipped = [], []
+    for name, mod in list(model.named_modules()):
+        if not isinstance(mod, nn.Linear) or isinstance(mod, SparseLinear):
+            continue
+        if (include is not None and not _matches(name, include)) or _matches(name, exclude):
+            continue
+        if id(mod.weight) in tied:
+            continue  # an output head tied to the embedding: stays dense
+        if id(mod) in mha_children:
+            skipped.append((name, "inside nn.MultiheadAttention, which bypasses its forward"))
+            continue
+        out_f, in_f = mod.weight.shape
+        if rec.sparse and in_f % 4:
+            skipped.append((name, f"in_features={in_f} is not a multiple of 4"))
+            continue
+        if rec.pruning == "transposable" and out_f % 4:
+            skipped.append((name, f"out_features={out_f} is not a multiple of 4 (transposable masks)"))
+            continue
+        parent_name, _, attr = name.rpartition(".")
+        setattr(model.get_submodule(parent_name), attr, SparseLinear.from_linear(mod, rec))
+        converted.append(name)
+    if skipped:
+        warnings.warn("twofour.sparsify left these layers dense: "
+                      + "; ".join(f"{n} ({why})" for n, why in skipped), stacklevel=2)
+    if not converted:
+        warnings.warn("twofour.sparsify found no eligible nn.Linear layer to convert", stacklevel=2)
+    log.info("sparsify(%s): %d layers converted, %d skipped", rec.name, len(converted), len(skipped))
+    return model
+
+
+def sparse_layers(model: nn.Module) -> Iterator[tuple[str, SparseLinear]]:
+    """(name, layer) for every SparseLinear in ``model`` (works through DDP/compile wrappers)."""
+    for name, mod in model.named_modules():
+        if isinstance(mod, SparseLinear):
+            yield name, mod
+
+
+@torch.no_grad()
+def advance(model: nn.Module, optimizer: torch.optim.Optimizer | None = None) -> None:
+    """Move every SparseLinear of ``model`` on by one optimizer step (masks, flips, phases).
+
+    Call it right after ``optimizer.step()``, once per step (not per micro-batch); or let
+    :func:`attach` call it for you.
+    """
+    sparse_phase = optimizer.switched if isinstance(optimizer, STEPAdamW) else None
+    for _, layer in sparse_layers(model):
+        layer.advance(sparse_phase)
+
+
+def attach(model: nn.Module, optimizer: torch.optim.Optimizer) -> torch.utils.hooks.RemovableHandle:
+    """Advance ``model``'s sparse layers after every ``optimizer.step()``: the one call a loop needs.
+
+    With gradient accumulation the optimizer steps once per N micro-batches, and so do the
+    masks, refresh intervals and phases. Returns a handle whose ``remove()`` detaches it.
+    """
+    needs_step = any(layer.recipe.starts_dense for _, layer in sparse_layers(model))
+    if needs_step and not isinstance(optimizer, STEPAdamW):
+        raise TypeError("the 'step' recipe needs twofour.optim.STEPAdamW as its optimizer "
+                        f"(got {type(optimizer).__name__}): it decides when the masks switch on")
+    return optimizer.register_step_post_hook(lambda opt, args, kwargs: advance(model, opt))
+
+
+def flip_rate(model: nn.Module) -> dict[str, float]:
+    """Fraction of mask positions that changed at the last optimizer step, per layer and ``"total"``.
+
+    Reads counters the layers keep on their device: one host sync, no pass over the weights.
+    """
+    layers = [(n, m) for n, m in sparse_layers(model) if m.recipe.sparse]
+    if not layers:
+        return {"total": 0.0}
+    flips = torch.stack([m.flips.to(layers[0][1].flips.device) for _, m in layers]).tolist()
+    sizes = [m.weight.numel() for _, m in layers]
+    out = {n: f / s for (n, _), f, s in zip(layers, flips, sizes)}
+    out["total"] = sum(flips) / sum(sizes)
+    return out

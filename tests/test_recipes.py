@@ -1,0 +1,52 @@
+import dataclasses
+
+import pytest
+
+from twofour import RECIPES, Recipe, make_recipe
+
+
+def test_names_and_defaults():
+    assert RECIPES == ("dense", "ste", "sr-ste", "s-ste", "t-sr-ste", "step")
+    assert make_recipe() == make_recipe("s-ste")
+    s = make_recipe("s-ste")
+    assert s.pruning == "soft" and s.mvue and not s.fp8 and s.decay == 0
+    sr = make_recipe("sr-ste")
+    assert sr.pruning == "hard" and sr.decay == 2e-4 and not sr.mvue
+    t = make_recipe("t-sr-ste")
+    assert t.pruning == "transposable" and t.mvue and t.mask_interval == 40 and t.dense_finetune == pytest.approx(1 / 6)
+    assert make_recipe("step").starts_dense
+    assert not make_recipe("dense").sparse and make_recipe("ste").sparse
+
+
+def test_options_apply_and_round_trip():
+    r = make_recipe("sr-ste", decay=6e-5, mvue=True)
+    assert r.decay == 6e-5 and r.mvue
+    assert make_recipe(r) == r and make_recipe(r, fp8=True).fp8
+    d = r.to_dict()
+    assert make_recipe(d.pop("name"), **{k: d[k] for k in ("decay", "mvue", "fp8")}) == r
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        r.decay = 1.0  # frozen value object
+
+
+def test_unknown_name_lists_valid():
+    with pytest.raises(ValueError, match="valid recipes: dense, ste, sr-ste, s-ste, t-sr-ste, step"):
+        make_recipe("sste")
+
+
+@pytest.mark.parametrize("name,opt", [("ste", "decay"), ("s-ste", "mask_interval"), ("dense", "mvue")])
+def test_unknown_option_lists_valid(name, opt):
+    with pytest.raises(ValueError, match=f"no option {opt}; valid options"):
+        make_recipe(name, **{opt: 1})
+
+
+@pytest.mark.parametrize("opts", [dict(mvue="yes"), dict(decay=-1.0), dict(mask_interval=0),
+                                  dict(dense_finetune=1.5), dict(total_steps=0)])
+def test_bad_option_values(opts):
+    with pytest.raises((ValueError, TypeError)):
+        make_recipe("t-sr-ste", **opts)
+
+
+def test_bad_recipe_type():
+    with pytest.raises(TypeError):
+        make_recipe(3)
+    assert isinstance(make_recipe("ste"), Recipe)

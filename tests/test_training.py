@@ -1,0 +1,113 @@
+"""Each recipe trains a small transformer on the CPU; step-based state advances per optimizer step."""
+
+import copy
+
+import pytest
+import torch
+
+import twofour
+from twofour import flip_rate, sparsify
+
+from .helpers import batches, make_optimizer, tiny_gpt
+
+STEPS = 60
+
+
+def train(recipe, steps=STEPS, accum=1, device="cpu", **opts):
+    model = tiny_gpt().to(device)
+    if recipe == "t-sr-ste":
+        opts.setdefault("total_steps", steps)
+    sparsify(model, recipe, **opts)
+    opt = make_optimizer(model, recipe, steps)
+    twofour.attach(model, opt)
+    losses, flips = [], []
+    data = batches(steps * accum)
+    for _ in range(steps):
+        total = 0.0
+        for _ in range(accum):
+            x, y = next(data)
+            _, loss = model(x.to(device), y.to(device))
+            (loss / accum).backward()
+            total += loss.item() / accum
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        losses.append(total)
+        flips.append(flip_rate(model)["total"])
+    return model, opt, losses, flips
+
+
+@pytest.mark.parametrize("recipe", twofour.RECIPES)
+def test_recipe_lowers_the_loss(recipe, device):
+    model, opt, losses, flips = train(recipe, device=device)
+    first, last = sum(losses[:5]) / 5, sum(losses[-5:]) / 5
+    assert last < 0.6 * first, (recipe, first, last)
+    assert all(0 <= f <= 1 for f in flips)
+    if recipe in ("ste", "sr-ste", "s-ste"):
+        assert max(flips) > 0  # masks really move during training
+    if recipe != "dense":
+        for _, layer in twofour.sparse_layers(model):
+            assert layer._step == STEPS
+
+
+def test_step_counters_advance_once_per_optimizer_step_under_accumulation():
+    model, _, _, _ = train("t-sr-ste", steps=8, accum=4, mask_interval=2)
+    assert all(layer._step == 8 for _, layer in twofour.sparse_layers(model))
+
+
+def test_step_recipe_switches_from_dense_to_sparse():
+    model, opt, losses, flips = train("step", steps=40)
+    assert opt.switched and opt.t_min <= opt.switched_at <= opt.t_max
+    assert all(f == 0 for f in flips[: opt.switched_at])  # phase 1 is dense: no masks
+    for _, layer in twofour.sparse_layers(model):
+        assert not layer.is_dense_phase
+        assert ((layer.effective_weight().reshape(-1, 4) != 0).sum(1) <= 2).all()
+
+
+def test_step_recipe_needs_step_optimizer():
+    model = sparsify(tiny_gpt(), "step")
+    with pytest.raises(TypeError, match="STEPAdamW"):
+        twofour.attach(model, torch.optim.AdamW(model.parameters()))
+
+
+def test_step_optimizer_state_round_trip():
+    model, opt, _, _ = train("step", steps=30)
+    opt2 = twofour.STEPAdamW(model.parameters(), total_steps=30)
+    opt2.load_state_dict(opt.state_dict())
+    assert opt2.switched_at == opt.switched_at and opt2.steps == opt.steps
+    with pytest.raises(ValueError):
+        twofour.STEPAdamW(model.parameters(), total_steps=0)
+
+
+def test_flip_rate_counts_changed_positions():
+    model = sparsify(tiny_gpt(), "ste")
+    before = {n: m.mask.clone() for n, m in twofour.sparse_layers(model)}
+    opt = torch.optim.SGD(model.parameters(), lr=5.0)
+    twofour.attach(model, opt)
+    x, y = next(batches(1))
+    model(x, y)[1].backward()
+    opt.step()
+    rates = flip_rate(model)
+    changed = total = 0
+    for name, layer in twofour.sparse_layers(model):
+        diff = (layer.mask != before[name]).sum().item()
+        assert rates[name] == pytest.approx(diff / layer.weight.numel())
+        changed, total = changed + diff, total + layer.weight.numel()
+    assert rates["total"] == pytest.approx(changed / total) and changed > 0
+
+
+def test_model_state_round_trip_resumes_identically():
+    torch.manual_seed(0)
+    model, opt, _, _ = train("sr-ste", steps=10)
+    sd_model, sd_opt = copy.deepcopy(model.state_dict()), copy.deepcopy(opt.state_dict())  # as torch.save would
+    fresh = sparsify(tiny_gpt(seed=9), "sr-ste")
+    fresh.load_state_dict(sd_model)
+    opt2 = torch.optim.AdamW(fresh.parameters(), lr=3e-3)
+    opt2.load_state_dict(sd_opt)
+    twofour.attach(fresh, opt2)
+    x, y = next(batches(1, seed=5))
+    for m, o in ((model, opt), (fresh, opt2)):
+        m(x, y)[1].backward()
+        o.step()
+        o.zero_grad()
+    for (_, a), (_, b) in zip(twofour.sparse_layers(model), twofour.sparse_layers(fresh)):
+        assert torch.equal(a.weight, b.weight) and torch.equal(a.mask, b.mask) and a._step == b._step == 11
