@@ -174,6 +174,15 @@ def _mvue_24(x: torch.Tensor, generator: torch.Generator | None = None) -> torch
     return out.to(x.dtype).reshape(x.shape)
 
 
+def _same_device(a: torch.device, b: torch.device) -> bool:
+    if a.type != b.type:
+        return False
+    if a.type != "cuda":
+        return True
+    cur = torch.cuda.current_device()
+    return (cur if a.index is None else a.index) == (cur if b.index is None else b.index)
+
+
 def mvue_24(x: torch.Tensor, generator: torch.Generator | None = None) -> torch.Tensor:
     """An unbiased random 2:4 estimate of ``x`` (E[mvue_24(x)] = x), at most 2 non-zeros per group.
 
@@ -181,7 +190,7 @@ def mvue_24(x: torch.Tensor, generator: torch.Generator | None = None) -> torch.
     2:4 sparse too. ``generator`` makes the draw reproducible.
     """
     _check(x, "mvue_24")
-    if generator is not None and generator.device != x.device:
+    if generator is not None and not _same_device(generator.device, x.device):
         raise ValueError(f"mvue_24: generator is on {generator.device} but the input is on {x.device}")
     return _mvue_24(x, generator)
 

@@ -1,0 +1,129 @@
+"""A thin binding to cuSPARSELt through ``nvmath-python``, with plans built once and reused.
+
+torch's own ``torch._cslt_sparse_mm`` rebuilds its cuSPARSELt plan on every call (0.4-1.3 ms
+of host time, DESIGN.md section 4); a :class:`Plan` here is built once per shape, dtype and
+operand order and costs ~20-30 us per call. Every plan computes
+
+    D (M x N) = A (M x K, 2:4 along K, row-major, compressed) @ B (K x N)
+
+with B and D in row- or column-major order, as the caller's memory already is.
+"""
+
+from __future__ import annotations
+
+import functools
+import threading
+from dataclasses import dataclass
+
+import torch
+
+__all__ = ["available", "Plan", "get_plan", "ROW", "COL"]
+
+ROW, COL = 2, 1  # cusparseOrder_t
+_NON_TRANSPOSE = 0
+_CUDA_DTYPE = {torch.bfloat16: 14, torch.float16: 2}
+
+
+@functools.cache
+def _lib():
+    from nvmath.bindings import cusparseLt  # noqa: PLC0415 - optional dependency, GPU only
+
+    return cusparseLt
+
+
+@functools.cache
+def available() -> bool:
+    """True when CUDA, an sm80+ GPU and nvmath-python's cuSPARSELt bindings are all here."""
+    if not torch.cuda.is_available() or torch.cuda.get_device_capability()[0] < 8:
+        return False
+    try:
+        _handle(torch.cuda.current_device())
+    except Exception:  # missing package or library: the dense path is used instead
+        return False
+    return True
+
+
+_handles: dict[int, int] = {}
+_lock = threading.RLock()
+
+
+def _handle(device: int) -> int:
+    with _lock:
+        if device not in _handles:
+            with torch.cuda.device(device):
+                _handles[device] = _lib().init()
+        return _handles[device]
+
+
+@dataclass(frozen=True)
+class PlanKey:
+    m: int
+    k: int
+    n: int
+    b_order: int
+    d_order: int
+    dtype: torch.dtype
+    device: int
+
+
+class Plan:
+    """One cuSPARSELt matmul plan: descriptors, algorithm and workspace, built once."""
+
+    def __init__(self, key: PlanKey):
+        import numpy as np  # noqa: PLC0415
+
+        L, self.key = _lib(), key
+        self.h = h = _handle(key.device)
+        dt = _CUDA_DTYPE[key.dtype]
+
+        def dense(rows, cols, order):
+            return L.dense_descriptor_init(h, rows, cols, cols if order == ROW else rows, 16, dt, order)
+
+        self.a = L.structured_descriptor_init(h, key.m, key.k, key.k, 16, dt, ROW, L.Sparsity.SPARSITY_50_PERCENT)
+        self.b = dense(key.k, key.n, key.b_order)
+        self.d = dense(key.m, key.n, key.d_order)
+        self.mm = L.matmul_descriptor_init(h, _NON_TRANSPOSE, _NON_TRANSPOSE, self.a, self.b, self.d, self.d,
+                                           L.ComputeType.COMPUTE_32F)
+        self.alg = L.matmul_alg_selection_init(h, self.mm, L.MatmulAlg.DEFAULT)
+        self.plan = L.matmul_plan_init(h, self.mm, self.alg)
+        dev = torch.device("cuda", key.device)
+        self.workspace = torch.empty(max(1, L.matmul_get_workspace(h, self.plan)), dtype=torch.uint8, device=dev)
+        self.compressed_size, tmp = L.sp_mma_compressed_size(h, self.plan)
+        self._tmp = torch.empty(max(1, tmp), dtype=torch.uint8, device=dev)
+        self._alpha = np.ones(1, dtype=np.float32)
+        self._beta = np.zeros(1, dtype=np.float32)
+        self._streams = np.zeros(1, dtype=np.int64)
+
+    def compress(self, a: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
+        """cuSPARSELt's own compression of a dense 2:4 ``a`` (M x K, row-major) into its layout."""
+        if out is None:
+            out = torch.empty(self.compressed_size, dtype=torch.uint8, device=a.device)
+        _lib().sp_mma_compress(self.h, self.plan, a.data_ptr(), out.data_ptr(), self._tmp.data_ptr(),
+                               torch.cuda.current_stream(a.device).cuda_stream)
+        return out
+
+    def matmul(self, a_compressed: torch.Tensor, b: torch.Tensor, d: torch.Tensor) -> torch.Tensor:
+        """D = A @ B on the current stream; ``b`` and ``d`` are raw memory in the plan's orders."""
+        stream = torch.cuda.current_stream(d.device)
+        self._streams[0] = stream.cuda_stream
+        _lib().matmul(self.h, self.plan, self._alpha.ctypes.data, a_compressed.data_ptr(), b.data_ptr(),
+                      self._beta.ctypes.data, d.data_ptr(), d.data_ptr(), self.workspace.data_ptr(),
+                      self._streams.ctypes.data, 1)
+        return d
+
+
+_plans: dict[PlanKey, Plan] = {}
+
+
+def get_plan(m: int, k: int, n: int, b_order: int, d_order: int, dtype: torch.dtype,
+             device: int | None = None) -> Plan:
+    """The cached plan for this shape, orders, dtype and device (built on first use)."""
+    if dtype not in _CUDA_DTYPE:
+        raise TypeError(f"cuSPARSELt plans support bfloat16 and float16, got {dtype}")
+    key = PlanKey(m, k, n, b_order, d_order, dtype, torch.cuda.current_device() if device is None else device)
+    plan = _plans.get(key)
+    if plan is None:
+        with _lock:
+            plan = _plans.get(key) or Plan(key)
+            _plans[key] = plan
+    return plan
