@@ -105,6 +105,28 @@ class SparseLinear(nn.Linear):
         new._init_state()
         return new
 
+    @classmethod
+    def from_conv1d(cls, conv: nn.Module, recipe: str | Recipe = DEFAULT_RECIPE, **options: Any) -> SparseLinear:
+        """From a Hugging Face ``Conv1D`` (GPT-2's linear, weight stored (in, out)).
+
+        The weight becomes a new (out, in) parameter; the state dict keeps Conv1D's (in, out)
+        layout, so Hugging Face checkpoints load and save unchanged.
+        """
+        in_f, out_f = conv.weight.shape
+        new = cls(in_f, out_f, conv.bias is not None, device="meta", recipe=recipe, **options)
+        new.weight = nn.Parameter(conv.weight.detach().t().contiguous(), requires_grad=conv.weight.requires_grad)
+        new.bias = conv.bias
+        new._conv1d_layout = True
+        new._init_state()
+        return new
+
+    _conv1d_layout = False
+
+    def _save_to_state_dict(self, destination, prefix, keep_vars):
+        super()._save_to_state_dict(destination, prefix, keep_vars)
+        if self._conv1d_layout:
+            destination[prefix + "weight"] = destination[prefix + "weight"].t()
+
     # -- recipe state ------------------------------------------------------------------------
 
     def _check_shape(self) -> None:
@@ -141,6 +163,8 @@ class SparseLinear(nn.Linear):
                               unexpected_keys, error_msgs):
         # A dense checkpoint (no recipe buffers) is loaded as "made sparse from these weights".
         wkey = prefix + "weight"
+        if self._conv1d_layout and wkey in state_dict:
+            state_dict[wkey] = state_dict[wkey].t()
         if self.recipe.sparse and wkey in state_dict and prefix + "mask" not in state_dict:
             for name, value in self._initial_state(state_dict[wkey].detach().to(self.weight.device)).items():
                 state_dict[prefix + name] = value
@@ -156,6 +180,7 @@ class SparseLinear(nn.Linear):
         self.dense.fill_(dense)
         if not dense:  # (re)entering the sparse phase: start from the current weight's mask
             w = self.weight.detach()
+            w = w.full_tensor() if hasattr(w, "full_tensor") else w
             self.mask.copy_(_transposable_mask_24(w) if self.recipe.pruning == "transposable" else _mask_24(w))
 
     @torch.no_grad()
@@ -178,6 +203,8 @@ class SparseLinear(nn.Linear):
             self.flips.zero_()
             return
         w = self.weight.detach()
+        if hasattr(w, "full_tensor"):  # FSDP2 keeps a shard between steps: masks need the whole weight
+            w = w.full_tensor()
         if r.pruning == "transposable":
             if self._step % r.mask_interval:
                 self.flips.zero_()

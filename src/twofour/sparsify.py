@@ -35,7 +35,9 @@ def sparsify(model: nn.Module, recipe: str | Recipe = DEFAULT_RECIPE, *, include
     ``include``/``exclude`` are ``fnmatch`` patterns on module names (``"*.mlp.*"``); by default
     every Linear is a candidate except output heads (:data:`DEFAULT_EXCLUDE`) and layers whose
     weight is tied to an embedding. Layers whose shape can't be 2:4 are skipped with a warning
-    naming them. Parameters are kept (the same objects), so an existing optimizer stays valid.
+    naming them. Parameters are kept (the same objects), so an existing optimizer stays valid,
+    except for Hugging Face ``Conv1D`` layers (GPT-2), whose (in, out) weight gets a transposed
+    copy: make the optimizer after ``sparsify`` there.
     """
     rec = make_recipe(recipe, **options)
     include = None if include is None else tuple([include] if isinstance(include, str) else include)
@@ -44,7 +46,8 @@ def sparsify(model: nn.Module, recipe: str | Recipe = DEFAULT_RECIPE, *, include
     mha_children = {id(c) for m in model.modules() if isinstance(m, nn.MultiheadAttention) for c in m.children()}
     converted, skipped = [], []
     for name, mod in list(model.named_modules()):
-        if not isinstance(mod, nn.Linear) or isinstance(mod, SparseLinear):
+        conv1d = _is_hf_conv1d(mod)
+        if not (isinstance(mod, nn.Linear) or conv1d) or isinstance(mod, SparseLinear):
             continue
         if (include is not None and not _matches(name, include)) or _matches(name, exclude):
             continue
@@ -53,7 +56,7 @@ def sparsify(model: nn.Module, recipe: str | Recipe = DEFAULT_RECIPE, *, include
         if id(mod) in mha_children:
             skipped.append((name, "inside nn.MultiheadAttention, which bypasses its forward"))
             continue
-        out_f, in_f = mod.weight.shape
+        in_f, out_f = mod.weight.shape if conv1d else mod.weight.shape[::-1]
         if rec.sparse and in_f % 4:
             skipped.append((name, f"in_features={in_f} is not a multiple of 4"))
             continue
@@ -61,7 +64,8 @@ def sparsify(model: nn.Module, recipe: str | Recipe = DEFAULT_RECIPE, *, include
             skipped.append((name, f"out_features={out_f} is not a multiple of 4 (transposable masks)"))
             continue
         parent_name, _, attr = name.rpartition(".")
-        setattr(model.get_submodule(parent_name), attr, SparseLinear.from_linear(mod, rec))
+        new = SparseLinear.from_conv1d(mod, rec) if conv1d else SparseLinear.from_linear(mod, rec)
+        setattr(model.get_submodule(parent_name), attr, new)
         converted.append(name)
     if skipped:
         warnings.warn("twofour.sparsify left these layers dense: "
@@ -70,6 +74,11 @@ def sparsify(model: nn.Module, recipe: str | Recipe = DEFAULT_RECIPE, *, include
         warnings.warn("twofour.sparsify found no eligible nn.Linear layer to convert", stacklevel=2)
     log.info("sparsify(%s): %d layers converted, %d skipped", rec.name, len(converted), len(skipped))
     return model
+
+
+def _is_hf_conv1d(mod: nn.Module) -> bool:
+    """Hugging Face's Conv1D (GPT-2's linear layer), recognised without importing transformers."""
+    return type(mod).__name__ == "Conv1D" and type(mod).__module__.startswith("transformers") and mod.weight.dim() == 2
 
 
 def sparse_layers(model: nn.Module) -> Iterator[tuple[str, SparseLinear]]:

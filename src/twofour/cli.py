@@ -1,0 +1,173 @@
+"""The ``twofour`` command: ``train``, ``compare``, ``export`` (and ``bench`` on a GPU)."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+from typing import Any
+
+from .recipes import DEFAULT_RECIPE, RECIPES
+
+__all__ = ["main"]
+
+
+def _value(text: str) -> Any:
+    low = text.lower()
+    if low in ("true", "yes", "on"):
+        return True
+    if low in ("false", "no", "off"):
+        return False
+    for kind in (int, float):
+        try:
+            return kind(text)
+        except ValueError:
+            pass
+    raise argparse.ArgumentTypeError(f"option value {text!r} is not a bool or a number")
+
+
+def _option(text: str) -> tuple[str, Any]:
+    key, sep, val = text.partition("=")
+    if not sep or not key:
+        raise argparse.ArgumentTypeError(f"expected KEY=VALUE (e.g. decay=6e-5), got {text!r}")
+    return key.replace("-", "_"), _value(val)
+
+
+def _run_args(p: argparse.ArgumentParser, default_out: str) -> None:
+    from .model import PRESETS  # noqa: PLC0415
+    from .train import TrainConfig  # noqa: PLC0415
+
+    d = TrainConfig()
+    g = p.add_argument_group("model and data")
+    g.add_argument("--model", default=d.model, help=f"preset: {', '.join(PRESETS)} (default %(default)s)")
+    g.add_argument("--sparse-attention", action="store_true", help="also make the attention projections 2:4")
+    g.add_argument("--data", default=None, help="text file or folder, folder of uint16 .bin shards, or hf:NAME_OR_PATH "
+                   "(default: Python's standard library source)")
+    g.add_argument("--vocab-size", type=int, default=None, help=".bin shards' vocabulary size (else read meta.pkl)")
+    g = p.add_argument_group("recipe")
+    g.add_argument("--opt", type=_option, action="append", default=[], metavar="KEY=VALUE",
+                   help="recipe option, repeatable: mvue=false, decay=6e-5, mask_interval=40, fp8=true, ...")
+    g = p.add_argument_group("optimization")
+    g.add_argument("--steps", type=int, default=d.steps, help="optimizer steps (default %(default)s)")
+    g.add_argument("--batch-size", type=int, default=d.batch_size, help="sequences per micro-batch per process")
+    g.add_argument("--seq-len", type=int, default=d.seq_len, help="tokens per sequence (default %(default)s)")
+    g.add_argument("--grad-accum", type=int, default=d.grad_accum, help="micro-batches per optimizer step")
+    g.add_argument("--lr", type=float, default=None, help="peak learning rate (default: the preset's)")
+    g.add_argument("--min-lr-ratio", type=float, default=d.min_lr_ratio, help="cosine floor as a fraction of --lr")
+    g.add_argument("--warmup", type=int, default=None, help="warmup steps (default 5%% of --steps, at most 2000)")
+    g.add_argument("--weight-decay", type=float, default=d.weight_decay)
+    g.add_argument("--grad-clip", type=float, default=d.grad_clip, help="0 turns clipping off")
+    g.add_argument("--no-bf16", dest="bf16", action="store_false", help="no bf16 autocast on the GPU")
+    g.add_argument("--compile", action="store_true", help="torch.compile the model")
+    g.add_argument("--seed", type=int, default=d.seed)
+    g.add_argument("--device", default=d.device, help="auto, cpu, cuda (default %(default)s)")
+    g.add_argument("--fsdp", action="store_true", help="under torchrun: FSDP2 instead of DDP")
+    g = p.add_argument_group("logging and checkpoints")
+    g.add_argument("--eval-interval", type=int, default=d.eval_interval)
+    g.add_argument("--eval-iters", type=int, default=d.eval_iters)
+    g.add_argument("--ckpt-interval", type=int, default=d.ckpt_interval)
+    g.add_argument("--out", default=default_out, help="run folder (default %(default)s)")
+    g.add_argument("--overwrite", action="store_true", help="replace what --out already holds")
+    g.add_argument("--no-progress", dest="progress", action="store_false", help="no progress bar")
+
+
+def _config(a: argparse.Namespace, recipe: str):
+    from .train import TrainConfig  # noqa: PLC0415
+
+    return TrainConfig(
+        model=a.model, recipe=recipe, recipe_options=dict(a.opt), sparse_attention=a.sparse_attention, data=a.data,
+        vocab_size=a.vocab_size, steps=a.steps, stop_at=getattr(a, "stop_at", None), batch_size=a.batch_size,
+        seq_len=a.seq_len, grad_accum=a.grad_accum, lr=a.lr, min_lr_ratio=a.min_lr_ratio, warmup=a.warmup,
+        weight_decay=a.weight_decay, grad_clip=a.grad_clip, bf16=a.bf16, compile=a.compile, seed=a.seed,
+        eval_interval=a.eval_interval, eval_iters=a.eval_iters, ckpt_interval=a.ckpt_interval, out_dir=a.out,
+        resume=getattr(a, "resume", False), overwrite=a.overwrite, device=a.device, fsdp=a.fsdp, progress=a.progress)
+
+
+def _cmd_train(a: argparse.Namespace) -> int:
+    from .train import train  # noqa: PLC0415
+
+    s = train(_config(a, a.recipe))
+    if s:
+        val = f"{s['final_val_loss']:.4f}" if s["final_val_loss"] is not None else "n/a"
+        print(f"\n{s['recipe']} on {s['model']}: {s['steps']} steps, {s['tokens']:,} tokens\n"
+              f"  final train loss {s['final_train_loss']:.4f}, val loss {val}\n"
+              f"  {s['tokens_per_s']:,.0f} tokens/s, "
+              f"flip rate {s['final_flip_rate']:.2e} (mean {s['mean_flip_rate']:.2e})\n"
+              f"  outputs: {s['out_dir']}/ (metrics.csv, ckpt.pt, summary.json{', curves.png' if s['plot'] else ''})")
+    return 0
+
+
+def _cmd_compare(a: argparse.Namespace) -> int:
+    from .compare import compare, results_table  # noqa: PLC0415
+
+    recipes = [r.strip() for r in a.recipes.split(",") if r.strip()]
+    bad = [r for r in recipes if r not in RECIPES]
+    if bad or not recipes:
+        raise ValueError(f"unknown recipe {', '.join(bad) or '(none given)'}; valid recipes: {', '.join(RECIPES)}")
+    seeds = [int(s) for s in a.seeds.split(",")] if a.seeds else None
+    summaries = compare(recipes, _config(a, recipes[0]), seeds)
+    print("\n" + results_table(summaries))
+    print(f"table: {Path(a.out) / 'compare.md'}, plot: {Path(a.out) / 'compare.png'}")
+    return 0
+
+
+def _cmd_export(a: argparse.Namespace) -> int:
+    from .export import export  # noqa: PLC0415
+
+    info = export(a.run, a.out)
+    print(json.dumps(info, indent=2))
+    return 0
+
+
+def _cmd_bench(a: argparse.Namespace) -> int:
+    from .bench import run_bench  # noqa: PLC0415
+
+    run_bench(a)
+    return 0
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="twofour", description="Pre-train transformers with 2:4 sparse weights.")
+    sub = p.add_subparsers(dest="command", required=True)
+    t = sub.add_parser("train", help="train a GPT with a recipe (default: tiny, s-ste, Python stdlib corpus)")
+    t.add_argument("--recipe", default=DEFAULT_RECIPE, help=f"{', '.join(RECIPES)} (default %(default)s)")
+    _run_args(t, "runs/train")
+    t.add_argument("--resume", action="store_true", help="continue the run in --out from its checkpoint")
+    t.add_argument("--stop-at", type=int, default=None, help="stop after this step (the schedule still spans --steps)")
+    t.set_defaults(func=_cmd_train)
+    c = sub.add_parser("compare", help="train several recipes on the same data and budget; table and plot")
+    c.add_argument("--recipes", default="dense,ste,sr-ste,s-ste", help="comma-separated (default %(default)s)")
+    c.add_argument("--seeds", default=None, help="comma-separated seeds, each recipe once per seed (default --seed)")
+    _run_args(c, "runs/compare")
+    c.set_defaults(func=_cmd_compare)
+    e = sub.add_parser("export", help="write a trained run's 2:4 weights (effective weights) for inference")
+    e.add_argument("run", help="run folder or checkpoint file")
+    e.add_argument("--out", default=None, help="output file (default RUN/model.safetensors)")
+    e.set_defaults(func=_cmd_export)
+    b = sub.add_parser("bench", help="time twofour against dense bf16 on this GPU and write docs/PERFORMANCE.md")
+    b.add_argument("--quick", action="store_true", help="fewer shapes and repetitions")
+    b.add_argument("--write", default=None, help="write the markdown table to this file")
+    b.set_defaults(func=_cmd_bench)
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Entry point; bad input ends with one line on stderr and exit status 2."""
+    args = build_parser().parse_args(argv)
+    from .data import DataError  # noqa: PLC0415
+    from .train import TrainError  # noqa: PLC0415
+
+    try:
+        return args.func(args)
+    except (DataError, TrainError, ValueError, TypeError) as e:
+        print(f"twofour {args.command}: error: {e}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        print(f"twofour {args.command}: interrupted; the last checkpoint is intact (--resume continues)",
+              file=sys.stderr)
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())

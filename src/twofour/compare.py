@@ -1,0 +1,87 @@
+"""``twofour compare``: several recipes (and seeds) on the same data, seed and token budget,
+then one markdown table and one plot overlaying their curves."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from .data import load_data
+from .train import METRICS, TrainConfig, pyplot, read_metrics, train
+
+__all__ = ["compare", "results_table"]
+
+
+def compare(recipes: list[str], base: TrainConfig, seeds: list[int] | None = None) -> list[dict[str, Any]]:
+    """Train ``base`` once per (recipe, seed) under ``base.out_dir``/RECIPE-sSEED; runs already
+    finished there (a ``summary.json`` with the same config) are reused, not retrained."""
+    seeds = seeds or [base.seed]
+    root = Path(base.out_dir)
+    data = load_data(base.data, base.vocab_size)  # read once, shared by every run
+    summaries = []
+    for recipe in recipes:
+        for seed in seeds:
+            cfg = dataclasses.replace(base, recipe=recipe, seed=seed, out_dir=str(root / f"{recipe}-s{seed}"),
+                                      recipe_options={} if recipe == "dense" else base.recipe_options)
+            cfg.validate()
+            done = Path(cfg.out_dir) / "summary.json"
+            if done.exists() and not base.overwrite:
+                old = json.loads((Path(cfg.out_dir) / "config.json").read_text())
+                if {k: old.get(k) for k in ("steps", "batch_size", "seq_len", "grad_accum", "model")} == \
+                        {k: getattr(cfg, k) for k in ("steps", "batch_size", "seq_len", "grad_accum", "model")}:
+                    summaries.append(json.loads(done.read_text()))
+                    continue
+            summaries.append(train(cfg, data))
+    root.mkdir(parents=True, exist_ok=True)
+    (root / "compare.md").write_text(results_table(summaries))
+    plot_compare(root, summaries)
+    return summaries
+
+
+def results_table(summaries: list[dict[str, Any]]) -> str:
+    """Markdown: final val loss, gap to dense, mean and final flip rate, tokens/s, wall time."""
+    dense = [s["final_val_loss"] for s in summaries if s["recipe"] == "dense"]
+    ref = float(np.mean(dense)) if dense else None
+    s0 = summaries[0]
+    lines = [f"model `{s0['model']}`, {s0['steps']} steps, {s0['tokens']:,} tokens per run", "",
+             "| recipe | seed | final val loss | gap to dense | mean flip rate | final flip rate | tokens/s | wall s |",
+             "|---|---|---|---|---|---|---|---|"]
+    for s in summaries:
+        gap = f"{s['final_val_loss'] - ref:+.4f}" if ref is not None else "n/a"
+        lines.append(f"| {s['recipe']} | {s['seed']} | {s['final_val_loss']:.4f} | {gap} | {s['mean_flip_rate']:.2e} "
+                     f"| {s['final_flip_rate']:.2e} | {s['tokens_per_s']:,.0f} | {s['wall_s']:.0f} |")
+    return "\n".join(lines) + "\n"
+
+
+def plot_compare(root: Path, summaries: list[dict[str, Any]]) -> Path | None:
+    """compare.png: validation loss and flip rate of every run, overlaid."""
+    plt = pyplot()
+    if plt is None:
+        return None
+    fig, (ax1, ax2, ax3) = plt.subplots(1, 3, figsize=(16, 4.5))
+    for s in summaries:
+        m = read_metrics(Path(s["out_dir"]) / METRICS)
+        label = f"{s['recipe']} (seed {s['seed']})"
+        if m["val_loss"]:
+            ax1.plot(*zip(*m["val_loss"]), "o-", markersize=3, label=label)
+        steps, losses = zip(*m["train_loss"])
+        k = max(1, len(losses) // 50)  # smooth the noisy per-step loss for the eye
+        smooth = np.convolve(losses, np.ones(k) / k, mode="valid")
+        ax2.plot(steps[k - 1:], smooth, label=label)
+        fr = [(st, v) for st, v in m["flip_rate"] if v > 0]
+        if fr:
+            ax3.plot(*zip(*fr), label=label)
+    ax1.set(xlabel="step", ylabel="validation loss", title="validation loss")
+    ax2.set(xlabel="step", ylabel="train loss (smoothed)", title="train loss")
+    ax3.set(xlabel="step", ylabel="flip rate", title="mask flip rate", yscale="log")
+    for ax in (ax1, ax2, ax3):
+        ax.legend(fontsize=7)
+    fig.tight_layout()
+    path = root / "compare.png"
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return path

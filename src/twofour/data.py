@@ -1,0 +1,166 @@
+"""Token streams for training: the default corpus (Python's own standard library, as bytes) and
+real data (a text file or folder, nanoGPT-style uint16 ``.bin`` shards, a local Hugging Face
+dataset), all behind one small interface. Nothing is ever fetched from the network.
+"""
+
+from __future__ import annotations
+
+import os
+import pickle
+import sysconfig
+import zlib
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+import torch
+
+__all__ = ["TokenData", "load_data", "DataError", "stdlib_files"]
+
+VAL_FRACTION = 0.05
+
+
+class DataError(ValueError):
+    """The data can't be used: missing, empty, too short, or in a form twofour can't read."""
+
+
+@dataclass
+class TokenData:
+    """Train and validation token arrays (1-D numpy arrays or memmaps) and their vocabulary size."""
+
+    train: np.ndarray
+    val: np.ndarray
+    vocab_size: int
+    name: str
+
+    def check(self, seq_len: int) -> None:
+        """Raise DataError if either split can't give one sequence of ``seq_len`` + 1 tokens."""
+        for split, arr in (("train", self.train), ("val", self.val)):
+            if len(arr) <= seq_len + 1:
+                raise DataError(f"{self.name}: the {split} split has {len(arr)} tokens, fewer than one "
+                                f"sequence of length {seq_len} + 1; use a shorter --seq-len or more data")
+
+    def batch(self, split: str, batch_size: int, seq_len: int, generator: torch.Generator,
+              device: torch.device | str = "cpu") -> tuple[torch.Tensor, torch.Tensor]:
+        """Random windows (inputs and next-token targets); ``generator`` is the data position."""
+        arr = self.train if split == "train" else self.val
+        starts = torch.randint(0, len(arr) - seq_len - 1, (batch_size,), generator=generator).tolist()
+        rows = np.stack([np.asarray(arr[s : s + seq_len + 1], dtype=np.int64) for s in starts])
+        t = torch.from_numpy(rows)
+        x, y = t[:, :-1], t[:, 1:]
+        if torch.device(device).type == "cuda":
+            return x.pin_memory().to(device, non_blocking=True), y.pin_memory().to(device, non_blocking=True)
+        return x.to(device), y.to(device)
+
+
+def stdlib_files() -> list[Path]:
+    """The standard library's ``.py`` files (without site-packages), in a fixed order."""
+    root = Path(sysconfig.get_paths()["stdlib"])
+    return sorted(p for p in root.rglob("*.py") if "site-packages" not in p.parts and "dist-packages" not in p.parts)
+
+
+def _split_files(files: list[Path], root: Path, name: str) -> TokenData:
+    """Bytes of ``files``; each file goes to validation by a stable hash of its path (about 5%)."""
+    train, val = bytearray(), bytearray()
+    for f in files:
+        try:
+            data = f.read_bytes()
+        except OSError:
+            continue
+        rel = f.relative_to(root).as_posix() if f.is_relative_to(root) else f.name
+        (val if zlib.crc32(rel.encode()) % 1000 < VAL_FRACTION * 1000 else train).extend(data)
+    if not val and len(train) > 1:  # a single file (or few): hold out its tail instead
+        cut = int(len(train) * (1 - VAL_FRACTION))
+        train, val = train[:cut], train[cut:]
+    if not train:
+        raise DataError(f"{name}: no bytes to train on")
+    return TokenData(np.frombuffer(bytes(train), dtype=np.uint8), np.frombuffer(bytes(val), dtype=np.uint8), 256, name)
+
+
+def _bin_shards(folder: Path, vocab_size: int | None) -> TokenData:
+    train = sorted(folder.glob("*train*.bin"))
+    val = sorted(folder.glob("*val*.bin"))
+    if not train or not val:
+        raise DataError(f"{folder}: expected train*.bin and val*.bin token shards (uint16, as nanoGPT writes)")
+    if vocab_size is None:
+        meta = folder / "meta.pkl"
+        if not meta.exists():
+            raise DataError(f"{folder}: .bin shards need their vocabulary size: pass --vocab-size "
+                            "(50257 for GPT-2's tokenizer) or put nanoGPT's meta.pkl beside them")
+        with meta.open("rb") as fh:
+            vocab_size = int(pickle.load(fh)["vocab_size"])
+
+    def load(paths: list[Path]) -> np.ndarray:
+        arrs = [np.memmap(p, dtype=np.uint16, mode="r") for p in paths if p.stat().st_size >= 2]
+        if not arrs:
+            raise DataError(f"{folder}: the shards {', '.join(p.name for p in paths)} are empty")
+        return arrs[0] if len(arrs) == 1 else np.concatenate(arrs)
+
+    data = TokenData(load(train), load(val), vocab_size, str(folder))
+    top = int(max(data.train[: 1 << 20].max(), data.val[: 1 << 20].max()))
+    if top >= vocab_size:
+        raise DataError(f"{folder}: token id {top} is outside the vocabulary size {vocab_size}")
+    return data
+
+
+def _hf_dataset(spec: str) -> TokenData:
+    os.environ.setdefault("HF_DATASETS_OFFLINE", "1")  # never reach for the network
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    try:
+        import datasets  # noqa: PLC0415
+    except ImportError as e:
+        raise DataError("hf: data needs the 'datasets' package: pip install 'twofour[hf]'") from e
+    path = spec[len("hf:"):]
+    try:
+        ds = datasets.load_from_disk(path) if Path(path).exists() else datasets.load_dataset(path)
+    except Exception as e:  # offline and not cached, or not a dataset
+        raise DataError(f"{spec}: no local copy of this Hugging Face dataset ({type(e).__name__}: {e}); "
+                        "twofour never downloads: save it with dataset.save_to_disk(path) and pass hf:path") from e
+    if isinstance(ds, datasets.DatasetDict):
+        if "train" not in ds:
+            raise DataError(f"{spec}: the dataset has no 'train' split (has {', '.join(ds)})")
+        train = ds["train"]
+        val = ds.get("validation") or ds.get("test")
+    else:
+        train, val = ds, None
+    if "text" not in train.column_names:
+        raise DataError(f"{spec}: expected a 'text' column, found {', '.join(train.column_names)}")
+
+    def as_bytes(d) -> np.ndarray:
+        return np.frombuffer("\n".join(d["text"]).encode("utf-8"), dtype=np.uint8)
+
+    tr = as_bytes(train)
+    va = as_bytes(val) if val is not None else tr[int(len(tr) * (1 - VAL_FRACTION)):]
+    if val is None:
+        tr = tr[: int(len(tr) * (1 - VAL_FRACTION))]
+    return TokenData(tr, va, 256, spec)
+
+
+def load_data(spec: str | None = None, vocab_size: int | None = None) -> TokenData:
+    """The data named by ``spec``.
+
+    ``None`` or ``"stdlib"``: Python's standard library source, as bytes (vocabulary 256);
+    a text file, or a folder of text files: their bytes; a folder with ``train*.bin`` and
+    ``val*.bin``: uint16 token shards (``vocab_size`` or a ``meta.pkl``); ``hf:NAME_OR_PATH``:
+    the ``text`` column of a local Hugging Face dataset, as bytes.
+    """
+    if spec is None or spec == "stdlib":
+        files = stdlib_files()
+        if not files:
+            raise DataError("stdlib: found no .py files in this Python's standard library")
+        return _split_files(files, Path(sysconfig.get_paths()["stdlib"]), "stdlib")
+    if spec.startswith("hf:"):
+        return _hf_dataset(spec)
+    path = Path(spec).expanduser()
+    if not path.exists():
+        raise DataError(f"{spec}: no such file or folder")
+    if path.is_file():
+        if path.stat().st_size == 0:
+            raise DataError(f"{spec}: the file is empty")
+        return _split_files([path], path.parent, str(path))
+    if any(path.glob("*.bin")):
+        return _bin_shards(path, vocab_size)
+    files = sorted(p for p in path.rglob("*") if p.is_file() and not any(part.startswith(".") for part in p.parts))
+    if not files or all(p.stat().st_size == 0 for p in files):
+        raise DataError(f"{spec}: the folder holds no data")
+    return _split_files(files, path, str(path))

@@ -1,0 +1,58 @@
+"""sparsify() on Hugging Face GPT-2 (Conv1D layers) and Llama (nn.Linear), built from configs."""
+
+import pytest
+import torch
+
+import twofour
+
+transformers = pytest.importorskip("transformers")
+
+
+def _train_steps(model, vocab, steps=5):
+    opt = torch.optim.AdamW(model.parameters(), lr=3e-3)
+    twofour.attach(model, opt)
+    g = torch.Generator().manual_seed(0)
+    ids = torch.randint(0, vocab, (4, 32), generator=g)
+    losses = []
+    for _ in range(steps):
+        loss = model(input_ids=ids, labels=ids).loss
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        losses.append(loss.item())
+    return losses
+
+
+def test_gpt2():
+    cfg = transformers.GPT2Config(n_layer=2, n_head=2, n_embd=64, vocab_size=128, n_positions=64)
+    torch.manual_seed(0)
+    model = transformers.GPT2LMHeadModel(cfg)
+    ref_sd = {k: v.clone() for k, v in model.state_dict().items()}
+    twofour.sparsify(model, "s-ste", include=["*.mlp.*"])
+    names = {n for n, _ in twofour.sparse_layers(model)}
+    assert names == {f"transformer.h.{i}.mlp.{m}" for i in range(2) for m in ("c_fc", "c_proj")}
+    # the state dict keeps Conv1D's (in, out) layout and the original values
+    sd = model.state_dict()
+    for k, v in ref_sd.items():
+        assert torch.equal(sd[k], v), k
+    layer = model.transformer.h[0].mlp.c_fc
+    x = torch.randn(3, 64)
+    torch.testing.assert_close(layer(x), x @ layer.effective_weight().t() + layer.bias)
+    losses = _train_steps(model, 128)
+    assert losses[-1] < losses[0]
+    # a Hugging Face checkpoint loads back into the sparsified model (strict)
+    fresh = twofour.sparsify(transformers.GPT2LMHeadModel(cfg), "s-ste", include=["*.mlp.*"])
+    fresh.load_state_dict(model.state_dict())
+    torch.testing.assert_close(fresh.transformer.h[0].mlp.c_fc.weight, layer.weight)
+
+
+def test_llama():
+    cfg = transformers.LlamaConfig(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=2,
+                                   num_key_value_heads=2, vocab_size=128, max_position_embeddings=64)
+    torch.manual_seed(0)
+    model = transformers.LlamaForCausalLM(cfg)
+    twofour.sparsify(model, "sr-ste")
+    names = {n for n, _ in twofour.sparse_layers(model)}
+    assert "lm_head" not in names and len(names) == 2 * 7  # q, k, v, o, gate, up, down per layer
+    losses = _train_steps(model, 128)
+    assert losses[-1] < losses[0]
