@@ -1,7 +1,11 @@
+import os
+
 import pytest
 import torch
 
 HAS_CUDA = torch.cuda.is_available()
+if not HAS_CUDA:  # Triton kernels run under its interpreter on the CPU
+    os.environ.setdefault("TRITON_INTERPRET", "1")
 
 #: Every device-agnostic test runs on the CPU and, where there is one, on the GPU.
 DEVICES = ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)]

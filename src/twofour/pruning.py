@@ -155,7 +155,7 @@ def transposable_mask_24(w: torch.Tensor) -> torch.Tensor:
 # MVUE (unbiased 2:4 estimate of the output gradient)
 # ---------------------------------------------------------------------------------------------
 
-def _mvue_24(x: torch.Tensor, generator: torch.Generator | None = None) -> torch.Tensor:
+def _mvue_24(x: torch.Tensor, generator: torch.Generator | None = None, u: torch.Tensor | None = None) -> torch.Tensor:
     g = x.reshape(-1, 4)
     ax = g.float().abs()
     # a = |x| + eps, eps relative to the group's largest entry (plus a floor for all-zero
@@ -163,7 +163,10 @@ def _mvue_24(x: torch.Tensor, generator: torch.Generator | None = None) -> torch
     a = ax + (1e-6 * ax.amax(1, keepdim=True) + 1e-30)
     # Two draws without replacement, the first with probability a_i/S, the second a_j/(S-a_i):
     # the Efraimidis-Spirakis keys log(u)/a sample exactly that sequence (top-2 of the keys).
-    u = torch.rand(a.shape, generator=generator, device=a.device, dtype=torch.float32)
+    if u is None:
+        u = torch.rand(a.shape, generator=generator, device=a.device, dtype=torch.float32)
+    else:  # given uniforms (tests of the fused kernel draw the same ones)
+        u = u.reshape(a.shape)
     keys = torch.log(u.clamp_min(torch.finfo(torch.float32).tiny)) / a
     keep = torch.zeros_like(a, dtype=torch.bool).scatter_(1, keys.topk(2, dim=1).indices, True)
     # p_k = a_k/S * (1 + sum_{i != k} a_i / (S - a_i)); S - a_i summed directly, no cancellation

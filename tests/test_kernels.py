@@ -1,0 +1,99 @@
+"""The fused prune-and-compress kernel against the plain-torch reference (Triton's interpreter on
+the CPU, the real kernel on the GPU), and byte for byte against cuSPARSELt where it is available."""
+
+import pytest
+import torch
+
+from twofour.kernels import compress as ck
+from twofour.kernels.layout import compress_reference, decompress_reference
+from twofour.pruning import _fixed_scale, _mvue_24, _soft_threshold_24, mask_24, transposable_mask_24
+
+pytestmark = pytest.mark.skipif(not ck.HAS_TRITON, reason="needs triton")
+SHAPES = [(64, 64), (100, 96), (128, 256), (32, 160)]
+OUT = [torch.bfloat16, torch.float16]
+
+
+def ids(x):
+    return str(x).split(".")[-1] if isinstance(x, torch.dtype) else None
+
+
+@pytest.mark.parametrize("shape", SHAPES)
+@pytest.mark.parametrize("out_dtype", OUT, ids=ids)
+def test_hard(shape, out_dtype, device):
+    w = torch.randn(shape, device=device)
+    buf, dense = ck.compress(w, "hard", out_dtype=out_dtype, dense_out=True)
+    eff = (w * mask_24(w)).to(out_dtype)
+    assert torch.equal(buf, compress_reference(eff, mask_24(w)))
+    assert torch.equal(dense, eff)
+
+
+@pytest.mark.parametrize("shape", SHAPES)
+def test_soft_with_scale(shape, device):
+    w = torch.randn(shape, device=device)
+    beta = _fixed_scale(w).reshape(1)
+    buf, dense = ck.compress(w, "soft", scale=beta, dense_out=True)
+    eff = (beta * _soft_threshold_24(w)).bfloat16()
+    assert torch.equal(buf, compress_reference(eff, mask_24(w)))
+    assert torch.equal(dense, eff)
+
+
+@pytest.mark.parametrize("shape", [(64, 64), (128, 96)])
+def test_given_mask_through_a_transposed_view(shape, device):
+    """Transposable masks: W^T's compressed copy, read from W's memory."""
+    w = torch.randn(shape, device=device)
+    m = transposable_mask_24(w)
+    buf, _ = ck.compress(w.t(), "mask", mask=m.t())
+    assert torch.equal(buf, compress_reference((w * m).t().contiguous().bfloat16(), m.t().contiguous()))
+
+
+@pytest.mark.parametrize("shape", SHAPES)
+def test_mvue_from_transposed_source(shape, device):
+    """MVUE of dY^T straight from the row-major dY, with the reference's uniforms."""
+    n, t = shape
+    dy = torch.randn(t, n, device=device)
+    dy[:4, :3] = 0.0  # zeros inside groups
+    x = dy.t()
+    u = torch.rand(n, t, device=device)
+    buf, _ = ck.compress(x, "mvue", u=u)
+    ref = _mvue_24(x.contiguous(), u=u)
+    dec = decompress_reference(buf, n, t).float()
+    assert torch.equal(dec != 0, ref != 0)
+    torch.testing.assert_close(dec, ref.bfloat16().float(), rtol=1e-2, atol=1e-6)
+
+
+def test_mvue_with_philox_seed_is_unbiased(device):
+    x = torch.randn(32, 64, device=device)
+    n = 200
+    acc = torch.zeros_like(x, dtype=torch.float64)
+    sq = torch.zeros_like(acc)
+    for i in range(n):
+        buf, _ = ck.compress(x, "mvue", seed=torch.tensor([1000 + i], device=device), out_dtype=torch.float16)
+        d = decompress_reference(buf, 32, 64, torch.float16).double()
+        assert ((d.reshape(-1, 4) != 0).sum(1) <= 2).all()
+        acc += d
+        sq += d * d
+    mean = acc / n
+    sem = ((sq / n - mean**2).clamp_min(0) / n).sqrt()
+    assert ((mean - x.double()).abs() <= 5 * sem + 1e-2).all()
+
+
+def test_bad_input():
+    with pytest.raises(ValueError, match="multiple of 32"):
+        ck.compress(torch.randn(8, 16), "hard")
+    with pytest.raises(ValueError, match="mode"):
+        ck.compress(torch.randn(8, 32), "magic")
+    with pytest.raises(TypeError, match="out_dtype"):
+        ck.compress(torch.randn(8, 32), "hard", out_dtype=torch.float32)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("shape", [(64, 128), (96, 192), (256, 1024)])
+def test_matches_cusparselt_byte_for_byte(shape):
+    from twofour.kernels import cusparselt
+
+    if not cusparselt.available():
+        pytest.skip("cuSPARSELt bindings (nvmath-python) not available")
+    w = torch.randn(shape, device="cuda")
+    plan = cusparselt.get_plan(shape[0], shape[1], 64, cusparselt.ROW, cusparselt.ROW, torch.bfloat16)
+    buf, dense = ck.compress(w, "hard", dense_out=True)
+    assert torch.equal(buf, plan.compress(dense))
