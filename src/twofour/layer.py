@@ -15,6 +15,7 @@ import torch
 from torch import nn
 
 from .fp8 import E4M3, E5M2, fake_fp8
+from .kernels import ops
 from .pruning import _fixed_scale, _mask_24, _soft_threshold_24, _transposable_mask_24, mvue_24_padded
 from .recipes import DEFAULT_RECIPE, Recipe, make_recipe
 
@@ -76,6 +77,71 @@ class _SparseLinearFn(torch.autograd.Function):
             if weight is not None:  # SR-STE: dL/dW = dL/dW_eff + lambda * (1 - m) * W
                 dw = dw + recipe.decay * (~m) * weight.float()
             dw = dw.to(w_eff.dtype if weight is None else weight.dtype)
+        if ctx.has_bias and ctx.needs_input_grad[2]:
+            db = dy2.sum(0)
+        return dx, dw, db, None, None, None, None
+
+
+def _as_2d(t: torch.Tensor) -> torch.Tensor:
+    """(tokens, features) view of ``t`` in row- or column-major order (a copy only if neither)."""
+    t2 = t.reshape(-1, t.shape[-1])
+    return t2 if ops.order(t2) is not None else t2.contiguous()
+
+
+class _FastSparseLinearFn(torch.autograd.Function):
+    """The GPU path: cuSPARSELt 2:4 GEMMs where they measure faster than dense (forward, dX for
+    transposable masks, dW on the fused MVUE-compressed dY^T), operands read in whatever order
+    they are stored; the same math as _SparseLinearFn."""
+
+    @staticmethod
+    def forward(ctx, x, weight, bias, wc, wdense, wtc, recipe: Recipe):
+        x2 = _as_2d(x)
+        t, k = x2.shape
+        n = wdense.shape[0]
+        bo = "col" if ops.order(x2) == "row" else "row"  # the order of x^T as cuSPARSELt's B
+        cands = {"sparse_dr": lambda: ops.spmm(wc, x2.t(), n, False).t(),
+                 "sparse_dc": lambda: ops.spmm(wc, x2.t(), n, True).t(),
+                 "dense": lambda: x2 @ wdense.t()}
+        y = cands[ops.choose("fwd", n, k, t, bo, x2.dtype, cands)]()
+        if bias is not None:
+            y = y + bias.to(y.dtype)
+        ctx.save_for_backward(x2, weight if recipe.decay else None, wc, wdense, wtc)
+        ctx.recipe, ctx.x_shape, ctx.x_dtype, ctx.has_bias = recipe, x.shape, x.dtype, bias is not None
+        ctx.w_dtype = weight.dtype
+        return y.reshape(*x.shape[:-1], n)
+
+    @staticmethod
+    def backward(ctx, dy):
+        x2, weight, wc, wdense, wtc = ctx.saved_tensors
+        recipe: Recipe = ctx.recipe
+        dy2 = _as_2d(dy.to(wdense.dtype))
+        t, n = dy2.shape
+        k = x2.shape[1]
+        dx = dw = db = None
+        if ctx.needs_input_grad[0]:
+            cands = {"dense": lambda: dy2 @ wdense}
+            if wtc.numel():  # transposable mask: W^T is 2:4 too
+                cands["sparse_dr"] = lambda: ops.spmm(wtc, dy2.t(), k, False).t()
+                cands["sparse_dc"] = lambda: ops.spmm(wtc, dy2.t(), k, True).t()
+            bo = "col" if ops.order(dy2) == "row" else "row"
+            dx = cands[ops.choose("dx", k, n, t, bo, dy2.dtype, cands)]().reshape(ctx.x_shape).to(ctx.x_dtype)
+        if ctx.needs_input_grad[1]:
+            if recipe.mvue:
+                seed = torch.randint(0, 2**31 - 1, (1,), device=dy2.device)
+                key = ("dw", n, t, k, ops.order(x2), dy2.dtype)
+                cached = ops.choices().get(ops._key(*key))
+                need_dense = cached is None or cached["choice"] == "dense"
+                buf, dense = ops.compress(dy2.t(), "mvue", None, None, seed, need_dense, dy2.dtype)
+                cands = {"sparse": lambda: ops.spmm(buf, x2, n, False)}
+                if need_dense:
+                    cands["dense"] = lambda: dense @ x2
+                dw = cands[ops.choose(*key, cands)]()
+            else:
+                dw = dy2.t() @ x2
+            dw = dw.float()
+            if weight is not None:  # SR-STE masked decay; W_eff's zeros are the dropped positions
+                dw = dw + recipe.decay * (wdense == 0) * weight.float()
+            dw = dw.to(ctx.w_dtype)
         if ctx.has_bias and ctx.needs_input_grad[2]:
             db = dy2.sum(0)
         return dx, dw, db, None, None, None, None
@@ -226,9 +292,43 @@ class SparseLinear(nn.Linear):
         """The weight the forward multiplies by: W, W*m or beta*S(W) (no gradient)."""
         return effective_weight(self.weight, self.recipe, self.beta, self.mask, self._dense)[0]
 
+    def _fast_ok(self, x: torch.Tensor) -> bool:
+        r = self.recipe
+        return (x.is_cuda and not r.fp8 and not self._dense and _compute_dtype(x) in (torch.bfloat16, torch.float16)
+                and self.in_features % 32 == 0 and self.out_features % 32 == 0
+                and (x.numel() // self.in_features) % 32 == 0 and ops.fast_available())
+
+    def _fast_weights(self, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Compressed W_eff (and W_eff^T for transposable masks) plus the dense W_eff, built by one
+        fused kernel once per optimizer step (the weight's version counter says when it changed)."""
+        w = self.weight.detach()
+        key = (w._version, w.data_ptr(), dtype, self._step)
+        if self._wcache is not None and self._wcache[0] == key and not torch.compiler.is_compiling():
+            return self._wcache[1]
+        r = self.recipe
+        empty = w.new_empty(0, dtype=torch.uint8)
+        if r.pruning == "soft":
+            wc, wd = ops.compress(w, "soft", self.beta.reshape(1), None, None, True, dtype)
+        elif r.pruning == "transposable":
+            wc, wd = ops.compress(w, "mask", None, self.mask, None, True, dtype)
+            empty = ops.compress(w.t(), "mask", None, self.mask.t(), None, False, dtype)[0]
+        else:
+            wc, wd = ops.compress(w, "hard", None, None, None, True, dtype)
+        out = (wc, wd, empty)
+        if not torch.compiler.is_compiling():
+            self._wcache = (key, out)
+        return out
+
+    _wcache = None
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if not self.recipe.sparse:
             return super().forward(x)
+        if self._fast_ok(x):
+            cdt = _compute_dtype(x)
+            with torch.autocast("cuda", enabled=False):
+                wc, wd, wtc = self._fast_weights(cdt)
+                return _FastSparseLinearFn.apply(x.to(cdt), self.weight, self.bias, wc, wd, wtc, self.recipe)
         return _SparseLinearFn.apply(x, self.weight, self.bias, self.beta, self.mask, self.recipe, self._dense)
 
     def extra_repr(self) -> str:

@@ -19,6 +19,7 @@ __all__ = [
     "mvue_24",
     "fixed_scale",
     "transposable_patterns",
+    "mvue_inclusion_probability",
 ]
 
 _FLOAT_DTYPES = (torch.float32, torch.float16, torch.bfloat16, torch.float64)
@@ -155,12 +156,28 @@ def transposable_mask_24(w: torch.Tensor) -> torch.Tensor:
 # MVUE (unbiased 2:4 estimate of the output gradient)
 # ---------------------------------------------------------------------------------------------
 
+def _mvue_weights(g: torch.Tensor) -> torch.Tensor:
+    """a = |x| + eps per (n, 4) group, eps relative to the group's largest entry (plus a floor for
+    all-zero groups), so that every ratio in the estimator stays finite in float32."""
+    ax = g.float().abs()
+    return ax + (1e-6 * ax.amax(1, keepdim=True) + 1e-30)
+
+
+def _inclusion(a: torch.Tensor) -> torch.Tensor:
+    """p_k = a_k/S * (1 + sum_{i != k} a_i / (S - a_i)); S - a_i summed directly, no cancellation."""
+    rest = a.roll(1, 1) + a.roll(2, 1) + a.roll(3, 1)
+    ratio = a / rest
+    return a / a.sum(1, keepdim=True) * (1 + ratio.sum(1, keepdim=True) - ratio)
+
+
+def mvue_inclusion_probability(x: torch.Tensor) -> torch.Tensor:
+    """The probability that mvue_24 keeps each entry of ``x`` (same shape), for variance bounds."""
+    return _inclusion(_mvue_weights(x.reshape(-1, 4))).reshape(x.shape)
+
+
 def _mvue_24(x: torch.Tensor, generator: torch.Generator | None = None, u: torch.Tensor | None = None) -> torch.Tensor:
     g = x.reshape(-1, 4)
-    ax = g.float().abs()
-    # a = |x| + eps, eps relative to the group's largest entry (plus a floor for all-zero
-    # groups), so that every ratio below stays finite in float32.
-    a = ax + (1e-6 * ax.amax(1, keepdim=True) + 1e-30)
+    a = _mvue_weights(g)
     # Two draws without replacement, the first with probability a_i/S, the second a_j/(S-a_i):
     # the Efraimidis-Spirakis keys log(u)/a sample exactly that sequence (top-2 of the keys).
     if u is None:
@@ -169,11 +186,7 @@ def _mvue_24(x: torch.Tensor, generator: torch.Generator | None = None, u: torch
         u = u.reshape(a.shape)
     keys = torch.log(u.clamp_min(torch.finfo(torch.float32).tiny)) / a
     keep = torch.zeros_like(a, dtype=torch.bool).scatter_(1, keys.topk(2, dim=1).indices, True)
-    # p_k = a_k/S * (1 + sum_{i != k} a_i / (S - a_i)); S - a_i summed directly, no cancellation
-    rest = a.roll(1, 1) + a.roll(2, 1) + a.roll(3, 1)
-    ratio = a / rest
-    p = a / a.sum(1, keepdim=True) * (1 + ratio.sum(1, keepdim=True) - ratio)
-    out = torch.where(keep, g.float() / p, torch.zeros_like(a))
+    out = torch.where(keep, g.float() / _inclusion(a), torch.zeros_like(a))
     return out.to(x.dtype).reshape(x.shape)
 
 

@@ -1,0 +1,224 @@
+"""``twofour bench``: twofour against dense bf16 on this GPU, from one run.
+
+Ratios are dense time / twofour time (above 1 is faster), medians of CUDA-event timings
+(``triton.testing.do_bench``), dense measured in the same run on the same random data.
+"""
+
+from __future__ import annotations
+
+import argparse
+import platform
+import re
+from pathlib import Path
+
+import torch
+from torch import nn
+
+from . import SparseLinear, __version__
+from .kernels import cusparselt, ops
+
+__all__ = ["run_bench"]
+
+# (name, in, out) of a transformer's FFN pair; tokens = seq 1024 x micro-batch
+SHAPES = [("gpt2-124m", 768, 3072, 32768), ("gpt2-350m", 1024, 4096, 32768), ("gpt2-774m", 1280, 5120, 32768),
+          ("gpt2-1.5b", 1600, 6400, 32768), ("llama-7b-ffn", 4096, 11008, 16384)]
+RECIPES = ["ste", "sr-ste", "s-ste", "t-sr-ste"]
+
+
+def _bench(fn, quick: bool) -> float:
+    from triton.testing import do_bench  # noqa: PLC0415
+
+    return do_bench(fn, warmup=10 if quick else 25, rep=50 if quick else 200, return_mode="median")
+
+
+def _copy_bandwidth(quick: bool) -> float:
+    x = torch.randn(128 * 2**20, device="cuda", dtype=torch.bfloat16)
+    y = torch.empty_like(x)
+    return 2 * x.numel() * 2 / _bench(lambda: y.copy_(x), quick) / 1e6  # GB/s, bytes read + written
+
+
+def _gemms(t: int, k: int, n: int, quick: bool) -> dict[str, float]:
+    """Each GEMM of a linear alone: dense time / best 2:4 time (operands pre-compressed)."""
+    x = torch.randn(t, k, device="cuda", dtype=torch.bfloat16)
+    w = torch.randn(n, k, device="cuda")
+    dy = torch.randn(t, n, device="cuda", dtype=torch.bfloat16)
+    wc, wd = ops.compress(w, "hard", None, None, None, True, torch.bfloat16)
+    from .pruning import transposable_mask_24  # noqa: PLC0415
+
+    m = transposable_mask_24(w)
+    wtc = ops.compress(w.t(), "mask", None, m.t(), None, False, torch.bfloat16)[0]
+    wtd = (w * m).bfloat16()
+    dyc = ops.compress(dy.t(), "mvue", None, None, torch.tensor([1], device="cuda"), False, torch.bfloat16)[0]
+    out = {}
+    fd = _bench(lambda: x @ wd.t(), quick)
+    out["fwd"] = fd / min(_bench(lambda d=d: ops.spmm(wc, x.t(), n, d), quick) for d in (False, True))
+    xd = _bench(lambda: dy @ wtd, quick)
+    out["dX (W^T 2:4)"] = xd / min(_bench(lambda d=d: ops.spmm(wtc, dy.t(), k, d), quick) for d in (False, True))
+    wdt = _bench(lambda: dy.t() @ x, quick)
+    out["dW"] = wdt / _bench(lambda: ops.spmm(dyc, x, n, False), quick)
+    return out
+
+
+def _kernels(t: int, k: int, n: int, bw: float, quick: bool) -> dict[str, tuple[float, float]]:
+    """GB/s of the fused kernels (bytes they must read and write) and fraction of copy bandwidth."""
+    w = torch.randn(n, k, device="cuda")
+    beta = torch.ones(1, device="cuda")
+    dy = torch.randn(t, n, device="cuda", dtype=torch.bfloat16)
+    seed = torch.tensor([3], device="cuda")
+    res = {}
+    cbytes = n * k // 2 * 2 + n * k // 8
+    tw = _bench(lambda: ops.compress(w, "soft", beta, None, None, False, torch.bfloat16), quick)
+    res["soft threshold + scale + compress W"] = (n * k * 4 + cbytes) / tw / 1e6
+    tw = _bench(lambda: ops.compress(w, "hard", None, None, None, True, torch.bfloat16), quick)
+    res["hard mask + compress W (+ dense W_eff)"] = (n * k * 4 + cbytes + n * k * 2) / tw / 1e6
+    tm = _bench(lambda: ops.compress(dy.t(), "mvue", None, None, seed, False, torch.bfloat16), quick)
+    res["MVUE + compress dY^T (from dY)"] = (t * n * 2 + t * n // 2 * 2 + t * n // 8) / tm / 1e6
+    return {name: (gbs, gbs / bw) for name, gbs in res.items()}
+
+
+def _fwd_bwd(layer_fn, x, g, quick: bool) -> float:
+    def step():
+        for p in layer_fn.parameters():
+            p.grad = None
+        for mod in layer_fn.modules():  # a new weight each step: count its pruning and compression
+            if isinstance(mod, SparseLinear):
+                mod._wcache = None
+        with torch.autocast("cuda", dtype=torch.bfloat16):
+            y = layer_fn(x)
+        y.backward(g)
+
+    return _bench(step, quick)
+
+
+def _layers(t: int, k: int, n: int, quick: bool) -> dict[str, float]:
+    x = torch.randn(t, k, device="cuda", requires_grad=True)
+    g = torch.randn(t, n, device="cuda", dtype=torch.bfloat16)
+    dense = nn.Linear(k, n, device="cuda")
+    td = _fwd_bwd(dense, x, g, quick)
+    out = {}
+    for r in RECIPES:
+        layer = SparseLinear(k, n, device="cuda", recipe=r)
+        _fwd_bwd(layer, x, g, True)  # measure the dispatch choices first
+        out[r] = td / _fwd_bwd(layer, x, g, quick)
+    return out
+
+
+def _ffn(t: int, d: int, h: int, quick: bool, recipe: str) -> float:
+    def block(lin):
+        return nn.Sequential(lin(d, h), nn.GELU(approximate="tanh"), lin(h, d)).cuda()
+
+    x = torch.randn(t, d, device="cuda", requires_grad=True)
+    g = torch.randn(t, d, device="cuda", dtype=torch.bfloat16)
+    dense = block(nn.Linear)
+    sparse = block(lambda i, o: SparseLinear(i, o, recipe=recipe))
+    _fwd_bwd(sparse, x, g, True)
+    return _fwd_bwd(dense, x, g, quick) / _fwd_bwd(sparse, x, g, quick)
+
+
+def _step_time(preset: str, batch: int, recipe: str) -> float:
+    from .model import FFN_PATTERNS, GPT  # noqa: PLC0415
+    from .sparsify import attach, sparsify  # noqa: PLC0415
+
+    torch.manual_seed(0)
+    model = GPT.from_preset(preset, block_size=1024, vocab_size=50304).cuda()
+    if recipe != "dense":
+        sparsify(model, recipe, include=FFN_PATTERNS)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-4, fused=True)
+    attach(model, opt)
+    idx = torch.randint(0, 50304, (batch, 1024), device="cuda")
+
+    def step():
+        with torch.autocast("cuda", dtype=torch.bfloat16):
+            loss = model(idx, idx)[1]
+        loss.backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+
+    for _ in range(3):
+        step()
+    return _bench(step, True)
+
+
+def _train_step(preset: str, batch: int) -> tuple[float, float]:
+    """A whole GPT training step (forward, backward, AdamW): dense vs s-ste on the FFN linears."""
+    dense = _step_time(preset, batch, "dense")
+    torch.cuda.empty_cache()
+    sparse = _step_time(preset, batch, "s-ste")
+    torch.cuda.empty_cache()
+    return dense / sparse, dense
+
+
+def _gemm_rate(quick: bool) -> float:
+    a = torch.randn(8192, 8192, device="cuda", dtype=torch.bfloat16)
+    return 2 * 8192**3 / _bench(lambda: a @ a, quick) / 1e9
+
+
+def run_bench(args: argparse.Namespace) -> str:
+    """Run every measurement, print the markdown report, and write it where ``--write`` says."""
+    if not torch.cuda.is_available():
+        raise ValueError("twofour bench needs a CUDA GPU; none is available here")
+    if not ops.fast_available():
+        raise ValueError("twofour bench needs Triton and nvmath-python's cuSPARSELt bindings "
+                         "(pip install 'twofour[gpu]')")
+    quick = args.quick
+    shapes = SHAPES[2:] if quick else SHAPES
+    import triton  # noqa: PLC0415
+
+    bw = _copy_bandwidth(quick)
+    tflops = _gemm_rate(quick)
+    lines = [f"GPU: {torch.cuda.get_device_name()}; torch {torch.__version__}, triton {triton.__version__}, "
+             f"cuSPARSELt {cusparselt._lib().get_version(cusparselt._handle(torch.cuda.current_device()))}, "
+             f"twofour {__version__}, Python {platform.python_version()}; copy bandwidth {bw:.0f} GB/s, "
+             f"dense bf16 {tflops:.0f} TFLOP/s (8192^3). Ratios: dense bf16 time / twofour time.", ""]
+    lines += ["### GEMMs of one linear (operands already compressed)", "",
+              "| shape | tokens x in -> out | fwd | dX (W^T 2:4) | dW (MVUE dY^T) |", "|---|---|---|---|---|"]
+    for name, d, h, t in shapes:
+        for k, n in ((d, h), (h, d)):
+            r = _gemms(t, k, n, quick)
+            lines.append(f"| {name} | {t} x {k} -> {n} | {r['fwd']:.2f}x | {r['dX (W^T 2:4)']:.2f}x | {r['dW']:.2f}x |")
+            print(lines[-1], flush=True)
+    lines += ["", "### Fused pruning + compression kernels", "", "| kernel | shape | GB/s | of copy bandwidth |",
+              "|---|---|---|---|"]
+    for name, d, h, t in shapes[-2:]:
+        for kname, (gbs, frac) in _kernels(t, d, h, bw, quick).items():
+            lines.append(f"| {kname} | {name} ({t} tokens, {d}->{h}) | {gbs:.0f} | {frac:.0%} |")
+            print(lines[-1], flush=True)
+    lines += ["", "### SparseLinear forward + backward (pruning, compression and MVUE included), per recipe", "",
+              "| shape | tokens x in -> out | " + " | ".join(RECIPES) + " |", "|---|---|" + "---|" * len(RECIPES)]
+    for name, d, h, t in shapes:
+        for k, n in ((d, h), (h, d)):
+            r = _layers(t, k, n, quick)
+            lines.append(f"| {name} | {t} x {k} -> {n} | " + " | ".join(f"{r[x]:.2f}x" for x in RECIPES) + " |")
+            print(lines[-1], flush=True)
+    lines += ["", "### FFN block (fc -> GELU -> proj), forward + backward", "", "| shape | tokens | s-ste | t-sr-ste |",
+              "|---|---|---|---|"]
+    for name, d, h, t in shapes:
+        s_ste, t_sr = _ffn(t, d, h, quick, "s-ste"), _ffn(t, d, h, quick, "t-sr-ste")
+        lines.append(f"| {name} | {t} | {s_ste:.2f}x | {t_sr:.2f}x |")
+        print(lines[-1], flush=True)
+    lines += ["", "### Full GPT training step (bf16 autocast, fused AdamW; s-ste on the FFN linears)", "",
+              "| model | micro-batch x seq | dense step ms | s-ste ratio |", "|---|---|---|---|"]
+    for preset, batch in ([("gpt2-774m", 16)] if quick else [("gpt2-124m", 32), ("gpt2-774m", 16)]):
+        ratio, td = _train_step(preset, batch)
+        lines.append(f"| {preset} | {batch} x 1024 | {td:.1f} | {ratio:.2f}x |")
+        print(lines[-1], flush=True)
+    lines += ["", "Dispatch choices measured in this run (`twofour.kernels.ops.choices()`):", "", "```"]
+    lines += [f"{k}: {v['choice']}  {v['ms']}" for k, v in sorted(ops.choices().items())] + ["```"]
+    report = "\n".join(lines) + "\n"
+    print("\n" + report)
+    if args.write:
+        _write_section(Path(args.write), report)
+    return report
+
+
+def _write_section(path: Path, report: str) -> None:
+    """Replace the text between the bench markers of ``path`` (or append them) with ``report``."""
+    begin, end = "<!-- bench:begin -->", "<!-- bench:end -->"
+    text = path.read_text() if path.exists() else ""
+    block = f"{begin}\n{report}{end}"
+    if begin in text and end in text:
+        text = re.sub(re.escape(begin) + ".*?" + re.escape(end), lambda _: block, text, flags=re.S)
+    else:
+        text += ("\n" if text else "") + block + "\n"
+    path.write_text(text)
+

@@ -1,0 +1,134 @@
+"""The fast path's operations as torch custom ops (opaque to ``torch.compile``, no graph breaks),
+and the dispatch that picks, per GEMM and shape, dense or 2:4 sparse by measuring both once.
+
+``spmm(a, b, m, d_col)``: D (m x n) = A @ B with A compressed 2:4 (cuSPARSELt layout) and B a
+(k, n) tensor in row- or column-major order (read in place, no transposes); D comes back
+column-major when ``d_col`` (so ``D.t()`` is a row-major (n, m) tensor).
+``compress(...)``: the fused Triton prune/MVUE + compression kernel (``compress.py``).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import statistics
+from collections.abc import Callable
+
+import torch
+
+from . import compress as _ck
+from . import cusparselt as _cs
+from .layout import compressed_size
+
+__all__ = ["spmm", "compress", "order", "fast_available", "choose", "choices", "set_choice", "clear_choices"]
+
+
+def order(t: torch.Tensor) -> str | None:
+    """'row' or 'col' for a dense 2-D tensor stored row- or column-major, else None."""
+    rows, cols = t.shape
+    if t.stride(1) == 1 and (t.stride(0) == cols or rows == 1):
+        return "row"
+    if t.stride(0) == 1 and (t.stride(1) == rows or cols == 1):
+        return "col"
+    return None
+
+
+def fast_available() -> bool:
+    """cuSPARSELt bindings, Triton and an sm80+ GPU are all here (and TWOFOUR_FAST is not 0)."""
+    return os.environ.get("TWOFOUR_FAST", "1") != "0" and _ck.HAS_TRITON and _cs.available()
+
+
+@torch.library.custom_op("twofour::spmm", mutates_args=())
+def spmm(a: torch.Tensor, b: torch.Tensor, m: int, d_col: bool) -> torch.Tensor:
+    k, n = b.shape
+    bo = order(b)
+    if bo is None:
+        b, bo = b.contiguous(), "row"
+    plan = _cs.get_plan(m, k, n, _cs.ROW if bo == "row" else _cs.COL, _cs.COL if d_col else _cs.ROW, b.dtype,
+                        b.device.index)
+    out = torch.empty((n, m) if d_col else (m, n), dtype=b.dtype, device=b.device)
+    plan.matmul(a, b, out)
+    return out.t() if d_col else out
+
+
+@spmm.register_fake
+def _(a, b, m, d_col):
+    n = b.shape[1]
+    return torch.empty_strided((m, n), (1, m) if d_col else (n, 1), dtype=b.dtype, device=b.device)
+
+
+@torch.library.custom_op("twofour::compress", mutates_args=())
+def compress(x: torch.Tensor, mode: str, scale: torch.Tensor | None, mask: torch.Tensor | None,
+             seed: torch.Tensor | None, dense_out: bool, out_dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    buf, dense = _ck.compress(x, mode, out_dtype=out_dtype, scale=scale, mask=mask, seed=seed, dense_out=dense_out)
+    return buf, dense if dense is not None else buf.new_empty(0, dtype=out_dtype)
+
+
+@compress.register_fake
+def _(x, mode, scale, mask, seed, dense_out, out_dtype):
+    m, k = x.shape
+    buf = torch.empty(compressed_size(m, k, torch.finfo(out_dtype).bits // 8), dtype=torch.uint8, device=x.device)
+    return buf, torch.empty((m, k) if dense_out else (0,), dtype=out_dtype, device=x.device)
+
+
+# --------------------------------------------------------------------------------------------
+# dispatch: dense or sparse, measured once per GEMM, shape and operand order
+# --------------------------------------------------------------------------------------------
+
+_choices: dict[str, dict] = {}
+
+
+def _key(kind: str, m: int, k: int, n: int, b_order: str, dtype: torch.dtype) -> str:
+    return f"{kind}:{m}x{k}x{n}:B{b_order}:{str(dtype).split('.')[-1]}"
+
+
+def _time(fn: Callable[[], torch.Tensor], reps: int = 7) -> float:
+    for _ in range(2):
+        fn()
+    times = []
+    for _ in range(reps):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        fn()
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end))
+    return statistics.median(times)
+
+
+def choose(kind: str, m: int, k: int, n: int, b_order: str, dtype: torch.dtype,
+           candidates: dict[str, Callable[[], torch.Tensor]]) -> str:
+    """The candidate to run for this GEMM: an override, a cached measurement, or measure now.
+
+    ``TWOFOUR_GEMM=dense`` or ``=sparse`` forces a side for every GEMM; :func:`set_choice`
+    forces one GEMM. While compiling or capturing a CUDA graph nothing is measured: the
+    cached choice is used, else the first sparse candidate.
+    """
+    forced = os.environ.get("TWOFOUR_GEMM", "auto")
+    if forced != "auto":
+        return next((c for c in candidates if c.startswith(forced)), next(iter(candidates)))
+    key = _key(kind, m, k, n, b_order, dtype)
+    hit = _choices.get(key)
+    if hit is not None and hit["choice"] in candidates:
+        return hit["choice"]
+    if torch.compiler.is_compiling() or torch.cuda.is_current_stream_capturing():
+        return next((c for c in candidates if c.startswith("sparse")), next(iter(candidates)))
+    times = {name: _time(fn) for name, fn in candidates.items()}
+    best = min(times, key=times.get)
+    _choices[key] = {"choice": best, "ms": {k2: round(v, 4) for k2, v in times.items()}}
+    return best
+
+
+def choices() -> dict[str, dict]:
+    """What was measured and chosen so far: {gemm key: {"choice", "ms": {candidate: time}}}."""
+    return json.loads(json.dumps(_choices))
+
+
+def set_choice(key: str, choice: str) -> None:
+    """Force ``choice`` (e.g. ``"dense"``, ``"sparse_dr"``) for the GEMM ``key`` from :func:`choices`."""
+    _choices[key] = {"choice": choice, "ms": _choices.get(key, {}).get("ms", {})}
+
+
+def clear_choices() -> None:
+    """Forget every measurement (the next call of each GEMM measures again)."""
+    _choices.clear()
