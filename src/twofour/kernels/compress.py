@@ -48,8 +48,10 @@ if HAS_TRITON:
         if OUT_BF16:
             bits = x.to(tl.uint32, bitcast=True)
             bits = bits + 0x7FFF + ((bits >> 16) & 1)
-            return (bits >> 16).to(tl.uint16).to(tl.int16, bitcast=True)
-        return x.to(tl.float16)
+            y = (bits >> 16).to(tl.uint16).to(tl.int16, bitcast=True)
+        else:
+            y = x.to(tl.float16)
+        return y
 
     @triton.jit
     def _compress_kernel(src, sr, sc, m_rows, mask_ptr, u_ptr, seed_ptr, scale_ptr, vals, meta, dense_out,
