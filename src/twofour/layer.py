@@ -129,8 +129,7 @@ class _FastSparseLinearFn(torch.autograd.Function):
             if recipe.mvue:
                 seed = torch.randint(0, 2**31 - 1, (1,), device=dy2.device)
                 key = ("dw", n, t, k, ops.order(x2), dy2.dtype)
-                cached = ops.choices().get(ops._key(*key))
-                need_dense = cached is None or cached["choice"] == "dense"
+                need_dense = ops.choice_of(*key) in (None, "dense")
                 buf, dense = ops.compress(dy2.t(), "mvue", None, None, seed, need_dense, dy2.dtype)
                 cands = {"sparse": lambda: ops.spmm(buf, x2, n, False)}
                 if need_dense:
@@ -302,8 +301,9 @@ class SparseLinear(nn.Linear):
         """Compressed W_eff (and W_eff^T for transposable masks) plus the dense W_eff, built by one
         fused kernel once per optimizer step (the weight's version counter says when it changed)."""
         w = self.weight.detach()
-        key = (w._version, w.data_ptr(), dtype, self._step)
-        if self._wcache is not None and self._wcache[0] == key and not torch.compiler.is_compiling():
+        compiling = torch.compiler.is_compiling()
+        key = None if compiling else (self.weight._version, w.data_ptr(), dtype, self._step)
+        if key is not None and self._wcache is not None and self._wcache[0] == key:
             return self._wcache[1]
         r = self.recipe
         empty = w.new_empty(0, dtype=torch.uint8)
@@ -315,7 +315,7 @@ class SparseLinear(nn.Linear):
         else:
             wc, wd = ops.compress(w, "hard", None, None, None, True, dtype)
         out = (wc, wd, empty)
-        if not torch.compiler.is_compiling():
+        if key is not None:
             self._wcache = (key, out)
         return out
 

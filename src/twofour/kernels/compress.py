@@ -2,10 +2,10 @@
 (hard top-2, S-STE's scaled soft threshold, a given mask, or MVUE's unbiased random pick),
 and write cuSPARSELt's compressed layout (``layout.py``) directly: values and metadata.
 
-Each program handles ``WORDS`` metadata words, i.e. 4 x WORDS groups: the four entries of a
-group are loaded as four separate tensors, so every per-group step (ranking, threshold,
-inclusion probabilities) is elementwise. The source is read through arbitrary strides, so the
-same kernel compresses ``dY^T`` (groups along tokens) straight from the row-major ``dY``.
+Each program loads a 64-row x 128-column tile in one coalesced read (through arbitrary strides,
+so the same kernel compresses ``dY^T``, groups along tokens, straight from the row-major ``dY``),
+splits it into the four entries of each group, so that every per-group step (ranking,
+threshold, inclusion probabilities) is elementwise, and packs the metadata by reshapes.
 
 Tested against the plain-torch reference on the CPU with ``TRITON_INTERPRET=1`` and byte for
 byte against cuSPARSELt's own compression on the GPU.
@@ -27,7 +27,7 @@ __all__ = ["compress", "MODES", "HAS_TRITON"]
 
 HAS_TRITON = triton is not None
 MODES = {"hard": 0, "soft": 1, "mask": 2, "mvue": 3}
-WORDS = 128  # metadata words per program (512 groups)
+BC = 128  # columns per program (a 64 x 128 tile: 4 metadata tiles wide)
 
 
 if HAS_TRITON:
@@ -54,45 +54,32 @@ if HAS_TRITON:
         return y
 
     @triton.jit
-    def _compress_kernel(src, sr, sc, m_rows, mask_ptr, u_ptr, seed_ptr, scale_ptr, vals, meta, dense_out,
-                         n_words, n_ct, MODE: tl.constexpr, HAS_U: tl.constexpr, WRITE_DENSE: tl.constexpr,
-                         K: tl.constexpr, WORDS: tl.constexpr, OUT_BF16: tl.constexpr):
-        pid = tl.program_id(0)
-        w = pid * WORDS + tl.arange(0, WORDS)[:, None]  # (WORDS, 1) global word index
-        j = tl.arange(0, 4)[None, :]  # (1, 4) nibble within the word
-        live = w < n_words
-        tile, within = w // 32, w % 32
-        rl, gl = within // 4, within % 4
-        rt, ct, band = tile % 4, (tile // 4) % n_ct, tile // (4 * n_ct)
-        rh, gh = j % 2, j // 2
-        row = band * 64 + rt * 16 + rh * 8 + rl  # (WORDS, 4)
-        group = ct * 8 + gh * 4 + gl
-        col = group * 4
-        ok = live & (row < m_rows)
-        base = src + row.to(tl.int64) * sr + col.to(tl.int64) * sc
-        x0 = tl.load(base, mask=ok, other=0.0).to(tl.float32)
-        x1 = tl.load(base + sc, mask=ok, other=0.0).to(tl.float32)
-        x2 = tl.load(base + 2 * sc, mask=ok, other=0.0).to(tl.float32)
-        x3 = tl.load(base + 3 * sc, mask=ok, other=0.0).to(tl.float32)
+    def _compress_kernel(src, sr, sc, m_rows, k_cols, mask_ptr, u_ptr, seed_ptr, scale_ptr, vals, meta, dense_out,
+                         n_ct, MODE: tl.constexpr, HAS_U: tl.constexpr, WRITE_DENSE: tl.constexpr,
+                         OUT_BF16: tl.constexpr, BC: tl.constexpr):
+        """One 64-row band x BC columns: a coalesced tile load (whichever stride is 1), the four
+        entries of each group split into four (64, BC/4) tensors, metadata packed by reshapes."""
+        G: tl.constexpr = BC // 4
+        CT: tl.constexpr = BC // 32
+        band, pc = tl.program_id(0), tl.program_id(1)
+        r = band * 64 + tl.arange(0, 64)[:, None]  # (64, 1)
+        c = pc * BC + tl.arange(0, BC)[None, :]  # (1, BC)
+        ok = (r < m_rows) & (c < k_cols)
+        off = r.to(tl.int64) * sr + c.to(tl.int64) * sc
+        x = tl.load(src + off, mask=ok, other=0.0).to(tl.float32)
+        x0, x1, x2, x3 = _quads(x, G)
+        g = pc * G + tl.arange(0, G)[None, :]  # (1, G) group index
         a0, a1, a2, a3 = tl.abs(x0), tl.abs(x1), tl.abs(x2), tl.abs(x3)
         if MODE == 2:  # a given mask (transposable), read through the same strides
-            mb = mask_ptr + row.to(tl.int64) * sr + col.to(tl.int64) * sc
-            k0 = tl.load(mb, mask=ok, other=0) != 0
-            k1 = tl.load(mb + sc, mask=ok, other=0) != 0
-            k2 = tl.load(mb + 2 * sc, mask=ok, other=0) != 0
-            k3 = tl.load(mb + 3 * sc, mask=ok, other=0) != 0
+            k0, k1, k2, k3 = _quads(tl.load(mask_ptr + off, mask=ok, other=0).to(tl.int32), G)
+            k0, k1, k2, k3 = k0 != 0, k1 != 0, k2 != 0, k3 != 0
         elif MODE == 3:  # MVUE: Efraimidis-Spirakis keys log(u)/a, top-2
             eps = 1e-6 * tl.maximum(tl.maximum(a0, a1), tl.maximum(a2, a3)) + 1e-30
             a0, a1, a2, a3 = a0 + eps, a1 + eps, a2 + eps, a3 + eps
-            flat = (row.to(tl.int64) * K + col.to(tl.int64))
             if HAS_U:
-                u0 = tl.load(u_ptr + flat, mask=ok, other=0.5)
-                u1 = tl.load(u_ptr + flat + 1, mask=ok, other=0.5)
-                u2 = tl.load(u_ptr + flat + 2, mask=ok, other=0.5)
-                u3 = tl.load(u_ptr + flat + 3, mask=ok, other=0.5)
+                u0, u1, u2, u3 = _quads(tl.load(u_ptr + r.to(tl.int64) * k_cols + c, mask=ok, other=0.5), G)
             else:
-                seed = tl.load(seed_ptr)
-                u0, u1, u2, u3 = tl.rand4x(seed, (flat // 4).to(tl.int32))
+                u0, u1, u2, u3 = tl.rand4x(tl.load(seed_ptr), (r * (k_cols // 4) + g).to(tl.int32))
             tiny = 1.1754943508222875e-38
             k0, k1, k2, k3 = _rank_keep(tl.log(tl.maximum(u0, tiny)) / a0, tl.log(tl.maximum(u1, tiny)) / a1,
                                         tl.log(tl.maximum(u2, tiny)) / a2, tl.log(tl.maximum(u3, tiny)) / a3)
@@ -117,22 +104,36 @@ if HAS_TRITON:
         # the two kept, in ascending position, and the 4-bit code i0 | i1 << 2
         i0 = tl.where(k0, 0, tl.where(k1, 1, 2))
         i1 = tl.where(k3, 3, tl.where(k2, 2, 1))
-        v0 = tl.where(k0, x0, tl.where(k1, x1, x2))
-        v1 = tl.where(k3, x3, tl.where(k2, x2, x1))
-        code = tl.where(row < m_rows, i0 | (i1 << 2), 14)  # padding rows read as "keep 2 and 3"
-        vout = vals + row.to(tl.int64) * (K // 2) + group * 2
-        tl.store(vout, _out(v0, OUT_BF16), mask=ok)
-        tl.store(vout + 1, _out(v1, OUT_BF16), mask=ok)
-        word = tl.sum(code << (4 * j), axis=1)  # (WORDS,)
-        word = tl.where(word >= 32768, word - 65536, word)
-        wi = pid * WORDS + tl.arange(0, WORDS)
-        tl.store(meta + wi, word.to(tl.int16), mask=wi < n_words)
+        v0 = _out(tl.where(k0, x0, tl.where(k1, x1, x2)), OUT_BF16)
+        v1 = _out(tl.where(k3, x3, tl.where(k2, x2, x1)), OUT_BF16)
+        vv = tl.reshape(tl.join(v0, v1), (64, BC // 2))  # (64, G, 2) -> row-major values
+        cv = pc * (BC // 2) + tl.arange(0, BC // 2)[None, :]
+        tl.store(vals + r.to(tl.int64) * (k_cols // 2) + cv, vv, mask=(r < m_rows) & (cv < k_cols // 2))
+        code = tl.where(r < m_rows, i0 | (i1 << 2), 14)  # padding rows read as "keep 2 and 3"
+        # (64 rows, G groups) -> (rt, rh, rl, ct, gh, gl); nibble rh + 2*gh of word (rl, gl)
+        c6 = tl.reshape(code, (4, 2, 8, CT, 2, 4))
+        rh = tl.arange(0, 2)[None, :, None, None, None, None]
+        gh = tl.arange(0, 2)[None, None, None, None, :, None]
+        word = tl.sum(tl.sum(c6 << (4 * (rh + 2 * gh)), axis=4), axis=1)  # (rt, rl, ct, gl)
+        word = tl.where(word >= 32768, word - 65536, word).to(tl.int16)
+        rt = tl.arange(0, 4)[:, None, None, None]
+        rl = tl.arange(0, 8)[None, :, None, None]
+        ct = pc * CT + tl.arange(0, CT)[None, None, :, None]
+        gl = tl.arange(0, 4)[None, None, None, :]
+        tl.store(meta + ((band * n_ct + ct) * 4 + rt) * 32 + rl * 4 + gl, word, mask=ct < n_ct)
         if WRITE_DENSE:  # the effective matrix, row-major, for GEMMs that stay dense
-            dd = dense_out + row.to(tl.int64) * K + col
-            tl.store(dd, _out(tl.where(k0, x0, 0.0), OUT_BF16), mask=ok)
-            tl.store(dd + 1, _out(tl.where(k1, x1, 0.0), OUT_BF16), mask=ok)
-            tl.store(dd + 2, _out(tl.where(k2, x2, 0.0), OUT_BF16), mask=ok)
-            tl.store(dd + 3, _out(tl.where(k3, x3, 0.0), OUT_BF16), mask=ok)
+            d01 = tl.join(_out(tl.where(k0, x0, 0.0), OUT_BF16), _out(tl.where(k1, x1, 0.0), OUT_BF16))
+            d23 = tl.join(_out(tl.where(k2, x2, 0.0), OUT_BF16), _out(tl.where(k3, x3, 0.0), OUT_BF16))
+            dd = tl.reshape(tl.join(d01, d23).permute(0, 1, 3, 2), (64, BC))  # (64, G, e)
+            tl.store(dense_out + r.to(tl.int64) * k_cols + c, dd, mask=ok)
+
+    @triton.jit
+    def _quads(x, G: tl.constexpr):
+        """(64, 4G) -> the group entries 0..3 as four (64, G) tensors."""
+        even, odd = tl.split(tl.reshape(x, (64, G, 2, 2)))  # e = 2*i + j: split j
+        x0, x2 = tl.split(even)
+        x1, x3 = tl.split(odd)
+        return x0, x1, x2, x3
 
 
 def compress(x: torch.Tensor, mode: str, *, out_dtype: torch.dtype = torch.bfloat16, scale: torch.Tensor | None = None,
@@ -159,7 +160,6 @@ def compress(x: torch.Tensor, mode: str, *, out_dtype: torch.dtype = torch.bfloa
     bits = torch.int16 if out_dtype == torch.bfloat16 else torch.float16  # bf16 is written as its bits
     vals = buf[: nval * 2].view(bits)
     meta = buf[nval * 2:].view(torch.int16)
-    n_words = meta.numel()
     dense = torch.empty(m, k, dtype=out_dtype, device=x.device) if dense_out else None
     dense_bits = dense.view(bits) if dense is not None else vals
     dummy = buf
@@ -169,10 +169,10 @@ def compress(x: torch.Tensor, mode: str, *, out_dtype: torch.dtype = torch.bfloa
         mask = mask.view(torch.uint8) if mask.dtype == torch.bool else mask
         if mask.stride() != x.stride():
             raise ValueError("compress: mask must have the same strides as x")
-    grid = (triton.cdiv(n_words, WORDS),)
+    grid = (triton.cdiv(m, 64), triton.cdiv(k, BC))
     _compress_kernel[grid](
-        x, x.stride(0), x.stride(1), m, mask if mask is not None else dummy, u if u is not None else dummy,
+        x, x.stride(0), x.stride(1), m, k, mask if mask is not None else dummy, u if u is not None else dummy,
         seed if seed is not None else dummy, scale if scale is not None else dummy, vals, meta, dense_bits,
-        n_words, k // 32, MODE=MODES[mode], HAS_U=u is not None, WRITE_DENSE=dense_out, K=k, WORDS=WORDS,
-        OUT_BF16=out_dtype == torch.bfloat16)
+        k // 32, MODE=MODES[mode], HAS_U=u is not None, WRITE_DENSE=dense_out,
+        OUT_BF16=out_dtype == torch.bfloat16, BC=BC)
     return buf, dense

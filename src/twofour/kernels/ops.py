@@ -20,7 +20,8 @@ from . import compress as _ck
 from . import cusparselt as _cs
 from .layout import compressed_size
 
-__all__ = ["spmm", "compress", "order", "fast_available", "choose", "choices", "set_choice", "clear_choices"]
+__all__ = ["spmm", "compress", "order", "fast_available", "choose", "choice_of", "choices", "set_choice",
+           "clear_choices"]
 
 
 def order(t: torch.Tensor) -> str | None:
@@ -82,6 +83,13 @@ def _key(kind: str, m: int, k: int, n: int, b_order: str, dtype: torch.dtype) ->
     return f"{kind}:{m}x{k}x{n}:B{b_order}:{str(dtype).split('.')[-1]}"
 
 
+def _tracing() -> bool:
+    """Inside torch.compile's tracing (dynamo or AOTAutograd's fake tensors): nothing to time."""
+    from torch._guards import detect_fake_mode  # noqa: PLC0415
+
+    return torch.compiler.is_compiling() or detect_fake_mode() is not None
+
+
 def _time(fn: Callable[[], torch.Tensor], reps: int = 7) -> float:
     for _ in range(2):
         fn()
@@ -111,12 +119,20 @@ def choose(kind: str, m: int, k: int, n: int, b_order: str, dtype: torch.dtype,
     hit = _choices.get(key)
     if hit is not None and hit["choice"] in candidates:
         return hit["choice"]
-    if torch.compiler.is_compiling() or torch.cuda.is_current_stream_capturing():
+    if _tracing() or torch.cuda.is_current_stream_capturing():
         return next((c for c in candidates if c.startswith("sparse")), next(iter(candidates)))
     times = {name: _time(fn) for name, fn in candidates.items()}
     best = min(times, key=times.get)
     _choices[key] = {"choice": best, "ms": {k2: round(v, 4) for k2, v in times.items()}}
     return best
+
+
+def choice_of(kind: str, m: int, k: int, n: int, b_order: str, dtype: torch.dtype) -> str | None:
+    """The cached choice for one GEMM, or None if it was not measured yet."""
+    if os.environ.get("TWOFOUR_GEMM", "auto") != "auto":
+        return "dense" if os.environ["TWOFOUR_GEMM"] == "dense" else "sparse"
+    hit = _choices.get(_key(kind, m, k, n, b_order, dtype))
+    return None if hit is None else hit["choice"]
 
 
 def choices() -> dict[str, dict]:
