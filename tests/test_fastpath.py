@@ -84,6 +84,7 @@ def test_weight_compressed_once_per_step():
 
 
 def test_compile_fullgraph():
+    """Under torch.compile the layer runs its reference math, compiled whole (no graph break)."""
     layer = SparseLinear(256, 256, device="cuda", recipe="s-ste")
     x = torch.randn(64, 256, device="cuda")
     f = torch.compile(layer, fullgraph=True)
