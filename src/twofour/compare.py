@@ -11,6 +11,7 @@ from typing import Any
 import numpy as np
 
 from .data import load_data
+from .recipes import RECIPES
 from .train import METRICS, TrainConfig, pyplot, read_metrics, train
 
 __all__ = ["compare", "results_table"]
@@ -18,7 +19,8 @@ __all__ = ["compare", "results_table"]
 
 def compare(recipes: list[str], base: TrainConfig, seeds: list[int] | None = None) -> list[dict[str, Any]]:
     """Train ``base`` once per (recipe, seed) under ``base.out_dir``/RECIPE-sSEED; runs already
-    finished there (a ``summary.json`` with the same config) are reused, not retrained."""
+    finished there (a ``summary.json`` with the same config) are reused, not retrained. The table
+    and plot cover every finished run in the folder with the same model and token budget."""
     seeds = seeds or [base.seed]
     root = Path(base.out_dir)
     data = load_data(base.data, base.vocab_size)  # read once, shared by every run
@@ -37,9 +39,19 @@ def compare(recipes: list[str], base: TrainConfig, seeds: list[int] | None = Non
                     continue
             summaries.append(train(cfg, data))
     root.mkdir(parents=True, exist_ok=True)
+    summaries = _all_runs(root, summaries[0])
     (root / "compare.md").write_text(results_table(summaries))
     plot_compare(root, summaries)
     return summaries
+
+
+def _all_runs(root: Path, like: dict[str, Any]) -> list[dict[str, Any]]:
+    """Every finished run under ``root`` with the same model and token budget as ``like``,
+    in recipe order then seed (so a later call with more seeds extends the table)."""
+    runs = [json.loads(p.read_text()) for p in root.glob("*/summary.json")]
+    runs = [r for r in runs if (r["model"], r["tokens"]) == (like["model"], like["tokens"])]
+    order = {name: i for i, name in enumerate(RECIPES)}
+    return sorted(runs, key=lambda r: (order.get(r["recipe"], len(order)), r["seed"]))
 
 
 def results_table(summaries: list[dict[str, Any]]) -> str:
