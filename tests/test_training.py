@@ -111,3 +111,22 @@ def test_model_state_round_trip_resumes_identically():
         o.zero_grad()
     for (_, a), (_, b) in zip(twofour.sparse_layers(model), twofour.sparse_layers(fresh)):
         assert torch.equal(a.weight, b.weight) and torch.equal(a.mask, b.mask) and a._step == b._step == 11
+
+
+@pytest.mark.parametrize("scale", [1.0, 1e-3])
+def test_step_switch_does_not_depend_on_the_loss_scale(scale):
+    """An absolute threshold on |v_t - v_{t-1}| switched at t_min whenever gradients were small;
+    the relative criterion sees the same run whatever the scale of the loss."""
+    switched = []
+    for s in (1.0, scale):
+        model = sparsify(tiny_gpt(), "step")
+        opt = twofour.STEPAdamW(model.parameters(), total_steps=80, lr=3e-3, eps=1e-30)
+        twofour.attach(model, opt)
+        for x, y in batches(80):
+            (model(x, y)[1] * s).backward()
+            opt.step()
+            opt.zero_grad()
+        switched.append(opt.switched_at)
+        assert opt.variance_change() > 0
+    assert switched[0] == switched[1]
+    assert opt.t_min < switched[0] <= opt.t_max  # the criterion decides, not the t_min floor
