@@ -130,10 +130,8 @@ class _FastSparseLinearFn(torch.autograd.Function):
                 seed = torch.randint(0, 2**31 - 1, (1,), device=dy2.device)
                 key = ("dw", n, t, k, ops.order(x2), dy2.dtype)
                 need_dense = ops.choice_of(*key) in (None, "dense")
-                # the kernel reads dY^T in place at ~13% of copy bandwidth but contiguous rows at ~55%:
-                # a transposing copy first is faster overall (docs/PERFORMANCE.md)
-                dyt = dy2.t().contiguous() if ops.order(dy2) == "row" else dy2.t()
-                buf, dense = ops.compress(dyt, "mvue", None, None, seed, need_dense, dy2.dtype)
+                # read dY^T in place: a transposing copy first measured slower (docs/PERFORMANCE.md)
+                buf, dense = ops.compress(dy2.t(), "mvue", None, None, seed, need_dense, dy2.dtype)
                 cands = {"sparse": lambda: ops.spmm(buf, x2, n, False)}
                 if need_dense:
                     cands["dense"] = lambda: dense @ x2

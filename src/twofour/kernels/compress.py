@@ -27,7 +27,7 @@ __all__ = ["compress", "MODES", "HAS_TRITON"]
 
 HAS_TRITON = triton is not None
 MODES = {"hard": 0, "soft": 1, "mask": 2, "mvue": 3}
-BC = 128  # columns per program (a 64 x 128 tile: 4 metadata tiles wide)
+BC = 128  # columns per program off the GPU (a 64 x 128 tile); on the GPU autotuned over 64-256
 
 
 if HAS_TRITON:
@@ -127,6 +127,11 @@ if HAS_TRITON:
             dd = tl.reshape(tl.join(d01, d23).permute(0, 1, 3, 2), (64, BC))  # (64, G, e)
             tl.store(dense_out + r.to(tl.int64) * k_cols + c, dd, mask=ok)
 
+    _compress_tuned = triton.autotune(
+        configs=[triton.Config({"BC": bc}, num_warps=w) for bc in (64, 128, 256) for w in (4, 8)],
+        key=["m_rows", "k_cols", "sr", "sc", "MODE", "WRITE_DENSE"],
+    )(_compress_kernel)
+
     @triton.jit
     def _quads(x, G: tl.constexpr):
         """(64, 4G) -> the group entries 0..3 as four (64, G) tensors."""
@@ -169,10 +174,11 @@ def compress(x: torch.Tensor, mode: str, *, out_dtype: torch.dtype = torch.bfloa
         mask = mask.view(torch.uint8) if mask.dtype == torch.bool else mask
         if mask.stride() != x.stride():
             raise ValueError("compress: mask must have the same strides as x")
-    grid = (triton.cdiv(m, 64), triton.cdiv(k, BC))
-    _compress_kernel[grid](
-        x, x.stride(0), x.stride(1), m, k, mask if mask is not None else dummy, u if u is not None else dummy,
-        seed if seed is not None else dummy, scale if scale is not None else dummy, vals, meta, dense_bits,
-        k // 32, MODE=MODES[mode], HAS_U=u is not None, WRITE_DENSE=dense_out,
-        OUT_BF16=out_dtype == torch.bfloat16, BC=BC)
+    args = (x, x.stride(0), x.stride(1), m, k, mask if mask is not None else dummy, u if u is not None else dummy,
+            seed if seed is not None else dummy, scale if scale is not None else dummy, vals, meta, dense_bits, k // 32)
+    consts = dict(MODE=MODES[mode], HAS_U=u is not None, WRITE_DENSE=dense_out, OUT_BF16=out_dtype == torch.bfloat16)
+    if x.is_cuda:  # tile width and warps measured once per shape and mode (triton.autotune)
+        _compress_tuned[lambda meta: (triton.cdiv(m, 64), triton.cdiv(k, meta["BC"]))](*args, **consts)
+    else:
+        _compress_kernel[(triton.cdiv(m, 64), triton.cdiv(k, BC))](*args, **consts, BC=BC)
     return buf, dense
