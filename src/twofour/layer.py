@@ -325,7 +325,7 @@ class SparseLinear(nn.Linear):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if not self.recipe.sparse:
             return super().forward(x)
-        if self._fast_ok(x) and not torch.compiler.is_compiling():  # compiled: the reference math
+        if not torch.compiler.is_compiling() and self._fast_ok(x):  # compiled: the reference math
             cdt = _compute_dtype(x)
             with torch.autocast("cuda", enabled=False):
                 wc, wd, wtc = self._fast_weights(cdt)
