@@ -132,9 +132,16 @@ def _dist() -> tuple[int, int, int]:
     world = int(os.environ.get("WORLD_SIZE", "1"))
     if world == 1:
         return 0, 1, 0
+    local_rank = int(os.environ.get("LOCAL_RANK", "0"))
     if not dist.is_initialized():
-        dist.init_process_group("nccl" if torch.cuda.is_available() else "gloo")
-    return dist.get_rank(), world, int(os.environ.get("LOCAL_RANK", "0"))
+        if torch.cuda.is_available():
+            # each rank on its own GPU before NCCL starts: otherwise every rank's first
+            # collective (the barrier below) lands on GPU 0 and a 2-GPU run hangs there
+            torch.cuda.set_device(local_rank)
+            dist.init_process_group("nccl", device_id=torch.device("cuda", local_rank))
+        else:
+            dist.init_process_group("gloo")
+    return dist.get_rank(), world, local_rank
 
 
 def _device(cfg: TrainConfig, local_rank: int) -> torch.device:
