@@ -75,21 +75,22 @@ def plot_compare(root: Path, summaries: list[dict[str, Any]]) -> Path | None:
     if plt is None:
         return None
     fig, (ax1, ax2, ax3) = plt.subplots(1, 3, figsize=(16, 4.5))
-    for s in summaries:
+    for i, s in enumerate(summaries):
+        color = f"C{i % 10}"  # one color per run in every panel
         m = read_metrics(Path(s["out_dir"]) / METRICS)
         label = f"{s['recipe']} (seed {s['seed']})"
         if m["val_loss"]:
-            ax1.plot(*zip(*m["val_loss"]), "o-", markersize=3, label=label)
+            ax1.plot(*zip(*m["val_loss"]), "o-", markersize=3, label=label, color=color)
         steps, losses = zip(*m["train_loss"])
         k = max(1, len(losses) // 50)  # smooth the noisy per-step loss for the eye
         smooth = np.convolve(losses, np.ones(k) / k, mode="valid")
-        ax2.plot(steps[k - 1:], smooth, label=label)
+        ax2.plot(steps[k - 1:], smooth, label=label, color=color)
         fr = [(st, v) for st, v in m["flip_rate"] if v > 0]
         if fr:
-            ax3.plot(*zip(*fr), label=label)
+            ax3.plot(*zip(*fr), label=label, color=color)
     ax1.set(xlabel="step", ylabel="validation loss", title="validation loss")
     ax2.set(xlabel="step", ylabel="train loss (smoothed)", title="train loss")
-    ax3.set(xlabel="step", ylabel="flip rate", title="mask flip rate", yscale="log")
+    ax3.set(xlabel="step", ylabel="flip rate (steps with flips)", title="mask flip rate", yscale="log")
     for ax in (ax1, ax2, ax3):
         ax.legend(fontsize=7)
     fig.tight_layout()

@@ -79,8 +79,10 @@ def _(x, mode, scale, mask, seed, dense_out, out_dtype):
 _choices: dict[str, dict] = {}
 
 
-def _key(kind: str, m: int, k: int, n: int, b_order: str, dtype: torch.dtype) -> str:
-    return f"{kind}:{m}x{k}x{n}:B{b_order}:{str(dtype).split('.')[-1]}"
+def _key(kind: str, m: int, k: int, n: int, b_order: str, dtype: torch.dtype, candidates=("dense", "sparse")) -> str:
+    """One entry per GEMM, shape, operand order, dtype and set of candidates (a dense-only dX of
+    one recipe must not answer for another recipe's sparse W^T)."""
+    return f"{kind}:{m}x{k}x{n}:B{b_order}:{str(dtype).split('.')[-1]}:{'|'.join(sorted(candidates))}"
 
 
 def _tracing() -> bool:
@@ -115,7 +117,7 @@ def choose(kind: str, m: int, k: int, n: int, b_order: str, dtype: torch.dtype,
     forced = os.environ.get("TWOFOUR_GEMM", "auto")
     if forced != "auto":
         return next((c for c in candidates if c.startswith(forced)), next(iter(candidates)))
-    key = _key(kind, m, k, n, b_order, dtype)
+    key = _key(kind, m, k, n, b_order, dtype, candidates)
     hit = _choices.get(key)
     if hit is not None and hit["choice"] in candidates:
         return hit["choice"]
@@ -131,7 +133,7 @@ def choice_of(kind: str, m: int, k: int, n: int, b_order: str, dtype: torch.dtyp
     """The cached choice for one GEMM, or None if it was not measured yet."""
     if os.environ.get("TWOFOUR_GEMM", "auto") != "auto":
         return "dense" if os.environ["TWOFOUR_GEMM"] == "dense" else "sparse"
-    hit = _choices.get(_key(kind, m, k, n, b_order, dtype))
+    hit = _choices.get(_key(kind, m, k, n, b_order, dtype))  # dW's candidates: dense and sparse
     return None if hit is None else hit["choice"]
 
 
