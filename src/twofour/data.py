@@ -5,6 +5,8 @@ dataset), all behind one small interface. Nothing is ever fetched from the netwo
 
 from __future__ import annotations
 
+import contextlib
+import importlib
 import os
 import pickle
 import sysconfig
@@ -110,6 +112,10 @@ def _hf_dataset(spec: str) -> TokenData:
         import datasets  # noqa: PLC0415
     except ImportError as e:
         raise DataError("hf: data needs the 'datasets' package: pip install 'twofour[hf]'") from e
+    for mod, flag in (("datasets.config", "HF_DATASETS_OFFLINE"), ("datasets.config", "HF_HUB_OFFLINE"),
+                      ("huggingface_hub.constants", "HF_HUB_OFFLINE")):
+        with contextlib.suppress(Exception):  # also when datasets was imported before twofour
+            setattr(importlib.import_module(mod), flag, True)
     path = spec[len("hf:"):]
     try:
         ds = datasets.load_from_disk(path) if Path(path).exists() else datasets.load_dataset(path)
