@@ -16,13 +16,14 @@ from torch import nn
 
 from . import SparseLinear, __version__
 from .kernels import cusparselt, ops
+from .pruning import transposable_mask_24
 
 __all__ = ["run_bench"]
 
-# (name, in, out) of a transformer's FFN pair; tokens = seq 1024 x micro-batch
+# (name, d_model, d_ffn, tokens) of a transformer's FFN pair; tokens = seq 1024 x micro-batch
 SHAPES = [("gpt2-124m", 768, 3072, 32768), ("gpt2-350m", 1024, 4096, 32768), ("gpt2-774m", 1280, 5120, 32768),
           ("gpt2-1.5b", 1600, 6400, 32768), ("llama-7b-ffn", 4096, 11008, 16384)]
-RECIPES = ["ste", "sr-ste", "s-ste", "t-sr-ste"]
+LAYER_RECIPES = ["ste", "sr-ste", "s-ste", "t-sr-ste"]
 
 
 def _bench(fn, quick: bool) -> float:
@@ -43,8 +44,6 @@ def _gemms(t: int, k: int, n: int, quick: bool) -> dict[str, float]:
     w = torch.randn(n, k, device="cuda")
     dy = torch.randn(t, n, device="cuda", dtype=torch.bfloat16)
     wc, wd = ops.compress(w, "hard", None, None, None, True, torch.bfloat16)
-    from .pruning import transposable_mask_24  # noqa: PLC0415
-
     m = transposable_mask_24(w)
     wtc = ops.compress(w.t(), "mask", None, m.t(), None, False, torch.bfloat16)[0]
     wtd = (w * m).bfloat16()
@@ -99,7 +98,7 @@ def _layers(t: int, k: int, n: int, quick: bool) -> dict[str, float]:
     dense = nn.Linear(k, n, device="cuda")
     td = _fwd_bwd(dense, x, g, quick)
     out = {}
-    for r in RECIPES:
+    for r in LAYER_RECIPES:
         layer = SparseLinear(k, n, device="cuda", recipe=r)
         _fwd_bwd(layer, x, g, True)  # measure the dispatch choices first
         out[r] = td / _fwd_bwd(layer, x, g, quick)
@@ -187,11 +186,12 @@ def run_bench(args: argparse.Namespace) -> str:
             lines.append(f"| {kname} | {name} ({t} tokens, {d}->{h}) | {gbs:.0f} | {frac:.0%} |")
             print(lines[-1], flush=True)
     lines += ["", "### SparseLinear forward + backward (pruning, compression and MVUE included), per recipe", "",
-              "| shape | tokens x in -> out | " + " | ".join(RECIPES) + " |", "|---|---|" + "---|" * len(RECIPES)]
+              "| shape | tokens x in -> out | " + " | ".join(LAYER_RECIPES) + " |",
+              "|---|---|" + "---|" * len(LAYER_RECIPES)]
     for name, d, h, t in shapes:
         for k, n in ((d, h), (h, d)):
             r = _layers(t, k, n, quick)
-            lines.append(f"| {name} | {t} x {k} -> {n} | " + " | ".join(f"{r[x]:.2f}x" for x in RECIPES) + " |")
+            lines.append(f"| {name} | {t} x {k} -> {n} | " + " | ".join(f"{r[x]:.2f}x" for x in LAYER_RECIPES) + " |")
             print(lines[-1], flush=True)
     lines += ["", "### FFN block (fc -> GELU -> proj), forward + backward", "", "| shape | tokens | s-ste | t-sr-ste |",
               "|---|---|---|---|"]

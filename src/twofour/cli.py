@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import sys
 from pathlib import Path
@@ -73,15 +74,12 @@ def _run_args(p: argparse.ArgumentParser, default_out: str) -> None:
 
 
 def _config(a: argparse.Namespace, recipe: str):
+    """A TrainConfig from the parsed options: every option named like a field sets that field."""
     from .train import TrainConfig  # noqa: PLC0415
 
-    return TrainConfig(
-        model=a.model, recipe=recipe, recipe_options=dict(a.opt), sparse_attention=a.sparse_attention, data=a.data,
-        vocab_size=a.vocab_size, steps=a.steps, stop_at=getattr(a, "stop_at", None), batch_size=a.batch_size,
-        seq_len=a.seq_len, grad_accum=a.grad_accum, lr=a.lr, min_lr_ratio=a.min_lr_ratio, warmup=a.warmup,
-        weight_decay=a.weight_decay, grad_clip=a.grad_clip, bf16=a.bf16, compile=a.compile, seed=a.seed,
-        eval_interval=a.eval_interval, eval_iters=a.eval_iters, ckpt_interval=a.ckpt_interval, out_dir=a.out,
-        resume=getattr(a, "resume", False), overwrite=a.overwrite, device=a.device, fsdp=a.fsdp, progress=a.progress)
+    fields = {f.name for f in dataclasses.fields(TrainConfig)}
+    given = {k: v for k, v in vars(a).items() if k in fields}
+    return TrainConfig(**{**given, "recipe": recipe, "recipe_options": dict(a.opt), "out_dir": a.out})
 
 
 def _cmd_train(a: argparse.Namespace) -> int:

@@ -31,18 +31,23 @@ def compare(recipes: list[str], base: TrainConfig, seeds: list[int] | None = Non
                                       recipe_options={} if recipe == "dense" else base.recipe_options)
             cfg.validate()
             done = Path(cfg.out_dir) / "summary.json"
-            if done.exists() and not base.overwrite:
-                old = json.loads((Path(cfg.out_dir) / "config.json").read_text())
-                if {k: old.get(k) for k in ("steps", "batch_size", "seq_len", "grad_accum", "model")} == \
-                        {k: getattr(cfg, k) for k in ("steps", "batch_size", "seq_len", "grad_accum", "model")}:
-                    summaries.append(json.loads(done.read_text()))
-                    continue
+            if done.exists() and not base.overwrite and _same_run(Path(cfg.out_dir) / "config.json", cfg):
+                summaries.append(json.loads(done.read_text()))
+                continue
             summaries.append(train(cfg, data))
     root.mkdir(parents=True, exist_ok=True)
     summaries = _all_runs(root, summaries[0])
     (root / "compare.md").write_text(results_table(summaries))
     plot_compare(root, summaries)
     return summaries
+
+
+def _same_run(path: Path, cfg: TrainConfig) -> bool:
+    """Whether the finished run's config.json is ``cfg``, up to how it was launched."""
+    launch = ("overwrite", "resume", "progress")
+    want = {k: v for k, v in json.loads(json.dumps(dataclasses.asdict(cfg))).items() if k not in launch}
+    have = {k: v for k, v in json.loads(path.read_text()).items() if k not in launch}
+    return want == have
 
 
 def _all_runs(root: Path, like: dict[str, Any]) -> list[dict[str, Any]]:

@@ -49,10 +49,11 @@ class TokenData:
         starts = torch.randint(0, len(arr) - seq_len - 1, (batch_size,), generator=generator).tolist()
         rows = np.stack([np.asarray(arr[s : s + seq_len + 1], dtype=np.int64) for s in starts])
         t = torch.from_numpy(rows)
-        x, y = t[:, :-1], t[:, 1:]
-        if torch.device(device).type == "cuda":
-            return x.pin_memory().to(device, non_blocking=True), y.pin_memory().to(device, non_blocking=True)
-        return x.to(device), y.to(device)
+        if torch.device(device).type == "cuda":  # one pinned window, one copy: x and y are views of it
+            t = t.pin_memory().to(device, non_blocking=True)
+        else:
+            t = t.to(device)
+        return t[:, :-1], t[:, 1:]
 
 
 def stdlib_files() -> list[Path]:

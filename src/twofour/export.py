@@ -10,6 +10,7 @@ from typing import Any
 import torch
 
 from . import sparse_layers
+from .layer import RECIPE_BUFFERS
 from .train import CKPT, TrainConfig, TrainError, build_model
 
 __all__ = ["export"]
@@ -36,7 +37,7 @@ def export(run: str | Path, out: str | Path | None = None) -> dict[str, Any]:
                 layer.weight.copy_(layer.effective_weight())
                 sparse += 1
     tensors = {k: v.contiguous() for k, v in model.state_dict().items()
-               if not k.endswith((".mask", ".beta", ".step", ".flips", ".dense")) and k != "lm_head.weight"}
+               if k.rpartition(".")[2] not in RECIPE_BUFFERS and k != "lm_head.weight"}
     out = Path(out) if out else ckpt_path.parent / "model.safetensors"
     try:
         from safetensors.torch import save_file  # noqa: PLC0415

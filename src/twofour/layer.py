@@ -19,7 +19,10 @@ from .kernels import ops
 from .pruning import _fixed_scale, _mask_24, _soft_threshold_24, _transposable_mask_24, mvue_24_padded
 from .recipes import DEFAULT_RECIPE, Recipe, make_recipe
 
-__all__ = ["SparseLinear", "effective_weight"]
+__all__ = ["SparseLinear", "effective_weight", "RECIPE_BUFFERS"]
+
+#: The buffers a SparseLinear keeps its recipe state in (None, and not saved, where unused).
+RECIPE_BUFFERS = ("step", "flips", "dense", "beta", "mask")
 
 
 def effective_weight(weight: torch.Tensor, recipe: Recipe, beta: torch.Tensor | None,
@@ -56,7 +59,7 @@ class _SparseLinearFn(torch.autograd.Function):
                 y = y + bias.to(cdt)
         ctx.save_for_backward(x2, w_eff, weight if m is not None and recipe.decay else None, m)
         ctx.recipe, ctx.dense, ctx.x_shape, ctx.x_dtype = recipe, dense, x.shape, x.dtype
-        ctx.has_bias = bias is not None
+        ctx.has_bias, ctx.w_dtype = bias is not None, weight.dtype
         return y.reshape(*x.shape[:-1], y.shape[-1])
 
     @staticmethod
@@ -76,7 +79,7 @@ class _SparseLinearFn(torch.autograd.Function):
             dw = (dyt @ x2).float()
             if weight is not None:  # SR-STE: dL/dW = dL/dW_eff + lambda * (1 - m) * W
                 dw = dw + recipe.decay * (~m) * weight.float()
-            dw = dw.to(w_eff.dtype if weight is None else weight.dtype)
+            dw = dw.to(ctx.w_dtype)
         if ctx.has_bias and ctx.needs_input_grad[2]:
             db = dy2.sum(0)
         return dx, dw, db, None, None, None, None
@@ -212,13 +215,19 @@ class SparseLinear(nn.Linear):
                  "dense": torch.tensor(r.starts_dense, device=dev)}
         if r.pruning == "soft":
             state["beta"] = _fixed_scale(w)  # computed once, then frozen (DESIGN.md: it drifts otherwise)
-        state["mask"] = _transposable_mask_24(w) if r.pruning == "transposable" else _mask_24(w)
+        state["mask"] = self._mask_of(w)
         return state
+
+    def _mask_of(self, w: torch.Tensor) -> torch.Tensor:
+        """The recipe's hard mask of ``w`` (the whole weight, also when FSDP2 holds a shard)."""
+        if hasattr(w, "full_tensor"):
+            w = w.full_tensor()
+        return _transposable_mask_24(w) if self.recipe.pruning == "transposable" else _mask_24(w)
 
     def _init_state(self) -> None:
         self._check_shape()
         state = self._initial_state(self.weight.detach()) if self.recipe.sparse else {}
-        for name in ("step", "flips", "dense", "beta", "mask"):
+        for name in RECIPE_BUFFERS:
             self.register_buffer(name, state.get(name))  # None (not in the state dict) if unused
         self._step, self._dense = 0, not self.recipe.sparse or self.recipe.starts_dense
 
@@ -246,9 +255,7 @@ class SparseLinear(nn.Linear):
         self._dense = dense
         self.dense.fill_(dense)
         if not dense:  # (re)entering the sparse phase: start from the current weight's mask
-            w = self.weight.detach()
-            w = w.full_tensor() if hasattr(w, "full_tensor") else w
-            self.mask.copy_(_transposable_mask_24(w) if self.recipe.pruning == "transposable" else _mask_24(w))
+            self.mask.copy_(self._mask_of(self.weight.detach()))
 
     @torch.no_grad()
     def advance(self, sparse_phase: bool | None = None) -> None:
@@ -269,16 +276,10 @@ class SparseLinear(nn.Linear):
         if self._dense:
             self.flips.zero_()
             return
-        w = self.weight.detach()
-        if hasattr(w, "full_tensor"):  # FSDP2 keeps a shard between steps: masks need the whole weight
-            w = w.full_tensor()
-        if r.pruning == "transposable":
-            if self._step % r.mask_interval:
-                self.flips.zero_()
-                return
-            new = _transposable_mask_24(w)
-        else:
-            new = _mask_24(w)
+        if r.pruning == "transposable" and self._step % r.mask_interval:
+            self.flips.zero_()
+            return
+        new = self._mask_of(self.weight.detach())
         self.flips.copy_((new != self.mask).sum())
         self.mask.copy_(new)
 
@@ -303,23 +304,20 @@ class SparseLinear(nn.Linear):
         """Compressed W_eff (and W_eff^T for transposable masks) plus the dense W_eff, built by one
         fused kernel once per optimizer step (the weight's version counter says when it changed)."""
         w = self.weight.detach()
-        compiling = torch.compiler.is_compiling()
-        key = None if compiling else (self.weight._version, w.data_ptr(), dtype, self._step)
-        if key is not None and self._wcache is not None and self._wcache[0] == key:
+        key = (self.weight._version, w.data_ptr(), dtype, self._step)
+        if self._wcache is not None and self._wcache[0] == key:
             return self._wcache[1]
         r = self.recipe
-        empty = w.new_empty(0, dtype=torch.uint8)
+        wtc = w.new_empty(0, dtype=torch.uint8)  # compressed W^T: transposable masks only
         if r.pruning == "soft":
             wc, wd = ops.compress(w, "soft", self.beta.reshape(1), None, None, True, dtype)
         elif r.pruning == "transposable":
             wc, wd = ops.compress(w, "mask", None, self.mask, None, True, dtype)
-            empty = ops.compress(w.t(), "mask", None, self.mask.t(), None, False, dtype)[0]
+            wtc = ops.compress(w.t(), "mask", None, self.mask.t(), None, False, dtype)[0]
         else:
             wc, wd = ops.compress(w, "hard", None, None, None, True, dtype)
-        out = (wc, wd, empty)
-        if key is not None:
-            self._wcache = (key, out)
-        return out
+        self._wcache = (key, (wc, wd, wtc))
+        return wc, wd, wtc
 
     _wcache = None
 

@@ -27,7 +27,7 @@ import torch
 import torch.distributed as dist
 from tqdm.auto import tqdm
 
-from . import attach, flip_rate, sparse_layers, sparsify
+from . import __version__, attach, flip_rate, sparse_layers, sparsify
 from .data import TokenData, load_data
 from .model import ATTN_PATTERNS, FFN_PATTERNS, GPT, PRESETS, GPTConfig
 from .optim import STEPAdamW
@@ -339,13 +339,13 @@ def evaluate(model, data: TokenData, cfg: TrainConfig, device, autocast) -> floa
     """Mean validation loss over ``eval_iters`` fixed batches (the same ones every time)."""
     model.eval()
     gen = torch.Generator().manual_seed(cfg.seed + 1_000_003)
-    total = 0.0
+    total = torch.zeros((), device=device)
     for _ in range(cfg.eval_iters):
         x, y = data.batch("val", cfg.batch_size, cfg.seq_len, gen, device)
         with autocast:
-            total += model(x, y)[1].item()
+            total += model(x, y)[1].float()
     model.train()
-    return total / cfg.eval_iters
+    return total.item() / cfg.eval_iters  # one host sync
 
 
 def train(cfg: TrainConfig, data: TokenData | None = None) -> dict[str, Any]:
@@ -372,8 +372,8 @@ def train(cfg: TrainConfig, data: TokenData | None = None) -> dict[str, Any]:
         for block in model.h:
             fully_shard(block)
         fully_shard(model)
-    decay = [p for n, p in model.named_parameters() if p.dim() >= 2]
-    no_decay = [p for n, p in model.named_parameters() if p.dim() < 2]
+    decay = [p for p in model.parameters() if p.dim() >= 2]
+    no_decay = [p for p in model.parameters() if p.dim() < 2]
     groups = [{"params": decay, "weight_decay": cfg.weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
     if cfg.recipe == "step":
         opt = STEPAdamW(groups, total_steps=cfg.steps, lr=cfg.peak_lr, betas=cfg.betas)
@@ -404,8 +404,6 @@ def train(cfg: TrainConfig, data: TokenData | None = None) -> dict[str, Any]:
                disable=rank != 0 or not cfg.progress, dynamic_ncols=True)
     t_start, t_last, tok_s = time.perf_counter(), time.perf_counter(), 0.0
     loss_acc = torch.zeros((), device=device)
-    val_loss = None
-    step = start
     for step in bar:
         for micro in range(cfg.grad_accum):
             x, y = data.batch("train", cfg.batch_size, cfg.seq_len, data_gen, device)
@@ -444,7 +442,7 @@ def train(cfg: TrainConfig, data: TokenData | None = None) -> dict[str, Any]:
     bar.close()
     if metrics is not None:
         metrics.close()
-    summary = _summary(out, cfg, rank) if rank == 0 else {}
+    summary = _summary(out, cfg) if rank == 0 else {}
     if world > 1:
         dist.barrier()
     return summary
@@ -475,18 +473,17 @@ def _checkpoint(out, cfg, raw, opt, sched, step, data_gen, rank, world) -> None:
     if world > 1:
         _check_replicas(raw, world)
     model_sd, opt_sd = _full_state_dicts(raw, opt, world > 1 and cfg.fsdp)
-    rng = [None] * world
-    if world > 1:
+    rng = [_rng_state(data_gen)]
+    if world > 1:  # every rank's data position and RNG states, kept by rank 0
+        rng = [None] * world
         dist.all_gather_object(rng, _rng_state(data_gen))
-    else:
-        rng = [_rng_state(data_gen)]
     if rank == 0:
         save_checkpoint(out / CKPT, {"identity": cfg.identity(), "config": dataclasses.asdict(cfg), "step": step,
                                      "model": model_sd, "optimizer": opt_sd, "scheduler": sched.state_dict(),
-                                     "rng": rng, "twofour_version": __import__("twofour").__version__})
+                                     "rng": rng, "twofour_version": __version__})
 
 
-def _summary(out: Path, cfg: TrainConfig, rank: int) -> dict[str, Any]:
+def _summary(out: Path, cfg: TrainConfig) -> dict[str, Any]:
     m = read_metrics(out / METRICS)
     tok = [v for _, v in m["tokens_per_s"]]
     flips = [v for _, v in m["flip_rate"]]

@@ -2,7 +2,8 @@
 (hard top-2, S-STE's scaled soft threshold, a given mask, or MVUE's unbiased random pick),
 and write cuSPARSELt's compressed layout (``layout.py``) directly: values and metadata.
 
-Each program loads a 64-row x 128-column tile in one coalesced read (through arbitrary strides,
+Each program loads a 64-row tile (128 columns under the interpreter; on the GPU the width, 64 to
+256, and the warps are autotuned per shape) in one coalesced read (through arbitrary strides,
 so the same kernel compresses ``dY^T``, groups along tokens, straight from the row-major ``dY``),
 splits it into the four entries of each group, so that every per-group step (ranking,
 threshold, inclusion probabilities) is elementwise, and packs the metadata by reshapes.
@@ -158,10 +159,10 @@ def compress(x: torch.Tensor, mode: str, *, out_dtype: torch.dtype = torch.bfloa
         raise ValueError(f"compress: K must be a multiple of 32, got shape {(m, k)}")
     if mode not in MODES:
         raise ValueError(f"compress: mode must be one of {', '.join(MODES)}, got {mode!r}")
-    buf = torch.empty(compressed_size(m, k, torch.finfo(out_dtype).bits // 8), dtype=torch.uint8, device=x.device)
-    nval = m * k // 2
     if out_dtype not in (torch.bfloat16, torch.float16):
         raise TypeError(f"compress: out_dtype must be bfloat16 or float16, got {out_dtype}")
+    buf = torch.empty(compressed_size(m, k, 2), dtype=torch.uint8, device=x.device)
+    nval = m * k // 2
     bits = torch.int16 if out_dtype == torch.bfloat16 else torch.float16  # bf16 is written as its bits
     vals = buf[: nval * 2].view(bits)
     meta = buf[nval * 2:].view(torch.int16)

@@ -1,5 +1,6 @@
-"""The fast path's operations as torch custom ops (opaque to ``torch.compile``, no graph breaks),
-and the dispatch that picks, per GEMM and shape, dense or 2:4 sparse by measuring both once.
+"""The fast path's operations as torch custom ops (each a single opaque node to torch's tracers;
+SparseLinear itself still runs its reference math under ``torch.compile``), and the dispatch
+that picks, per GEMM and shape, dense or 2:4 sparse by measuring both once.
 
 ``spmm(a, b, m, d_col)``: D (m x n) = A @ B with A compressed 2:4 (cuSPARSELt layout) and B a
 (k, n) tensor in row- or column-major order (read in place, no transposes); D comes back
