@@ -5,6 +5,7 @@ import pytest
 import torch
 
 from twofour.kernels import compress as ck
+from twofour.kernels import ops
 from twofour.kernels.layout import compress_reference, decompress_reference
 from twofour.pruning import (
     _fixed_scale,
@@ -60,11 +61,12 @@ def test_mvue_from_transposed_source(shape, device):
     dy = torch.randn(t, n, device=device)
     dy[:4, :3] = 0.0  # zeros inside groups
     x = dy.t()
-    u = torch.rand(n, t, device=device)
-    buf, _ = ck.compress(x, "mvue", u=u)
+    u = torch.rand(n, t // 2, device=device)  # two uniforms per group
+    buf, dense = ck.compress(x, "mvue", u=u, dense_out=True)
     ref = _mvue_24(x.contiguous(), u=u)
     dec = decompress_reference(buf, n, t).float()
     assert torch.equal(dec != 0, ref != 0)
+    assert torch.equal(dense.float(), dec)  # the dense copy (for a dense dW GEMM) is the same estimate
     torch.testing.assert_close(dec, ref.bfloat16().float(), rtol=1e-2, atol=1e-6)
 
 
@@ -103,3 +105,27 @@ def test_matches_cusparselt_byte_for_byte(shape):
     plan = cusparselt.get_plan(shape[0], shape[1], 64, cusparselt.ROW, cusparselt.ROW, torch.bfloat16)
     buf, dense = ck.compress(w, "hard", dense_out=True)
     assert torch.equal(buf, plan.compress(dense))
+
+
+@pytest.mark.filterwarnings("ignore::DeprecationWarning")  # raised inside torch.compile
+def test_compress_op_traces_like_eager():
+    """The registered op (what torch's tracers see) passes torch's op checks and gives, compiled
+    whole, the same bytes as the eager call."""
+    x = torch.randn(64, 64)
+    torch.library.opcheck(ops._compress_op, (x, "hard", None, None, None, True, torch.bfloat16))
+    eager = ops.compress(x, "hard", None, None, None, True, torch.bfloat16)
+    traced = torch.compile(lambda t: ops.compress(t, "hard", None, None, None, True, torch.bfloat16),
+                           fullgraph=True)(x)
+    assert all(torch.equal(a, b) for a, b in zip(eager, traced, strict=True))
+
+
+@pytest.mark.parametrize("dtype", OUT, ids=ids)
+def test_bias_rows_added_in_place(dtype, device):
+    d = torch.randn(12, 2500, device=device).to(dtype)  # ragged in both block dimensions
+    b = torch.randn(12, device=device).to(dtype)
+    want = (d.float() + b.float()[:, None]).to(dtype)
+    out = ops.add_bias_rows_(d, b)
+    assert out.data_ptr() == d.data_ptr()
+    torch.testing.assert_close(out, want, rtol=1e-2, atol=1e-2)
+    with pytest.raises(ValueError, match="contiguous"):
+        ops.add_bias_rows_(d.t(), b)

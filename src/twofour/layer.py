@@ -102,12 +102,17 @@ class _FastSparseLinearFn(torch.autograd.Function):
         t, k = x2.shape
         n = wdense.shape[0]
         bo = "col" if ops.order(x2) == "row" else "row"  # the order of x^T as cuSPARSELt's B
-        cands = {"sparse_dr": lambda: ops.spmm(wc, x2.t(), n, False).t(),
-                 "sparse_dc": lambda: ops.spmm(wc, x2.t(), n, True).t(),
-                 "dense": lambda: x2 @ wdense.t()}
+        b = None if bias is None else bias.to(x2.dtype)
+
+        def sparse(d_col: bool) -> torch.Tensor:
+            d = ops.spmm(wc, x2.t(), n, d_col)  # y^T: row-major (n, t), or column-major
+            if b is not None:  # in place, along the output's own memory order
+                d = d.add_(b[:, None]) if d_col else ops.add_bias_rows_(d, b)
+            return d.t()
+
+        cands = {"sparse_dr": lambda: sparse(False), "sparse_dc": lambda: sparse(True),
+                 "dense": lambda: x2 @ wdense.t() if b is None else torch.addmm(b, x2, wdense.t())}  # fused bias
         y = cands[ops.choose("fwd", n, k, t, bo, x2.dtype, cands)]()
-        if bias is not None:
-            y = y + bias.to(y.dtype)
         ctx.save_for_backward(x2, weight if recipe.decay else None, wc, wdense, wtc)
         ctx.recipe, ctx.x_shape, ctx.x_dtype, ctx.has_bias = recipe, x.shape, x.dtype, bias is not None
         ctx.w_dtype = weight.dtype

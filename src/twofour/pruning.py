@@ -175,17 +175,30 @@ def mvue_inclusion_probability(x: torch.Tensor) -> torch.Tensor:
     return _inclusion(_mvue_weights(x.reshape(-1, 4))).reshape(x.shape)
 
 
+def _draw(w: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
+    """Per (n, 4) row, the index k with probability w_k / sum(w): how many of the running sums
+    w_0, w_0 + w_1, w_0 + w_1 + w_2 lie at or below u * sum(w) (a zero weight is never drawn).
+    The sums are spelled out so that the fused kernel adds in the same order."""
+    c1, c2 = w[:, 0], w[:, 0] + w[:, 1]
+    c3 = c2 + w[:, 2]
+    t = u * (c3 + w[:, 3])
+    return (c1 <= t).long() + (c2 <= t).long() + (c3 <= t).long()
+
+
 def _mvue_24(x: torch.Tensor, generator: torch.Generator | None = None, u: torch.Tensor | None = None) -> torch.Tensor:
     g = x.reshape(-1, 4)
     a = _mvue_weights(g)
-    # Two draws without replacement, the first with probability a_i/S, the second a_j/(S-a_i):
-    # the Efraimidis-Spirakis keys log(u)/a sample exactly that sequence (top-2 of the keys).
-    if u is None:
-        u = torch.rand(a.shape, generator=generator, device=a.device, dtype=torch.float32)
-    else:  # given uniforms (tests of the fused kernel draw the same ones)
-        u = u.reshape(a.shape)
-    keys = torch.log(u.clamp_min(torch.finfo(torch.float32).tiny)) / a
-    keep = torch.zeros_like(a, dtype=torch.bool).scatter_(1, keys.topk(2, dim=1).indices, True)
+    # Two draws without replacement, the first with probability a_i/S, the second a_j/(S-a_i),
+    # from two uniforms per group (given ones: tests of the fused kernel draw the same).
+    u = torch.rand(a.shape[0], 2, generator=generator, device=a.device) if u is None else u.reshape(-1, 2)
+    rows = torch.arange(a.shape[0], device=a.device)
+    first = _draw(a, u[:, 0])
+    rest = a.clone()
+    rest[rows, first] = 0.0
+    second = _draw(rest, u[:, 1])
+    keep = torch.zeros_like(a, dtype=torch.bool)
+    keep[rows, first] = True
+    keep[rows, second] = True
     out = torch.where(keep, g.float() / _inclusion(a), torch.zeros_like(a))
     return out.to(x.dtype).reshape(x.shape)
 

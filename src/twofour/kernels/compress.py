@@ -2,11 +2,13 @@
 (hard top-2, S-STE's scaled soft threshold, a given mask, or MVUE's unbiased random pick),
 and write cuSPARSELt's compressed layout (``layout.py``) directly: values and metadata.
 
-Each program loads a 64-row tile (128 columns under the interpreter; on the GPU the width, 64 to
-256, and the warps are autotuned per shape) in one coalesced read (through arbitrary strides,
-so the same kernel compresses ``dY^T``, groups along tokens, straight from the row-major ``dY``),
-splits it into the four entries of each group, so that every per-group step (ranking,
-threshold, inclusion probabilities) is elementwise, and packs the metadata by reshapes.
+Each program covers a 64-row band x BC columns (128 under the interpreter; on the GPU the width,
+32 to 256, and the warps are autotuned per shape). A row-major source is read as one coalesced
+tile and split into the four entries of each group by reshapes; a source whose rows are
+contiguous (``dY^T`` read in place from the row-major ``dY``, groups along tokens) is read with
+four coalesced loads, one per group entry. Every per-group step (ranking, threshold, MVUE's
+draws and inclusion probabilities) is then elementwise, and the metadata is packed by reshapes.
+docs/PERFORMANCE.md records the variants measured and why these were kept.
 
 Tested against the plain-torch reference on the CPU with ``TRITON_INTERPRET=1`` and byte for
 byte against cuSPARSELt's own compression on the GPU.
@@ -28,7 +30,8 @@ __all__ = ["compress", "MODES", "HAS_TRITON"]
 
 HAS_TRITON = triton is not None
 MODES = {"hard": 0, "soft": 1, "mask": 2, "mvue": 3}
-BC = 128  # columns per program off the GPU (a 64 x 128 tile); on the GPU autotuned over 64-256
+BC = 128  # columns per program off the GPU (a 64 x 128 tile); on the GPU autotuned over 32-256
+PHILOX_ROUNDS = 10  # Philox4x32 rounds for MVUE's draws (Triton's and cuRAND's default)
 
 
 if HAS_TRITON:
@@ -41,6 +44,35 @@ if HAS_TRITON:
         k2 = ((s0 >= s2).to(tl.int32) + (s1 >= s2).to(tl.int32) + (s3 > s2).to(tl.int32)) < 2
         k3 = ((s0 >= s3).to(tl.int32) + (s1 >= s3).to(tl.int32) + (s2 >= s3).to(tl.int32)) < 2
         return k0, k1, k2, k3
+
+    @triton.jit
+    def _uniform(bits):
+        """32 random bits -> a float32 uniform in [0, 1) on the 2^-23 grid (exponent trick, no
+        int -> float conversion)."""
+        one = ((bits >> 9) | 0x3F800000).to(tl.float32, bitcast=True)  # [1, 2)
+        return one - 1.0
+
+    @triton.jit
+    def _draw(w0, w1, w2, w3, u):
+        """One-hot draw of k in 0..3 with probability w_k / sum(w): the slot of u * sum(w) among
+        the running sums w_0, w_0 + w_1, w_0 + w_1 + w_2 (a zero weight is never drawn)."""
+        c2 = w0 + w1
+        c3 = c2 + w2
+        t = u * (c3 + w3)
+        ge1, ge2, ge3 = w0 <= t, c2 <= t, c3 <= t
+        return ge1 == 0, ge1 & (ge2 == 0), ge2 & (ge3 == 0), ge3
+
+    @triton.jit
+    def _rcp(d):
+        """1/d for 0 < d < 1e37 as rsqrt(d)^2: one MUFU op and a multiply (relative error ~2^-22)
+        where a division costs about eight instructions."""
+        r = tl.rsqrt(d)
+        return r * r
+
+    @triton.jit
+    def _pick(k0, k1, k2, k3, y0, y1, y2, y3):
+        """The entries of y at the lower and the higher of the two kept positions."""
+        return tl.where(k0, y0, tl.where(k1, y1, y2)), tl.where(k3, y3, tl.where(k2, y2, y1))
 
     @triton.jit
     def _out(x, OUT_BF16: tl.constexpr):
@@ -57,33 +89,51 @@ if HAS_TRITON:
     @triton.jit
     def _compress_kernel(src, sr, sc, m_rows, k_cols, mask_ptr, u_ptr, seed_ptr, scale_ptr, vals, meta, dense_out,
                          n_ct, MODE: tl.constexpr, HAS_U: tl.constexpr, WRITE_DENSE: tl.constexpr,
-                         OUT_BF16: tl.constexpr, BC: tl.constexpr):
-        """One 64-row band x BC columns: a coalesced tile load (whichever stride is 1), the four
-        entries of each group split into four (64, BC/4) tensors, metadata packed by reshapes."""
+                         OUT_BF16: tl.constexpr, BC: tl.constexpr, ROUNDS: tl.constexpr = PHILOX_ROUNDS,
+                         BIG: tl.constexpr = False, QUAD_LOADS: tl.constexpr = False):
+        """One 64-row band x BC columns: the four entries of each group as four (64, BC/4)
+        tensors (one tile load and a split, or four loads for a source with contiguous rows),
+        the kept pair chosen elementwise, values and metadata packed by reshapes."""
         G: tl.constexpr = BC // 4
         CT: tl.constexpr = BC // 32
         band, pc = tl.program_id(0), tl.program_id(1)
         r = band * 64 + tl.arange(0, 64)[:, None]  # (64, 1)
         c = pc * BC + tl.arange(0, BC)[None, :]  # (1, BC)
         ok = (r < m_rows) & (c < k_cols)
-        off = r.to(tl.int64) * sr + c.to(tl.int64) * sc
-        x = tl.load(src + off, mask=ok, other=0.0).to(tl.float32)
-        x0, x1, x2, x3 = _quads(x, G)
-        g = pc * G + tl.arange(0, G)[None, :]  # (1, G) group index
+        if BIG:  # offsets past 2^31: 64-bit index arithmetic (else 32-bit, a third of the instructions)
+            r, c = r.to(tl.int64), c.to(tl.int64)
+        off = r * sr + c * sc
+        if QUAD_LOADS:  # rows contiguous (dY^T read in place): four coalesced loads, one per group entry
+            gq = pc * G + tl.arange(0, G)[None, :]
+            okq = (r < m_rows) & (gq < k_cols // 4)
+            offq = r * sr + gq * (4 * sc)
+            x0 = tl.load(src + offq, mask=okq, other=0.0).to(tl.float32)
+            x1 = tl.load(src + offq + sc, mask=okq, other=0.0).to(tl.float32)
+            x2 = tl.load(src + offq + 2 * sc, mask=okq, other=0.0).to(tl.float32)
+            x3 = tl.load(src + offq + 3 * sc, mask=okq, other=0.0).to(tl.float32)
+        else:  # one coalesced tile load, split into the four entries of each group
+            x0, x1, x2, x3 = _quads(tl.load(src + off, mask=ok, other=0.0).to(tl.float32), G)
         a0, a1, a2, a3 = tl.abs(x0), tl.abs(x1), tl.abs(x2), tl.abs(x3)
         if MODE == 2:  # a given mask (transposable), read through the same strides
             k0, k1, k2, k3 = _quads(tl.load(mask_ptr + off, mask=ok, other=0).to(tl.int32), G)
             k0, k1, k2, k3 = k0 != 0, k1 != 0, k2 != 0, k3 != 0
-        elif MODE == 3:  # MVUE: Efraimidis-Spirakis keys log(u)/a, top-2
+        elif MODE == 3:  # MVUE: two draws without replacement, a_i/S then a_j/(S - a_i)
             eps = 1e-6 * tl.maximum(tl.maximum(a0, a1), tl.maximum(a2, a3)) + 1e-30
             a0, a1, a2, a3 = a0 + eps, a1 + eps, a2 + eps, a3 + eps
-            if HAS_U:
-                u0, u1, u2, u3 = _quads(tl.load(u_ptr + r.to(tl.int64) * k_cols + c, mask=ok, other=0.5), G)
-            else:
-                u0, u1, u2, u3 = tl.rand4x(tl.load(seed_ptr), (r * (k_cols // 4) + g).to(tl.int32))
-            tiny = 1.1754943508222875e-38
-            k0, k1, k2, k3 = _rank_keep(tl.log(tl.maximum(u0, tiny)) / a0, tl.log(tl.maximum(u1, tiny)) / a1,
-                                        tl.log(tl.maximum(u2, tiny)) / a2, tl.log(tl.maximum(u3, tiny)) / a3)
+            if HAS_U:  # given uniforms, two per group (tests draw the reference's)
+                cu = pc * BC // 2 + tl.arange(0, BC // 2)[None, :]
+                u = tl.load(u_ptr + r * (k_cols // 2) + cu, mask=(r < m_rows) & (cu < k_cols // 2),
+                            other=0.5)
+                u1, u2 = tl.split(tl.reshape(u, (64, G, 2)))
+            else:  # one Philox call gives 4 x 32 bits: two groups' two uniforms
+                pair = (r * (k_cols // 8) + pc * (G // 2) + tl.arange(0, G // 2)[None, :]).to(tl.int32)
+                b0, b1, b2, b3 = tl.randint4x(tl.load(seed_ptr), pair, ROUNDS)
+                u1 = _uniform(tl.reshape(tl.join(b0, b2), (64, G)))
+                u2 = _uniform(tl.reshape(tl.join(b1, b3), (64, G)))
+            f0, f1, f2, f3 = _draw(a0, a1, a2, a3, u1)
+            h0, h1, h2, h3 = _draw(tl.where(f0, 0.0, a0), tl.where(f1, 0.0, a1), tl.where(f2, 0.0, a2),
+                                   tl.where(f3, 0.0, a3), u2)
+            k0, k1, k2, k3 = f0 | h0, f1 | h1, f2 | h2, f3 | h3
         else:
             k0, k1, k2, k3 = _rank_keep(a0, a1, a2, a3)
         if MODE == 1:  # beta * S(x): threshold at the largest dropped magnitude
@@ -94,22 +144,24 @@ if HAS_TRITON:
             x1 = tl.where(x1 >= 0, 1.0, -1.0) * tl.maximum(a1 - t, 0.0) * beta
             x2 = tl.where(x2 >= 0, 1.0, -1.0) * tl.maximum(a2 - t, 0.0) * beta
             x3 = tl.where(x3 >= 0, 1.0, -1.0) * tl.maximum(a3 - t, 0.0) * beta
-        if MODE == 3:  # x / p, p_k = a_k/S * (1 + sum_{i != k} a_i / (S - a_i)), S - a_i summed directly
-            s = a0 + a1 + a2 + a3
-            r0, r1, r2, r3 = a0 / (a1 + a2 + a3), a1 / (a0 + a2 + a3), a2 / (a0 + a1 + a3), a3 / (a0 + a1 + a2)
-            rs = r0 + r1 + r2 + r3
-            x0 = x0 / (a0 / s * (1 + rs - r0))
-            x1 = x1 / (a1 / s * (1 + rs - r1))
-            x2 = x2 / (a2 / s * (1 + rs - r2))
-            x3 = x3 / (a3 / s * (1 + rs - r3))
         # the two kept, in ascending position, and the 4-bit code i0 | i1 << 2
         i0 = tl.where(k0, 0, tl.where(k1, 1, 2))
         i1 = tl.where(k3, 3, tl.where(k2, 2, 1))
-        v0 = _out(tl.where(k0, x0, tl.where(k1, x1, x2)), OUT_BF16)
-        v1 = _out(tl.where(k3, x3, tl.where(k2, x2, x1)), OUT_BF16)
+        y0, y1 = _pick(k0, k1, k2, k3, x0, x1, x2, x3)
+        if MODE == 3:  # the kept x / p, p_k = a_k/S * (1 + sum_{i != k} q_i - q_k), q_i = a_i / (S - a_i)
+            s01, s23 = a0 + a1, a2 + a3
+            q0, q1 = a0 * _rcp(a1 + s23), a1 * _rcp(a0 + s23)  # S - a_i summed directly
+            q2, q3 = a2 * _rcp(s01 + a3), a3 * _rcp(s01 + a2)
+            qs = q0 + q1 + q2 + q3
+            ak0, ak1 = _pick(k0, k1, k2, k3, a0, a1, a2, a3)
+            qk0, qk1 = _pick(k0, k1, k2, k3, q0, q1, q2, q3)
+            s = s01 + s23
+            y0 = y0 * s * _rcp(ak0 * (1 + qs - qk0))
+            y1 = y1 * s * _rcp(ak1 * (1 + qs - qk1))
+        v0, v1 = _out(y0, OUT_BF16), _out(y1, OUT_BF16)
         vv = tl.reshape(tl.join(v0, v1), (64, BC // 2))  # (64, G, 2) -> row-major values
         cv = pc * (BC // 2) + tl.arange(0, BC // 2)[None, :]
-        tl.store(vals + r.to(tl.int64) * (k_cols // 2) + cv, vv, mask=(r < m_rows) & (cv < k_cols // 2))
+        tl.store(vals + r * (k_cols // 2) + cv, vv, mask=(r < m_rows) & (cv < k_cols // 2))
         code = tl.where(r < m_rows, i0 | (i1 << 2), 14)  # padding rows read as "keep 2 and 3"
         # (64 rows, G groups) -> (rt, rh, rl, ct, gh, gl); nibble rh + 2*gh of word (rl, gl)
         c6 = tl.reshape(code, (4, 2, 8, CT, 2, 4))
@@ -123,14 +175,16 @@ if HAS_TRITON:
         gl = tl.arange(0, 4)[None, None, None, :]
         tl.store(meta + ((band * n_ct + ct) * 4 + rt) * 32 + rl * 4 + gl, word, mask=ct < n_ct)
         if WRITE_DENSE:  # the effective matrix, row-major, for GEMMs that stay dense
-            d01 = tl.join(_out(tl.where(k0, x0, 0.0), OUT_BF16), _out(tl.where(k1, x1, 0.0), OUT_BF16))
-            d23 = tl.join(_out(tl.where(k2, x2, 0.0), OUT_BF16), _out(tl.where(k3, x3, 0.0), OUT_BF16))
+            zero = tl.zeros_like(v0)
+            d01 = tl.join(tl.where(k0, v0, zero), tl.where(i1 == 1, v1, tl.where(i0 == 1, v0, zero)))
+            d23 = tl.join(tl.where(i0 == 2, v0, tl.where(i1 == 2, v1, zero)), tl.where(k3, v1, zero))
             dd = tl.reshape(tl.join(d01, d23).permute(0, 1, 3, 2), (64, BC))  # (64, G, e)
-            tl.store(dense_out + r.to(tl.int64) * k_cols + c, dd, mask=ok)
+            tl.store(dense_out + r * k_cols + c, dd, mask=ok)
 
     _compress_tuned = triton.autotune(
-        configs=[triton.Config({"BC": bc}, num_warps=w) for bc in (64, 128, 256) for w in (4, 8)],
-        key=["m_rows", "k_cols", "sr", "sc", "MODE", "WRITE_DENSE"],
+        configs=[triton.Config({"BC": bc}, num_warps=w) for bc, w in ((32, 2), (64, 2), (64, 4), (128, 4), (128, 8),
+                                                                       (256, 8))],
+        key=["m_rows", "k_cols", "sr", "sc", "MODE", "WRITE_DENSE", "ROUNDS"],
     )(_compress_kernel)
 
     @triton.jit
@@ -142,15 +196,19 @@ if HAS_TRITON:
         return x0, x1, x2, x3
 
 
+_launch: dict[tuple, tuple[int, int]] = {}  # (shape, strides, dtype, constants) -> the tuned (BC, warps)
+
+
 def compress(x: torch.Tensor, mode: str, *, out_dtype: torch.dtype = torch.bfloat16, scale: torch.Tensor | None = None,
              mask: torch.Tensor | None = None, u: torch.Tensor | None = None, seed: torch.Tensor | None = None,
-             dense_out: bool = False) -> tuple[torch.Tensor, torch.Tensor | None]:
+             dense_out: bool = False, rounds: int = PHILOX_ROUNDS) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Prune the (M, K) matrix ``x`` (any strides) along K and compress it for cuSPARSELt.
 
     ``mode``: ``hard`` (top-2), ``soft`` (``scale`` * soft threshold), ``mask`` (keep ``mask``,
-    a bool tensor of x's shape and strides) or ``mvue`` (uniforms ``u`` of shape (M, K), or a
-    Philox ``seed`` int tensor on the device). Returns the compressed uint8 buffer and, with
-    ``dense_out``, the effective (M, K) matrix in ``out_dtype``.
+    a bool tensor of x's shape and strides) or ``mvue`` (uniforms ``u``, two per group, a
+    contiguous (M, K/2) tensor, or a Philox ``seed`` int tensor on the device, with ``rounds``
+    Philox rounds). Returns the compressed uint8 buffer and, with ``dense_out``, the effective
+    (M, K) matrix in ``out_dtype``.
     """
     if not HAS_TRITON:
         raise RuntimeError("twofour's fused compression needs Triton (pip install triton)")
@@ -177,9 +235,23 @@ def compress(x: torch.Tensor, mode: str, *, out_dtype: torch.dtype = torch.bfloa
             raise ValueError("compress: mask must have the same strides as x")
     args = (x, x.stride(0), x.stride(1), m, k, mask if mask is not None else dummy, u if u is not None else dummy,
             seed if seed is not None else dummy, scale if scale is not None else dummy, vals, meta, dense_bits, k // 32)
-    consts = dict(MODE=MODES[mode], HAS_U=u is not None, WRITE_DENSE=dense_out, OUT_BF16=out_dtype == torch.bfloat16)
-    if x.is_cuda:  # tile width and warps measured once per shape and mode (triton.autotune)
-        _compress_tuned[lambda meta: (triton.cdiv(m, 64), triton.cdiv(k, meta["BC"]))](*args, **consts)
+    if u is not None and (u.shape != (m, k // 2) or not u.is_contiguous()):
+        raise ValueError(f"compress: u must be a contiguous ({m}, {k // 2}) tensor (two uniforms per group)")
+    span = (m - 1) * abs(x.stride(0)) + (k - 1) * abs(x.stride(1)) + 1
+    consts = dict(MODE=MODES[mode], HAS_U=u is not None, WRITE_DENSE=dense_out, OUT_BF16=out_dtype == torch.bfloat16,
+                  ROUNDS=rounds, BIG=max(span, m * k) >= 2**31, QUAD_LOADS=x.stride(0) == 1 and k > 1)
+    if x.is_cuda:  # tile width and warps measured once per shape and mode (triton.autotune), then
+        # launched directly: the autotuner's own dispatch costs ~12 us of host time per call
+        key = (m, k, x.stride(0), x.stride(1), x.dtype, tuple(consts.values()))
+        cfg = _launch.get(key)
+        if cfg is None:
+            _compress_tuned[lambda meta: (triton.cdiv(m, 64), triton.cdiv(k, meta["BC"]))](*args, **consts)
+            best = getattr(_compress_tuned, "best_config", None)
+            if best is not None:
+                _launch[key] = (best.kwargs["BC"], best.num_warps)
+        else:
+            _compress_kernel[(triton.cdiv(m, 64), triton.cdiv(k, cfg[0]))](*args, **consts, BC=cfg[0],
+                                                                             num_warps=cfg[1])
     else:
         _compress_kernel[(triton.cdiv(m, 64), triton.cdiv(k, BC))](*args, **consts, BC=BC)
     return buf, dense

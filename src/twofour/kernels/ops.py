@@ -1,6 +1,6 @@
-"""The fast path's operations as torch custom ops (each a single opaque node to torch's tracers;
-SparseLinear itself still runs its reference math under ``torch.compile``), and the dispatch
-that picks, per GEMM and shape, dense or 2:4 sparse by measuring both once.
+"""The fast path's operations (plain calls in eager mode, torch custom ops, one opaque node each,
+under torch's tracers; SparseLinear itself still runs its reference math under ``torch.compile``),
+and the dispatch that picks, per GEMM and shape, dense or 2:4 sparse by measuring both once.
 
 ``spmm(a, b, m, d_col)``: D (m x n) = A @ B with A compressed 2:4 (cuSPARSELt layout) and B a
 (k, n) tensor in row- or column-major order (read in place, no transposes); D comes back
@@ -19,10 +19,11 @@ import torch
 
 from . import compress as _ck
 from . import cusparselt as _cs
+from .bias import add_bias_rows_
 from .layout import compressed_size
 
-__all__ = ["spmm", "compress", "order", "fast_available", "choose", "choice_of", "choices", "set_choice",
-           "clear_choices"]
+__all__ = ["spmm", "compress", "add_bias_rows_", "order", "fast_available", "choose", "choice_of", "choices",
+           "set_choice", "clear_choices"]
 
 
 def order(t: torch.Tensor) -> str | None:
@@ -40,8 +41,7 @@ def fast_available() -> bool:
     return os.environ.get("TWOFOUR_FAST", "1") != "0" and _ck.HAS_TRITON and _cs.available()
 
 
-@torch.library.custom_op("twofour::spmm", mutates_args=())
-def spmm(a: torch.Tensor, b: torch.Tensor, m: int, d_col: bool) -> torch.Tensor:
+def _spmm(a: torch.Tensor, b: torch.Tensor, m: int, d_col: bool) -> torch.Tensor:
     k, n = b.shape
     bo = order(b)
     if bo is None:
@@ -53,24 +53,45 @@ def spmm(a: torch.Tensor, b: torch.Tensor, m: int, d_col: bool) -> torch.Tensor:
     return out.t() if d_col else out
 
 
-@spmm.register_fake
+def _compress(x: torch.Tensor, mode: str, scale: torch.Tensor | None, mask: torch.Tensor | None,
+              seed: torch.Tensor | None, dense_out: bool, out_dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    buf, dense = _ck.compress(x, mode, out_dtype=out_dtype, scale=scale, mask=mask, seed=seed, dense_out=dense_out)
+    return buf, dense if dense is not None else buf.new_empty(0, dtype=out_dtype)
+
+
+_spmm_op = torch.library.custom_op("twofour::spmm", _spmm, mutates_args=())
+_compress_op = torch.library.custom_op("twofour::compress", _compress, mutates_args=())
+
+
+@_spmm_op.register_fake
 def _(a, b, m, d_col):
     n = b.shape[1]
     return torch.empty_strided((m, n), (1, m) if d_col else (n, 1), dtype=b.dtype, device=b.device)
 
 
-@torch.library.custom_op("twofour::compress", mutates_args=())
-def compress(x: torch.Tensor, mode: str, scale: torch.Tensor | None, mask: torch.Tensor | None,
-             seed: torch.Tensor | None, dense_out: bool, out_dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
-    buf, dense = _ck.compress(x, mode, out_dtype=out_dtype, scale=scale, mask=mask, seed=seed, dense_out=dense_out)
-    return buf, dense if dense is not None else buf.new_empty(0, dtype=out_dtype)
-
-
-@compress.register_fake
+@_compress_op.register_fake
 def _(x, mode, scale, mask, seed, dense_out, out_dtype):
     m, k = x.shape
     buf = torch.empty(compressed_size(m, k, torch.finfo(out_dtype).bits // 8), dtype=torch.uint8, device=x.device)
     return buf, torch.empty((m, k) if dense_out else (0,), dtype=out_dtype, device=x.device)
+
+
+def spmm(a: torch.Tensor, b: torch.Tensor, m: int, d_col: bool) -> torch.Tensor:
+    """D (m x n) = A @ B, A compressed 2:4, B (k, n) read in its own order (see the module doc).
+
+    Eager calls go straight to cuSPARSELt (a custom op's dispatch costs host time on every call);
+    under torch's tracers the registered op ``twofour::spmm`` is used.
+    """
+    return _spmm_op(a, b, m, d_col) if torch.compiler.is_compiling() else _spmm(a, b, m, d_col)
+
+
+def compress(x: torch.Tensor, mode: str, scale: torch.Tensor | None, mask: torch.Tensor | None,
+             seed: torch.Tensor | None, dense_out: bool, out_dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    """The fused prune + compress kernel: (compressed buffer, dense effective matrix or an empty
+    tensor); eager calls launch it directly, traced ones go through ``twofour::compress``."""
+    if torch.compiler.is_compiling():
+        return _compress_op(x, mode, scale, mask, seed, dense_out, out_dtype)
+    return _compress(x, mode, scale, mask, seed, dense_out, out_dtype)
 
 
 # --------------------------------------------------------------------------------------------

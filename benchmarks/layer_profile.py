@@ -1,0 +1,109 @@
+"""Where a SparseLinear's forward + backward spends its time against nn.Linear (GPU): the step's
+GPU time, the host's time to issue it, and the kernels it runs (torch.profiler).
+
+    PYTHONPATH=src python benchmarks/layer_profile.py
+
+A step whose host time exceeds its GPU time is launch-bound: the GPU waits for Python.
+"""
+
+from __future__ import annotations
+
+import time
+
+import torch
+from torch import nn
+from torch.profiler import ProfilerActivity, profile
+from triton.testing import do_bench
+
+from twofour import SparseLinear
+
+
+def _step(layer: nn.Module, x: torch.Tensor, g: torch.Tensor) -> None:
+    for p in layer.parameters():
+        p.grad = None
+    if isinstance(layer, SparseLinear):
+        layer._wcache = None  # a new weight every step: count its pruning and compression
+    with torch.autocast("cuda", dtype=torch.bfloat16):
+        y = layer(x)
+    y.backward(g)
+
+
+def _host_ms(fn, n: int = 50) -> float:
+    """Host time to issue one step, measured while the GPU lags behind (no sync inside)."""
+    torch.cuda.synchronize()
+    t0 = time.perf_counter()
+    for _ in range(n):
+        fn()
+    t1 = time.perf_counter()
+    torch.cuda.synchronize()
+    return (t1 - t0) / n * 1e3
+
+
+def host_costs() -> None:
+    """Host microseconds per call of each piece of the fast path, on small operands (GPU time
+    negligible), so that what a launch-bound layer pays for is visible."""
+    import triton  # noqa: PLC0415
+
+    from twofour.kernels import compress as ck  # noqa: PLC0415
+    from twofour.kernels import ops  # noqa: PLC0415
+
+    w = torch.randn(256, 1024, device="cuda")
+    xb = torch.randn(512, 1024, device="cuda", dtype=torch.bfloat16)
+    wc = ops.compress(w, "hard", None, None, None, False, torch.bfloat16)[0]
+    seed = torch.tensor([1], device="cuda")
+    m, k = w.shape
+    buf = torch.empty_like(wc)
+    vals, meta = buf[: m * k].view(torch.int16), buf[m * k:].view(torch.int16)
+    layer = SparseLinear(1024, 256, device="cuda", recipe="s-ste")
+    layer._fast_weights(torch.bfloat16)
+    pieces = {
+        "ops.compress (direct)": lambda: ops.compress(w, "hard", None, None, None, False, torch.bfloat16),
+        "ops._compress_op (custom op)": lambda: ops._compress_op(w, "hard", None, None, None, False, torch.bfloat16),
+        "Triton autotuned launch": lambda: ck._compress_tuned[(4, 8)](
+            w, w.stride(0), w.stride(1), m, k, buf, buf, seed, buf, vals, meta, vals, k // 32, MODE=0, HAS_U=False,
+            WRITE_DENSE=False, OUT_BF16=True, ROUNDS=10, BIG=False, QUAD_LOADS=False),
+        "Triton plain launch": lambda: ck._compress_kernel[(4, triton.cdiv(k, 128))](
+            w, w.stride(0), w.stride(1), m, k, buf, buf, seed, buf, vals, meta, vals, k // 32, MODE=0, HAS_U=False,
+            WRITE_DENSE=False, OUT_BF16=True, BC=128, ROUNDS=10, BIG=False, QUAD_LOADS=False, num_warps=4),
+        "ops.spmm (direct)": lambda: ops.spmm(wc, xb.t(), m, False),
+        "ops._spmm_op (custom op)": lambda: ops._spmm_op(wc, xb.t(), m, False),
+        "torch.randint on cuda": lambda: torch.randint(0, 2**31 - 1, (1,), device="cuda"),
+        "SparseLinear._fast_weights (cached)": lambda: layer._fast_weights(torch.bfloat16),
+        "SparseLinear._fast_ok": lambda: layer._fast_ok(xb),
+        "torch.mm (for scale)": lambda: xb @ xb.t(),
+    }
+    print("\n| piece | host us per call |\n|---|---|")
+    for name, fn in pieces.items():
+        for _ in range(5):
+            fn()
+        print(f"| {name} | {_host_ms(fn, 200) * 1e3:.1f} |", flush=True)
+
+
+def main() -> None:
+    host_costs()
+    for t, k, n in ((32768, 768, 3072), (32768, 1280, 5120)):
+        x = torch.randn(t, k, device="cuda", requires_grad=True)
+        g = torch.randn(t, n, device="cuda", dtype=torch.bfloat16)
+        print(f"\n{t} tokens x {k} -> {n}")
+        print("| layer | step ms (do_bench) | host ms to issue a step |")
+        print("|---|---|---|")
+        layers = {"nn.Linear": nn.Linear(k, n, device="cuda")}
+        for r in ("ste", "s-ste"):
+            layers[r] = SparseLinear(k, n, device="cuda", recipe=r)
+        for name, layer in layers.items():
+            fn = lambda layer=layer, x=x, g=g: _step(layer, x, g)  # noqa: E731
+            for _ in range(3):
+                fn()
+            print(f"| {name} | {do_bench(fn, return_mode='median'):.3f} | {_host_ms(fn):.3f} |", flush=True)
+        for name in ("nn.Linear", "s-ste"):
+            fn = lambda layer=layers[name], x=x, g=g: _step(layer, x, g)  # noqa: E731
+            with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+                for _ in range(5):
+                    fn()
+                torch.cuda.synchronize()
+            print(f"\n{name}: 5 steps, by device time")
+            print(prof.key_averages().table(sort_by="self_device_time_total", row_limit=14, max_name_column_width=60))
+
+
+if __name__ == "__main__":
+    main()
