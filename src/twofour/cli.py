@@ -165,6 +165,11 @@ def main(argv: list[str] | None = None) -> int:
         print(f"twofour {args.command}: interrupted; the last checkpoint is intact (--resume continues)",
               file=sys.stderr)
         return 130
+    finally:  # under torchrun: leave NCCL/gloo cleanly
+        import torch.distributed as dist  # noqa: PLC0415
+
+        if dist.is_available() and dist.is_initialized():
+            dist.destroy_process_group()
 
 
 if __name__ == "__main__":
