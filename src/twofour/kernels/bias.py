@@ -1,9 +1,10 @@
 """Bias added in place to a GEMM output stored as y^T (one row per output feature), the order a
 sparse forward writes when it reads ``x`` as a column-major operand.
 
-torch's broadcast add on that layout runs its generic strided kernel (about 1.4 TB/s measured on
-the H200, docs/PERFORMANCE.md); this Triton kernel reads each row's bias once and streams the row
-in wide vectors. Tested against ``d + b[:, None]`` on the CPU under Triton's interpreter.
+torch's broadcast add on that layout runs its generic strided kernel (about 1.6 TB/s in the
+H200's profile, docs/PERFORMANCE.md step 16); this Triton kernel reads each row's bias once and
+streams the row in wide vectors. Tested against ``d + b[:, None]`` on the CPU under Triton's
+interpreter.
 """
 
 from __future__ import annotations
@@ -31,6 +32,8 @@ __all__ = ["add_bias_rows_"]
 
 def add_bias_rows_(d: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
     """``d += b[:, None]`` in place for a contiguous (rows, cols) ``d``; returns ``d``."""
+    if not HAS_TRITON:
+        raise RuntimeError("add_bias_rows_ needs Triton (pip install triton)")
     if not (d.is_contiguous() and d.dim() == 2 and b.shape == (d.shape[0],)):
         raise ValueError(f"add_bias_rows_: needs a contiguous 2-D d and a bias of its row count, "
                          f"got {tuple(d.shape)} and {tuple(b.shape)}")
