@@ -307,10 +307,12 @@ class SparseLinear(nn.Linear):
 
     def _fast_weights(self, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """Compressed W_eff (and W_eff^T for transposable masks) plus the dense W_eff, built by one
-        fused kernel once per optimizer step (the weight's version counter says when it changed)."""
+        fused kernel once per optimizer step (the weight's version counter says when it changed),
+        and inside every captured CUDA graph, so that each replay compresses the current weight."""
         w = self.weight.detach()
         key = (self.weight._version, w.data_ptr(), dtype, self._step)
-        if self._wcache is not None and self._wcache[0] == key:
+        capturing = torch.cuda.is_current_stream_capturing()  # a CUDA graph must hold the compression:
+        if not capturing and self._wcache is not None and self._wcache[0] == key:  # replays see new weights
             return self._wcache[1]
         r = self.recipe
         wtc = w.new_empty(0, dtype=torch.uint8)  # compressed W^T: transposable masks only
@@ -321,7 +323,8 @@ class SparseLinear(nn.Linear):
             wtc = ops.compress(w.t(), "mask", None, self.mask.t(), None, False, dtype)[0]
         else:
             wc, wd = ops.compress(w, "hard", None, None, None, True, dtype)
-        self._wcache = (key, (wc, wd, wtc))
+        if not capturing:  # the graph's own buffers stay out of the cache
+            self._wcache = (key, (wc, wd, wtc))
         return wc, wd, wtc
 
     _wcache = None
