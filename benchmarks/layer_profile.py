@@ -16,16 +16,7 @@ from torch.profiler import ProfilerActivity, profile
 from triton.testing import do_bench
 
 from twofour import SparseLinear
-
-
-def _step(layer: nn.Module, x: torch.Tensor, g: torch.Tensor) -> None:
-    for p in layer.parameters():
-        p.grad = None
-    if isinstance(layer, SparseLinear):
-        layer._wcache = None  # a new weight every step: count its pruning and compression
-    with torch.autocast("cuda", dtype=torch.bfloat16):
-        y = layer(x)
-    y.backward(g)
+from twofour.bench import fwd_bwd_step
 
 
 def _host_ms(fn, n: int = 50) -> float:
@@ -91,12 +82,12 @@ def main() -> None:
         for r in ("ste", "s-ste"):
             layers[r] = SparseLinear(k, n, device="cuda", recipe=r)
         for name, layer in layers.items():
-            fn = lambda layer=layer, x=x, g=g: _step(layer, x, g)  # noqa: E731
+            fn = fwd_bwd_step(layer, x, g)
             for _ in range(3):
                 fn()
             print(f"| {name} | {do_bench(fn, return_mode='median'):.3f} | {_host_ms(fn):.3f} |", flush=True)
         for name in ("nn.Linear", "s-ste"):
-            fn = lambda layer=layers[name], x=x, g=g: _step(layer, x, g)  # noqa: E731
+            fn = fwd_bwd_step(layers[name], x, g)
             with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
                 for _ in range(5):
                     fn()

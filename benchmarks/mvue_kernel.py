@@ -3,7 +3,7 @@ leave one stage out, timed against the copy bandwidth of the same run, after a c
 
     PYTHONPATH=src python benchmarks/mvue_kernel.py
 
-First the tile width and warp count of the plain kernel (MVUE of dY^T in place), then variants of
+First a sweep of fixed tile widths and warp counts (MVUE of dY^T in place), then variants of
 the autotuned kernel, all reading dY^T in place from the row-major dY and writing cuSPARSELt's
 compressed layout, groups along tokens: ``hard`` (top-2, no random draws: the load/split/pack
 skeleton), ``mvue r=0`` (MVUE with a Philox of no rounds: the draws' arithmetic without the
@@ -48,23 +48,6 @@ def check() -> None:
     assert z.max() < 6
 
 
-def _raw(x: torch.Tensor, bc: int, warps: int, rounds: int = ck.PHILOX_ROUNDS, mode: int = 3):
-    """A launcher of the plain (untuned) kernel with one tile width and warp count."""
-    import triton  # noqa: PLC0415
-
-    m, k = x.shape
-    buf = torch.empty(m * k + m * k // 8, dtype=torch.uint8, device="cuda")
-    vals, meta = buf[: m * k].view(torch.int16), buf[m * k:].view(torch.int16)
-    seed = torch.tensor([5], device="cuda")
-
-    def run():
-        ck._compress_kernel[(triton.cdiv(m, 64), triton.cdiv(k, bc))](
-            x, x.stride(0), x.stride(1), m, k, buf, buf, seed, buf, vals, meta, vals, k // 32,
-            MODE=mode, HAS_U=False, WRITE_DENSE=False, OUT_BF16=True, BC=bc, ROUNDS=rounds,
-            QUAD_LOADS=x.stride(0) == 1, num_warps=warps)
-    return run
-
-
 def _copy_bandwidth() -> float:
     """GB/s of a 512 MB device-to-device copy, bytes read + written."""
     x = torch.randn(256 * 2**20, device="cuda", dtype=torch.bfloat16)
@@ -79,13 +62,13 @@ def main() -> None:
     t, n = 32768, 5120
     dy = torch.randn(t, n, device="cuda", dtype=torch.bfloat16)
     nbytes = t * n * 2 + t * n + t * n // 8  # read bf16, write half the values + 4 bits per group
+    seed = torch.tensor([5], device="cuda")
     print("\nMVUE of dY^T in place, 774M fc1 shape, per tile width x warps (kernel ms, % of copy):")
     for bc, w in ((32, 2), (64, 2), (64, 4), (128, 4), (128, 8), (256, 8)):
-        fn = _raw(dy.t(), bc, w)
+        fn = lambda bc=bc, w=w: ck.compress(dy.t(), "mvue", seed=seed, tile=(bc, w))  # noqa: E731
         fn()
         ms = do_bench_cudagraph(fn)
         print(f"  BC={bc} {w} warps: {ms:.3f} ms ({nbytes / ms / 1e6 / bw:.0%})", flush=True)
-    seed = torch.tensor([5], device="cuda")
     print("\n| shape (tokens x out) | variant (dY^T read in place) | kernel ms | GB/s | of copy | eager ms |")
     print("|---|---|---|---|---|---|")
     for t, n in ((32768, 5120), (32768, 1280), (16384, 11008)):
@@ -100,14 +83,14 @@ def main() -> None:
             eager = do_bench(fn, return_mode="median")
             print(f"| {t} x {n} | {name} | {ms:.3f} | {nbytes / ms / 1e6:.0f} | {nbytes / ms / 1e6 / bw:.0%} | "
                   f"{eager:.3f} |", flush=True)
-    print("\nautotuned (tile, warps) per shape and mode:",
-          sorted({(k[0], k[1], k[4], v.kwargs["BC"], v.num_warps) for k, v in ck._compress_tuned.cache.items()}))
+    print("\nautotuned (tile, warps) per (rows, columns, strides) and mode:",
+          sorted({(k[:4], k[5][0], v) for k, v in ck._launch.items()}))
 
 
 def profile_once() -> None:
     """One launch of the plain kernel at the 774M fc1 shape (MVUE of dY^T in place), for ``ncu``."""
     dy = torch.randn(32768, 5120, device="cuda", dtype=torch.bfloat16)
-    _raw(dy.t(), 32, 2)()
+    ck.compress(dy.t(), "mvue", seed=torch.tensor([5], device="cuda"), tile=(32, 2))
     torch.cuda.synchronize()
 
 

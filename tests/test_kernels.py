@@ -35,6 +35,12 @@ def test_hard(shape, out_dtype, device):
     assert torch.equal(dense, eff)
 
 
+@pytest.mark.parametrize("tile", [(32, 2), (64, 4), (256, 8)])
+def test_any_tile_gives_the_same_bytes(tile, device):
+    w = torch.randn(128, 256, device=device)
+    assert torch.equal(ck.compress(w, "hard", tile=tile)[0], ck.compress(w, "hard")[0])
+
+
 @pytest.mark.parametrize("shape", SHAPES)
 def test_soft_with_scale(shape, device):
     w = torch.randn(shape, device=device)

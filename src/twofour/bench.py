@@ -83,18 +83,26 @@ def _kernels(t: int, k: int, n: int, bw: float, quick: bool) -> dict[str, tuple[
     return res
 
 
-def _fwd_bwd(layer_fn, x, g, quick: bool) -> float:
+def fwd_bwd_step(module: nn.Module, x: torch.Tensor, g: torch.Tensor):
+    """One forward + backward of ``module`` under bf16 autocast, as a training step would run it;
+    every SparseLinear forgets its compressed weight first (a new weight each step), so its
+    pruning and compression are counted."""
+
     def step():
-        for p in layer_fn.parameters():
+        for p in module.parameters():
             p.grad = None
-        for mod in layer_fn.modules():  # a new weight each step: count its pruning and compression
+        for mod in module.modules():
             if isinstance(mod, SparseLinear):
                 mod._wcache = None
         with torch.autocast("cuda", dtype=torch.bfloat16):
-            y = layer_fn(x)
+            y = module(x)
         y.backward(g)
 
-    return _bench(step, quick)
+    return step
+
+
+def _fwd_bwd(module: nn.Module, x: torch.Tensor, g: torch.Tensor, quick: bool) -> float:
+    return _bench(fwd_bwd_step(module, x, g), quick)
 
 
 def _layers(t: int, k: int, n: int, quick: bool) -> dict[str, float]:

@@ -201,14 +201,16 @@ _launch: dict[tuple, tuple[int, int]] = {}  # (shape, strides, dtype, constants)
 
 def compress(x: torch.Tensor, mode: str, *, out_dtype: torch.dtype = torch.bfloat16, scale: torch.Tensor | None = None,
              mask: torch.Tensor | None = None, u: torch.Tensor | None = None, seed: torch.Tensor | None = None,
-             dense_out: bool = False, rounds: int = PHILOX_ROUNDS) -> tuple[torch.Tensor, torch.Tensor | None]:
+             dense_out: bool = False, rounds: int = PHILOX_ROUNDS,
+             tile: tuple[int, int] | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Prune the (M, K) matrix ``x`` (any strides) along K and compress it for cuSPARSELt.
 
     ``mode``: ``hard`` (top-2), ``soft`` (``scale`` * soft threshold), ``mask`` (keep ``mask``,
     a bool tensor of x's shape and strides) or ``mvue`` (uniforms ``u``, two per group, a
     contiguous (M, K/2) tensor, or a Philox ``seed`` int tensor on the device, with ``rounds``
     Philox rounds). Returns the compressed uint8 buffer and, with ``dense_out``, the effective
-    (M, K) matrix in ``out_dtype``.
+    (M, K) matrix in ``out_dtype``. ``tile`` = (columns, warps) fixes the launch (benchmarks);
+    by default it is autotuned once per shape on the GPU.
     """
     if not HAS_TRITON:
         raise RuntimeError("twofour's fused compression needs Triton (pip install triton)")
@@ -243,7 +245,7 @@ def compress(x: torch.Tensor, mode: str, *, out_dtype: torch.dtype = torch.bfloa
     if x.is_cuda:  # tile width and warps measured once per shape and mode (triton.autotune), then
         # launched directly: the autotuner's own dispatch costs ~12 us of host time per call
         key = (m, k, x.stride(0), x.stride(1), x.dtype, tuple(consts.values()))
-        cfg = _launch.get(key)
+        cfg = tile or _launch.get(key)
         if cfg is None:
             _compress_tuned[lambda meta: (triton.cdiv(m, 64), triton.cdiv(k, meta["BC"]))](*args, **consts)
             best = getattr(_compress_tuned, "best_config", None)
@@ -253,5 +255,6 @@ def compress(x: torch.Tensor, mode: str, *, out_dtype: torch.dtype = torch.bfloa
             _compress_kernel[(triton.cdiv(m, 64), triton.cdiv(k, cfg[0]))](*args, **consts, BC=cfg[0],
                                                                              num_warps=cfg[1])
     else:
-        _compress_kernel[(triton.cdiv(m, 64), triton.cdiv(k, BC))](*args, **consts, BC=BC)
+        bc = tile[0] if tile else BC
+        _compress_kernel[(triton.cdiv(m, 64), triton.cdiv(k, bc))](*args, **consts, BC=bc)
     return buf, dense
