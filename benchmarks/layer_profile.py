@@ -19,7 +19,7 @@ from twofour import SparseLinear
 from twofour.bench import fwd_bwd_step
 
 
-def _host_ms(fn, n: int = 50) -> float:
+def host_ms(fn, n: int = 50) -> float:
     """Host time to issue one step, measured while the GPU lags behind (no sync inside)."""
     torch.cuda.synchronize()
     t0 = time.perf_counter()
@@ -67,7 +67,7 @@ def host_costs() -> None:
     for name, fn in pieces.items():
         for _ in range(5):
             fn()
-        print(f"| {name} | {_host_ms(fn, 200) * 1e3:.1f} |", flush=True)
+        print(f"| {name} | {host_ms(fn, 200) * 1e3:.1f} |", flush=True)
 
 
 def main() -> None:
@@ -85,7 +85,7 @@ def main() -> None:
             fn = fwd_bwd_step(layer, x, g)
             for _ in range(3):
                 fn()
-            print(f"| {name} | {do_bench(fn, return_mode='median'):.3f} | {_host_ms(fn):.3f} |", flush=True)
+            print(f"| {name} | {do_bench(fn, return_mode='median'):.3f} | {host_ms(fn):.3f} |", flush=True)
         for name in ("nn.Linear", "s-ste"):
             fn = fwd_bwd_step(layers[name], x, g)
             with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:

@@ -37,11 +37,16 @@ def run(layer, x, g, fast):
 @pytest.mark.parametrize("recipe", ["ste", "sr-ste", "s-ste", "t-sr-ste"])
 @pytest.mark.parametrize("gemm", ["sparse", "dense", "auto"])
 @pytest.mark.parametrize("layout", ["row", "col"])
-def test_fast_matches_reference(recipe, gemm, layout, monkeypatch):
-    """bf16 tolerances: forward and dX within 1e-2 relative; dW (mvue off) within 1e-2."""
+@pytest.mark.parametrize("transposed_output", [False, True])
+def test_fast_matches_reference(recipe, gemm, layout, transposed_output, monkeypatch):
+    """bf16 tolerances: forward (bias in cuSPARSELt's epilogue when sparse) and dX within 1e-2
+    relative; dW (mvue off) within 1e-2. The output is row-major unless ``transposed_output``
+    allows y^T; dX comes back in x's order."""
     monkeypatch.setenv("TWOFOUR_GEMM", gemm)
     torch.manual_seed(0)
-    layer = SparseLinear(256, 512, device="cuda", recipe=recipe, mvue=False)
+    layer = SparseLinear(256, 512, device="cuda", recipe=recipe, mvue=False, transposed_output=transposed_output)
+    with torch.no_grad():
+        layer.bias.normal_()  # a bias that shows: GPT-style zero init would hide a missing epilogue
     x = torch.randn(4, 256, 256, device="cuda")
     if layout == "col":  # activations stored transposed, as a sparse fc1 may leave them
         x = x.reshape(-1, 256).t().contiguous().t().reshape(4, 256, 256)
@@ -49,6 +54,9 @@ def test_fast_matches_reference(recipe, gemm, layout, monkeypatch):
     yf, dxf, dwf = run(layer, x, g, True)
     yr, dxr, dwr = run(layer, x, g, False)
     assert rel(yf, yr) < 1e-2 and rel(dxf, dxr) < 1e-2 and rel(dwf, dwr) < 1e-2
+    if not transposed_output:
+        assert yf.is_contiguous()
+    assert ops.order(dxf.reshape(-1, 256)) == layout
 
 
 @pytest.mark.parametrize("recipe", ["s-ste", "t-sr-ste"])
@@ -141,3 +149,18 @@ def test_cuda_graph_replay_follows_weight_updates():
     y_ref, _, dw_ref = run(layer, x, g, fast=False)
     assert rel(y_graph, y_ref) < 1e-2
     assert rel(dw_graph, dw_ref) < 1e-2
+
+
+@pytest.mark.parametrize("recipe", ["ste", "s-ste"])
+def test_advance_refreshes_mask_on_device(recipe):
+    """advance() on the GPU (one fused kernel) gives the reference's mask and flip count."""
+    from twofour.pruning import mask_24
+
+    torch.manual_seed(0)
+    layer = SparseLinear(256, 512, device="cuda", recipe=recipe)
+    with torch.no_grad():
+        layer.weight.add_(torch.randn_like(layer.weight) * 0.02)
+    want = mask_24(layer.weight)
+    want_flips = (want != layer.mask).sum().item()
+    layer.advance()
+    assert torch.equal(layer.mask, want) and layer.flips.item() == want_flips > 0

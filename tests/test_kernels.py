@@ -125,13 +125,34 @@ def test_compress_op_traces_like_eager():
     assert all(torch.equal(a, b) for a, b in zip(eager, traced, strict=True))
 
 
-@pytest.mark.parametrize("dtype", OUT, ids=ids)
-def test_bias_rows_added_in_place(dtype, device):
-    d = torch.randn(12, 2500, device=device).to(dtype)  # ragged in both block dimensions
-    b = torch.randn(12, device=device).to(dtype)
-    want = (d.float() + b.float()[:, None]).to(dtype)
-    out = ops.add_bias_rows_(d, b)
-    assert out.data_ptr() == d.data_ptr()
-    torch.testing.assert_close(out, want, rtol=1e-2, atol=1e-2)
+@pytest.mark.parametrize("shape", [(64, 128), (37, 8), (3, 2, 1028)])
+@pytest.mark.parametrize("wdtype", [torch.float32, torch.bfloat16], ids=ids)
+def test_mask_refresh_matches_reference(shape, wdtype, device):
+    w = torch.randn(shape, device=device).to(wdtype)
+    w.view(-1, 4)[:3] = torch.tensor([[1.0, 1.0, 1.0, 1.0], [0.0, -0.0, 0.0, 0.0], [2.0, -2.0, 1.0, -2.0]])  # ties
+    old = mask_24(torch.randn(shape, device=device))
+    mask, flips = old.clone(), torch.full((), 99, dtype=torch.long, device=device)
+    ops.refresh_mask_(w, mask, flips)
+    want = mask_24(w)
+    assert torch.equal(mask, want)
+    assert flips.item() == (want != old).sum().item() > 0
+    ops.refresh_mask_(w, mask, flips)  # unchanged weight: no flips the second time
+    assert flips.item() == 0 and torch.equal(mask, want)
+
+
+def test_mask_refresh_bad_input():
+    w = torch.randn(8, 8)
+    with pytest.raises(ValueError, match="bool mask"):
+        ops.refresh_mask_(w, torch.zeros(8, 8, dtype=torch.uint8), torch.zeros((), dtype=torch.long))
     with pytest.raises(ValueError, match="contiguous"):
-        ops.add_bias_rows_(d.t(), b)
+        ops.refresh_mask_(w.t(), mask_24(w), torch.zeros((), dtype=torch.long))
+
+
+def test_dense_only_output_skips_the_compressed_layout(device):
+    dy = torch.randn(96, 64, device=device, dtype=torch.bfloat16)
+    seed = torch.tensor([5], device=device)
+    buf, dense = ck.compress(dy.t(), "mvue", seed=seed, dense_out=True)
+    empty, dense_only = ck.compress(dy.t(), "mvue", seed=seed, dense_out=True, sparse_out=False)
+    assert empty.numel() == 0 and torch.equal(dense_only, dense)
+    with pytest.raises(ValueError, match="neither"):
+        ck.compress(dy.t(), "mvue", seed=seed, sparse_out=False)

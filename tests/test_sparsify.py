@@ -4,7 +4,7 @@ from torch import nn
 
 import twofour
 from twofour import SparseLinear, sparsify
-from twofour.model import FFN_PATTERNS
+from twofour.model import FFN_IN_PATTERNS, FFN_PATTERNS
 
 from .helpers import tiny_gpt
 
@@ -26,6 +26,13 @@ def test_include_exclude_patterns():
     assert {n for n, _ in twofour.sparse_layers(model)} == {"h.0.mlp.fc", "h.0.mlp.proj", "h.1.mlp.fc", "h.1.mlp.proj"}
     model = sparsify(tiny_gpt(), "ste", exclude=["*.attn.*", "lm_head"])
     assert all(".mlp." in n for n, _ in twofour.sparse_layers(model))
+
+
+def test_transposed_output_is_set_on_the_named_layers_only():
+    model = sparsify(tiny_gpt(), "s-ste", include=FFN_PATTERNS, transposed_output=FFN_IN_PATTERNS)
+    flags = {n: m.transposed_output for n, m in twofour.sparse_layers(model)}
+    assert flags == {"h.0.mlp.fc": True, "h.0.mlp.proj": False, "h.1.mlp.fc": True, "h.1.mlp.proj": False}
+    assert "transposed_output=True" in repr(model.h[0].mlp.fc)
 
 
 def test_untied_head_is_excluded_by_name_and_can_be_included():

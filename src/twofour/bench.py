@@ -7,8 +7,11 @@ Ratios are dense time / twofour time (above 1 is faster), medians of CUDA-event 
 from __future__ import annotations
 
 import argparse
+import gc
 import platform
 import re
+import statistics
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
@@ -18,7 +21,7 @@ from . import SparseLinear, __version__
 from .kernels import cusparselt, ops
 from .pruning import transposable_mask_24
 
-__all__ = ["run_bench"]
+__all__ = ["run_bench", "fwd_bwd_step", "gpt_train_step"]
 
 # (name, d_model, d_ffn, tokens) of a transformer's FFN pair; tokens = seq 1024 x micro-batch
 SHAPES = [("gpt2-124m", 768, 3072, 32768), ("gpt2-350m", 1024, 4096, 32768), ("gpt2-774m", 1280, 5120, 32768),
@@ -105,14 +108,16 @@ def _fwd_bwd(module: nn.Module, x: torch.Tensor, g: torch.Tensor, quick: bool) -
     return _bench(fwd_bwd_step(module, x, g), quick)
 
 
-def _layers(t: int, k: int, n: int, quick: bool) -> dict[str, float]:
-    x = torch.randn(t, k, device="cuda", requires_grad=True)
+def _layers(t: int, k: int, n: int, quick: bool, ffn_in: bool) -> dict[str, float]:
+    """One layer in the FFN's layout plan: the first linear (``ffn_in``) may leave its output as
+    y^T; the second reads that y^T (a column-major x) and writes a row-major y."""
+    x = (torch.randn(t, k, device="cuda") if ffn_in else torch.randn(k, t, device="cuda").t()).requires_grad_()
     g = torch.randn(t, n, device="cuda", dtype=torch.bfloat16)
     dense = nn.Linear(k, n, device="cuda")
     td = _fwd_bwd(dense, x, g, quick)
     out = {}
     for r in LAYER_RECIPES:
-        layer = SparseLinear(k, n, device="cuda", recipe=r)
+        layer = SparseLinear(k, n, device="cuda", recipe=r, transposed_output=ffn_in)
         _fwd_bwd(layer, x, g, True)  # measure the dispatch choices first
         out[r] = td / _fwd_bwd(layer, x, g, quick)
     return out
@@ -125,21 +130,26 @@ def _ffn(t: int, d: int, h: int, quick: bool, recipe: str) -> float:
     x = torch.randn(t, d, device="cuda", requires_grad=True)
     g = torch.randn(t, d, device="cuda", dtype=torch.bfloat16)
     dense = block(nn.Linear)
-    sparse = block(lambda i, o: SparseLinear(i, o, recipe=recipe))
+    sparse = block(lambda i, o: SparseLinear(i, o, recipe=recipe, transposed_output=o > i))  # fc1: y^T out
     _fwd_bwd(sparse, x, g, True)
     return _fwd_bwd(dense, x, g, quick) / _fwd_bwd(sparse, x, g, quick)
 
 
-def _step_time(preset: str, batch: int, recipe: str) -> float:
-    from .model import FFN_PATTERNS, GPT  # noqa: PLC0415
+def gpt_train_step(preset: str, batch: int, recipe: str, *, transposed_output: bool = True,
+                   advance: bool = True) -> tuple[nn.Module, Callable[[], None]]:
+    """A GPT ``preset`` (vocabulary 50304, sequence 1024) on the GPU with ``recipe`` on its FFN
+    linears (fc1 with ``transposed_output``), fused AdamW and, with ``advance``, ``attach()``;
+    returns the model and a function that runs one training step on a fixed random batch."""
+    from .model import FFN_IN_PATTERNS, FFN_PATTERNS, GPT  # noqa: PLC0415
     from .sparsify import attach, sparsify  # noqa: PLC0415
 
     torch.manual_seed(0)
     model = GPT.from_preset(preset, block_size=1024, vocab_size=50304).cuda()
     if recipe != "dense":
-        sparsify(model, recipe, include=FFN_PATTERNS)
+        sparsify(model, recipe, include=FFN_PATTERNS, transposed_output=FFN_IN_PATTERNS if transposed_output else ())
     opt = torch.optim.AdamW(model.parameters(), lr=1e-4, fused=True)
-    attach(model, opt)
+    if advance:
+        attach(model, opt)
     idx = torch.randint(0, 50304, (batch, 1024), device="cuda")
 
     def step():
@@ -149,18 +159,44 @@ def _step_time(preset: str, batch: int, recipe: str) -> float:
         opt.step()
         opt.zero_grad(set_to_none=True)
 
+    return model, step
+
+
+def _step_time(preset: str, batch: int, recipe: str) -> float:
+    step = gpt_train_step(preset, batch, recipe)[1]
     for _ in range(3):
         step()
-    return _bench(step, True)
+    return _median_ms(step, 12)
 
 
-def _train_step(preset: str, batch: int) -> tuple[float, float]:
-    """A whole GPT training step (forward, backward, AdamW): dense vs s-ste on the FFN linears."""
-    dense = _step_time(preset, batch, "dense")
-    torch.cuda.empty_cache()
-    sparse = _step_time(preset, batch, "s-ste")
-    torch.cuda.empty_cache()
-    return dense / sparse, dense
+def _median_ms(fn, n: int) -> float:
+    """Median of ``n`` back-to-back runs, each timed by CUDA events, one sync at the end (for
+    steps long enough that do_bench's time budget would allow only one or two runs)."""
+    events = [(torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)) for _ in range(n)]
+    for start, end in events:
+        start.record()
+        fn()
+        end.record()
+    torch.cuda.synchronize()
+    return statistics.median(start.elapsed_time(end) for start, end in events)
+
+
+def _train_step(preset: str, batches: tuple[int, ...]) -> tuple[float, float, int]:
+    """A whole GPT training step (forward, backward, AdamW): dense vs s-ste on the FFN linears, at
+    the largest of ``batches`` whose dense step fits in the GPU's memory: (ratio, dense ms, batch)."""
+    for batch in batches:
+        try:
+            dense = _step_time(preset, batch, "dense")
+        except torch.OutOfMemoryError:
+            dense = None
+        gc.collect()  # the failed attempt's model, once its traceback is gone
+        torch.cuda.empty_cache()
+        if dense is None:
+            continue
+        sparse = _step_time(preset, batch, "s-ste")
+        torch.cuda.empty_cache()
+        return dense / sparse, dense, batch
+    raise RuntimeError(f"twofour bench: no micro-batch of {batches} fits {preset} on this GPU")
 
 
 def _gemm_rate(quick: bool) -> float:
@@ -199,11 +235,13 @@ def run_bench(args: argparse.Namespace) -> str:
             lines.append(f"| {kname} | {name} ({t} tokens, {d}->{h}) | {gbs:.0f} | {frac:.0%} | {eager:.3f} |")
             print(lines[-1], flush=True)
     lines += ["", "### SparseLinear forward + backward (pruning, compression and MVUE included), per recipe", "",
+              "In the FFN's layout plan: the first linear may leave y^T (`transposed_output=True`), the second "
+              "reads it (a column-major x) and writes a row-major y; dense nn.Linear on the same x.", "",
               "| shape | tokens x in -> out | " + " | ".join(LAYER_RECIPES) + " |",
               "|---|---|" + "---|" * len(LAYER_RECIPES)]
     for name, d, h, t in shapes:
         for k, n in ((d, h), (h, d)):
-            r = _layers(t, k, n, quick)
+            r = _layers(t, k, n, quick, ffn_in=(k, n) == (d, h))
             lines.append(f"| {name} | {t} x {k} -> {n} | " + " | ".join(f"{r[x]:.2f}x" for x in LAYER_RECIPES) + " |")
             print(lines[-1], flush=True)
     lines += ["", "### FFN block (fc -> GELU -> proj), forward + backward", "", "| shape | tokens | s-ste | t-sr-ste |",
@@ -213,9 +251,12 @@ def run_bench(args: argparse.Namespace) -> str:
         lines.append(f"| {name} | {t} | {s_ste:.2f}x | {t_sr:.2f}x |")
         print(lines[-1], flush=True)
     lines += ["", "### Full GPT training step (bf16 autocast, fused AdamW; s-ste on the FFN linears)", "",
+              "fc1 with `transposed_output`, `attach()`'s mask refresh included; the largest micro-batch of "
+              "64/32/16 (124M) or 32/16/8 (774M) whose dense step fits in the GPU's memory; median of 12 steps.", "",
               "| model | micro-batch x seq | dense step ms | s-ste ratio |", "|---|---|---|---|"]
-    for preset, batch in ([("gpt2-774m", 16)] if quick else [("gpt2-124m", 32), ("gpt2-774m", 16)]):
-        ratio, td = _train_step(preset, batch)
+    steps = [("gpt2-774m", (32, 16, 8))] if quick else [("gpt2-124m", (64, 32, 16)), ("gpt2-774m", (32, 16, 8))]
+    for preset, batches in steps:
+        ratio, td, batch = _train_step(preset, batches)
         lines.append(f"| {preset} | {batch} x 1024 | {td:.1f} | {ratio:.2f}x |")
         print(lines[-1], flush=True)
     lines += ["", "Dispatch choices measured in this run (`twofour.kernels.ops.choices()`):", "", "```"]

@@ -94,25 +94,25 @@ def _as_2d(t: torch.Tensor) -> torch.Tensor:
 class _FastSparseLinearFn(torch.autograd.Function):
     """The GPU path: cuSPARSELt 2:4 GEMMs where they measure faster than dense (forward, dX for
     transposable masks, dW on the fused MVUE-compressed dY^T), operands read in whatever order
-    they are stored; the same math as _SparseLinearFn."""
+    they are stored; the same math as _SparseLinearFn.
+
+    The output is row-major, as nn.Linear's, unless ``transposed_output`` allows y^T stored
+    row-major (a column-major y) where that is faster; dX comes back in x's own order, so that
+    elementwise backward ops see operands of one order."""
 
     @staticmethod
-    def forward(ctx, x, weight, bias, wc, wdense, wtc, recipe: Recipe):
+    def forward(ctx, x, weight, bias, wc, wdense, wtc, recipe: Recipe, transposed_output: bool):
         x2 = _as_2d(x)
         t, k = x2.shape
         n = wdense.shape[0]
         bo = "col" if ops.order(x2) == "row" else "row"  # the order of x^T as cuSPARSELt's B
         b = None if bias is None else bias.to(x2.dtype)
-
-        def sparse(d_col: bool) -> torch.Tensor:
-            d = ops.spmm(wc, x2.t(), n, d_col)  # y^T: row-major (n, t), or column-major
-            if b is not None:  # in place, along the output's own memory order
-                d = d.add_(b[:, None]) if d_col else ops.add_bias_rows_(d, b)
-            return d.t()
-
-        cands = {"sparse_dr": lambda: sparse(False), "sparse_dc": lambda: sparse(True),
+        # y^T = W x^T (+ b in cuSPARSELt's epilogue), stored column-major (y row-major) or row-major
+        cands = {"sparse_dc": lambda: ops.spmm(wc, x2.t(), n, True, b).t(),
                  "dense": lambda: x2 @ wdense.t() if b is None else torch.addmm(b, x2, wdense.t())}  # fused bias
-        y = cands[ops.choose("fwd", n, k, t, bo, x2.dtype, cands)]()
+        if transposed_output:
+            cands["sparse_dr"] = lambda: ops.spmm(wc, x2.t(), n, False, b).t()
+        y = cands[ops.choose("fwd" if b is None else "fwd+bias", n, k, t, bo, x2.dtype, cands)]()
         ctx.save_for_backward(x2, weight if recipe.decay else None, wc, wdense, wtc)
         ctx.recipe, ctx.x_shape, ctx.x_dtype, ctx.has_bias = recipe, x.shape, x.dtype, bias is not None
         ctx.w_dtype = weight.dtype
@@ -126,24 +126,28 @@ class _FastSparseLinearFn(torch.autograd.Function):
         t, n = dy2.shape
         k = x2.shape[1]
         dx = dw = db = None
-        if ctx.needs_input_grad[0]:
-            cands = {"dense": lambda: dy2 @ wdense}
+        if ctx.needs_input_grad[0]:  # dX in x's order: dX^T = W^T dY^T stored column- or row-major
+            x_col = ops.order(x2) == "col"
+            cands = {"dense": (lambda: (wdense.t() @ dy2.t()).t()) if x_col else (lambda: dy2 @ wdense)}
             if wtc.numel():  # transposable mask: W^T is 2:4 too
-                cands["sparse_dr"] = lambda: ops.spmm(wtc, dy2.t(), k, False).t()
-                cands["sparse_dc"] = lambda: ops.spmm(wtc, dy2.t(), k, True).t()
+                cands["sparse"] = lambda: ops.spmm(wtc, dy2.t(), k, not x_col).t()
             bo = "col" if ops.order(dy2) == "row" else "row"
-            dx = cands[ops.choose("dx", k, n, t, bo, dy2.dtype, cands)]().reshape(ctx.x_shape).to(ctx.x_dtype)
+            dx = cands[ops.choose("dx-xcol" if x_col else "dx", k, n, t, bo, dy2.dtype, cands)]()
+            dx = dx.reshape(ctx.x_shape).to(ctx.x_dtype)
         if ctx.needs_input_grad[1]:
             if recipe.mvue:
                 seed = torch.randint(0, 2**31 - 1, (1,), device=dy2.device)
                 key = ("dw", n, t, k, ops.order(x2), dy2.dtype)
-                need_dense = ops.choice_of(*key) in (None, "dense")
+                known = ops.choice_of(*key)  # once measured, only the operand its GEMM reads is written
                 # read dY^T in place: a transposing copy first measured slower (docs/PERFORMANCE.md)
-                buf, dense = ops.compress(dy2.t(), "mvue", None, None, seed, need_dense, dy2.dtype)
-                cands = {"sparse": lambda: ops.spmm(buf, x2, n, False)}
-                if need_dense:
+                buf, dense = ops.compress(dy2.t(), "mvue", None, None, seed, known != "sparse", dy2.dtype,
+                                          known != "dense")
+                cands = {}
+                if known != "dense":
+                    cands["sparse"] = lambda: ops.spmm(buf, x2, n, False)
+                if known != "sparse":
                     cands["dense"] = lambda: dense @ x2
-                choice = ops.choice_of(*key) or ops.choose(*key, cands)
+                choice = known or ops.choose(*key, cands)
                 dw = cands[choice]()
             else:
                 dw = dy2.t() @ x2
@@ -153,7 +157,7 @@ class _FastSparseLinearFn(torch.autograd.Function):
             dw = dw.to(ctx.w_dtype)
         if ctx.has_bias and ctx.needs_input_grad[2]:
             db = dy2.sum(0)
-        return dx, dw, db, None, None, None, None
+        return dx, dw, db, None, None, None, None, None
 
 
 class SparseLinear(nn.Linear):
@@ -162,12 +166,19 @@ class SparseLinear(nn.Linear):
     ``weight`` is the dense master; :meth:`effective_weight` is what the forward uses. Call
     :meth:`advance` once per optimizer step (``twofour.attach(model, optimizer)`` does it for
     every layer): it refreshes masks, counts flips, and moves step-based phases on.
+
+    ``transposed_output=True`` lets the GPU path return its output as a column-major view (y^T
+    stored row-major) where that GEMM is faster: right for a layer whose output only feeds
+    elementwise ops and another linear, such as an FFN's first linear (the next SparseLinear
+    reads it in place). Otherwise the output is row-major, as nn.Linear's.
     """
 
     def __init__(self, in_features: int, out_features: int, bias: bool = True, device: Any = None,
-                 dtype: torch.dtype | None = None, recipe: str | Recipe = DEFAULT_RECIPE, **options: Any):
+                 dtype: torch.dtype | None = None, recipe: str | Recipe = DEFAULT_RECIPE,
+                 transposed_output: bool = False, **options: Any):
         super().__init__(in_features, out_features, bias, device=device, dtype=dtype)
         self.recipe = make_recipe(recipe, **options)
+        self.transposed_output = transposed_output
         self._init_state()
 
     @classmethod
@@ -284,7 +295,13 @@ class SparseLinear(nn.Linear):
         if r.pruning == "transposable" and self._step % r.mask_interval:
             self.flips.zero_()
             return
-        new = self._mask_of(self.weight.detach())
+        w = self.weight.detach()
+        if hasattr(w, "full_tensor"):
+            w = w.full_tensor()
+        if r.pruning != "transposable" and ops.triton_ok(w) and w.is_contiguous() and self.mask.device == w.device:
+            ops.refresh_mask_(w, self.mask, self.flips)  # one fused kernel, no host sync
+            return
+        new = self._mask_of(w)
         self.flips.copy_((new != self.mask).sum())
         self.mask.copy_(new)
 
@@ -336,9 +353,11 @@ class SparseLinear(nn.Linear):
             cdt = _compute_dtype(x)
             with torch.autocast("cuda", enabled=False):
                 wc, wd, wtc = self._fast_weights(cdt)
-                return _FastSparseLinearFn.apply(x.to(cdt), self.weight, self.bias, wc, wd, wtc, self.recipe)
+                return _FastSparseLinearFn.apply(x.to(cdt), self.weight, self.bias, wc, wd, wtc, self.recipe,
+                                                 self.transposed_output)
         return _SparseLinearFn.apply(x, self.weight, self.bias, self.beta, self.mask, self.recipe, self._dense)
 
     def extra_repr(self) -> str:
         opts = ", ".join(f"{k}={v}" for k, v in self.recipe.to_dict().items() if k not in ("name", "pruning"))
-        return f"{super().extra_repr()}, recipe={self.recipe.name}({opts})"
+        extra = ", transposed_output=True" if self.transposed_output else ""
+        return f"{super().extra_repr()}, recipe={self.recipe.name}({opts}){extra}"

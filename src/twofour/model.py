@@ -13,10 +13,13 @@ import torch
 from torch import nn
 from torch.nn import functional as F
 
-__all__ = ["GPTConfig", "GPT", "PRESETS", "FFN_PATTERNS", "ATTN_PATTERNS"]
+__all__ = ["GPTConfig", "GPT", "PRESETS", "FFN_PATTERNS", "FFN_IN_PATTERNS", "ATTN_PATTERNS"]
 
 #: Module-name patterns of the FFN and attention linears, for ``twofour.sparsify(include=...)``.
 FFN_PATTERNS = ("*.mlp.fc", "*.mlp.proj")
+#: The FFN's first linears, whose outputs feed only GELU and the second linear: for
+#: ``twofour.sparsify(transposed_output=...)`` (their output may stay in y^T order on the GPU).
+FFN_IN_PATTERNS = ("*.mlp.fc",)
 ATTN_PATTERNS = ("*.attn.qkv", "*.attn.proj")
 
 

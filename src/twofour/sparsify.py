@@ -29,7 +29,8 @@ def _matches(name: str, patterns: Iterable[str]) -> bool:
 
 
 def sparsify(model: nn.Module, recipe: str | Recipe = DEFAULT_RECIPE, *, include: Iterable[str] | None = None,
-             exclude: Iterable[str] = DEFAULT_EXCLUDE, **options: Any) -> nn.Module:
+             exclude: Iterable[str] = DEFAULT_EXCLUDE, transposed_output: Iterable[str] = (),
+             **options: Any) -> nn.Module:
     """Swap the eligible ``nn.Linear`` layers of ``model`` for :class:`SparseLinear`, in place.
 
     ``include``/``exclude`` are ``fnmatch`` patterns on module names (``"*.mlp.*"``); by default
@@ -38,10 +39,16 @@ def sparsify(model: nn.Module, recipe: str | Recipe = DEFAULT_RECIPE, *, include
     naming them. Parameters are kept (the same objects), so an existing optimizer stays valid,
     except for Hugging Face ``Conv1D`` layers (GPT-2), whose (in, out) weight gets a transposed
     copy: make the optimizer after ``sparsify`` there.
+
+    ``transposed_output`` names (patterns) the layers whose output may come back column-major on
+    the GPU (see :class:`SparseLinear`): an FFN's first linear (``"*.mlp.fc"`` in twofour's GPT,
+    ``"*.mlp.c_fc"`` in Hugging Face's GPT-2), whose output feeds only the activation and the
+    second linear.
     """
     rec = make_recipe(recipe, **options)
     include = None if include is None else tuple([include] if isinstance(include, str) else include)
     exclude = tuple([exclude] if isinstance(exclude, str) else exclude)
+    transposed = tuple([transposed_output] if isinstance(transposed_output, str) else transposed_output)
     tied = {id(m.weight) for m in model.modules() if isinstance(m, nn.Embedding)}
     mha_children = {id(c) for m in model.modules() if isinstance(m, nn.MultiheadAttention) for c in m.children()}
     converted, skipped = [], []
@@ -64,7 +71,9 @@ def sparsify(model: nn.Module, recipe: str | Recipe = DEFAULT_RECIPE, *, include
             skipped.append((name, f"out_features={out_f} is not a multiple of 4 (transposable masks)"))
             continue
         parent_name, _, attr = name.rpartition(".")
-        new = SparseLinear.from_conv1d(mod, rec) if conv1d else SparseLinear.from_linear(mod, rec)
+        flag = _matches(name, transposed)
+        new = (SparseLinear.from_conv1d(mod, rec, transposed_output=flag) if conv1d
+               else SparseLinear.from_linear(mod, rec, transposed_output=flag))
         setattr(model.get_submodule(parent_name), attr, new)
         converted.append(name)
     if skipped:

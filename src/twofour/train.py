@@ -29,7 +29,7 @@ from tqdm.auto import tqdm
 
 from . import __version__, attach, flip_rate, sparse_layers, sparsify
 from .data import TokenData, load_data
-from .model import ATTN_PATTERNS, FFN_PATTERNS, GPT, PRESETS, GPTConfig
+from .model import ATTN_PATTERNS, FFN_IN_PATTERNS, FFN_PATTERNS, GPT, PRESETS, GPTConfig
 from .optim import STEPAdamW
 from .recipes import make_recipe, recipe_options
 
@@ -184,7 +184,7 @@ def build_model(cfg: TrainConfig, vocab_size: int) -> GPT:
     if "total_steps" in recipe_options(cfg.recipe) and options.get("total_steps") is None:
         options["total_steps"] = cfg.steps
     include = FFN_PATTERNS + (ATTN_PATTERNS if cfg.sparse_attention else ())
-    return sparsify(model, cfg.recipe, include=include, **options)
+    return sparsify(model, cfg.recipe, include=include, transposed_output=FFN_IN_PATTERNS, **options)
 
 
 def _rng_state(data_gen: torch.Generator) -> dict[str, Any]:

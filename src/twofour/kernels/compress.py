@@ -90,7 +90,8 @@ if HAS_TRITON:
     def _compress_kernel(src, sr, sc, m_rows, k_cols, mask_ptr, u_ptr, seed_ptr, scale_ptr, vals, meta, dense_out,
                          n_ct, MODE: tl.constexpr, HAS_U: tl.constexpr, WRITE_DENSE: tl.constexpr,
                          OUT_BF16: tl.constexpr, BC: tl.constexpr, ROUNDS: tl.constexpr = PHILOX_ROUNDS,
-                         BIG: tl.constexpr = False, QUAD_LOADS: tl.constexpr = False):
+                         BIG: tl.constexpr = False, QUAD_LOADS: tl.constexpr = False,
+                         WRITE_SPARSE: tl.constexpr = True):
         """One 64-row band x BC columns: the four entries of each group as four (64, BC/4)
         tensors (one tile load and a split, or four loads for a source with contiguous rows),
         the kept pair chosen elementwise, values and metadata packed by reshapes."""
@@ -159,21 +160,22 @@ if HAS_TRITON:
             y0 = y0 * s * _rcp(ak0 * (1 + qs - qk0))
             y1 = y1 * s * _rcp(ak1 * (1 + qs - qk1))
         v0, v1 = _out(y0, OUT_BF16), _out(y1, OUT_BF16)
-        vv = tl.reshape(tl.join(v0, v1), (64, BC // 2))  # (64, G, 2) -> row-major values
-        cv = pc * (BC // 2) + tl.arange(0, BC // 2)[None, :]
-        tl.store(vals + r * (k_cols // 2) + cv, vv, mask=(r < m_rows) & (cv < k_cols // 2))
-        code = tl.where(r < m_rows, i0 | (i1 << 2), 14)  # padding rows read as "keep 2 and 3"
-        # (64 rows, G groups) -> (rt, rh, rl, ct, gh, gl); nibble rh + 2*gh of word (rl, gl)
-        c6 = tl.reshape(code, (4, 2, 8, CT, 2, 4))
-        rh = tl.arange(0, 2)[None, :, None, None, None, None]
-        gh = tl.arange(0, 2)[None, None, None, None, :, None]
-        word = tl.sum(tl.sum(c6 << (4 * (rh + 2 * gh)), axis=4), axis=1)  # (rt, rl, ct, gl)
-        word = tl.where(word >= 32768, word - 65536, word).to(tl.int16)
-        rt = tl.arange(0, 4)[:, None, None, None]
-        rl = tl.arange(0, 8)[None, :, None, None]
-        ct = pc * CT + tl.arange(0, CT)[None, None, :, None]
-        gl = tl.arange(0, 4)[None, None, None, :]
-        tl.store(meta + ((band * n_ct + ct) * 4 + rt) * 32 + rl * 4 + gl, word, mask=ct < n_ct)
+        if WRITE_SPARSE:  # the compressed layout (skipped when only the dense matrix is read)
+            vv = tl.reshape(tl.join(v0, v1), (64, BC // 2))  # (64, G, 2) -> row-major values
+            cv = pc * (BC // 2) + tl.arange(0, BC // 2)[None, :]
+            tl.store(vals + r * (k_cols // 2) + cv, vv, mask=(r < m_rows) & (cv < k_cols // 2))
+            code = tl.where(r < m_rows, i0 | (i1 << 2), 14)  # padding rows read as "keep 2 and 3"
+            # (64 rows, G groups) -> (rt, rh, rl, ct, gh, gl); nibble rh + 2*gh of word (rl, gl)
+            c6 = tl.reshape(code, (4, 2, 8, CT, 2, 4))
+            rh = tl.arange(0, 2)[None, :, None, None, None, None]
+            gh = tl.arange(0, 2)[None, None, None, None, :, None]
+            word = tl.sum(tl.sum(c6 << (4 * (rh + 2 * gh)), axis=4), axis=1)  # (rt, rl, ct, gl)
+            word = tl.where(word >= 32768, word - 65536, word).to(tl.int16)
+            rt = tl.arange(0, 4)[:, None, None, None]
+            rl = tl.arange(0, 8)[None, :, None, None]
+            ct = pc * CT + tl.arange(0, CT)[None, None, :, None]
+            gl = tl.arange(0, 4)[None, None, None, :]
+            tl.store(meta + ((band * n_ct + ct) * 4 + rt) * 32 + rl * 4 + gl, word, mask=ct < n_ct)
         if WRITE_DENSE:  # the effective matrix, row-major, for GEMMs that stay dense
             zero = tl.zeros_like(v0)
             d01 = tl.join(tl.where(k0, v0, zero), tl.where(i1 == 1, v1, tl.where(i0 == 1, v0, zero)))
@@ -184,7 +186,7 @@ if HAS_TRITON:
     _compress_tuned = triton.autotune(
         configs=[triton.Config({"BC": bc}, num_warps=w) for bc, w in ((32, 2), (64, 2), (64, 4), (128, 4), (128, 8),
                                                                        (256, 8))],
-        key=["m_rows", "k_cols", "sr", "sc", "MODE", "WRITE_DENSE", "ROUNDS"],
+        key=["m_rows", "k_cols", "sr", "sc", "MODE", "WRITE_DENSE", "ROUNDS", "WRITE_SPARSE"],
     )(_compress_kernel)
 
     @triton.jit
@@ -201,16 +203,17 @@ _launch: dict[tuple, tuple[int, int]] = {}  # (shape, strides, dtype, constants)
 
 def compress(x: torch.Tensor, mode: str, *, out_dtype: torch.dtype = torch.bfloat16, scale: torch.Tensor | None = None,
              mask: torch.Tensor | None = None, u: torch.Tensor | None = None, seed: torch.Tensor | None = None,
-             dense_out: bool = False, rounds: int = PHILOX_ROUNDS,
-             tile: tuple[int, int] | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
+             dense_out: bool = False, rounds: int = PHILOX_ROUNDS, tile: tuple[int, int] | None = None,
+             sparse_out: bool = True) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Prune the (M, K) matrix ``x`` (any strides) along K and compress it for cuSPARSELt.
 
     ``mode``: ``hard`` (top-2), ``soft`` (``scale`` * soft threshold), ``mask`` (keep ``mask``,
     a bool tensor of x's shape and strides) or ``mvue`` (uniforms ``u``, two per group, a
     contiguous (M, K/2) tensor, or a Philox ``seed`` int tensor on the device, with ``rounds``
-    Philox rounds). Returns the compressed uint8 buffer and, with ``dense_out``, the effective
-    (M, K) matrix in ``out_dtype``. ``tile`` = (columns, warps) fixes the launch (benchmarks);
-    by default it is autotuned once per shape on the GPU.
+    Philox rounds). Returns the compressed uint8 buffer (empty with ``sparse_out=False``, for a
+    caller that reads only the dense matrix) and, with ``dense_out``, the effective (M, K) matrix
+    in ``out_dtype``. ``tile`` = (columns, warps) fixes the launch (benchmarks); by default it is
+    autotuned once per shape on the GPU.
     """
     if not HAS_TRITON:
         raise RuntimeError("twofour's fused compression needs Triton (pip install triton)")
@@ -221,14 +224,18 @@ def compress(x: torch.Tensor, mode: str, *, out_dtype: torch.dtype = torch.bfloa
         raise ValueError(f"compress: mode must be one of {', '.join(MODES)}, got {mode!r}")
     if out_dtype not in (torch.bfloat16, torch.float16):
         raise TypeError(f"compress: out_dtype must be bfloat16 or float16, got {out_dtype}")
-    buf = torch.empty(compressed_size(m, k, 2), dtype=torch.uint8, device=x.device)
-    nval = m * k // 2
+    if not (sparse_out or dense_out):
+        raise ValueError("compress: asked for neither the compressed nor the dense output")
+    buf = torch.empty(compressed_size(m, k, 2) if sparse_out else 0, dtype=torch.uint8, device=x.device)
+    nval = m * k // 2 if sparse_out else 0
     bits = torch.int16 if out_dtype == torch.bfloat16 else torch.float16  # bf16 is written as its bits
     vals = buf[: nval * 2].view(bits)
     meta = buf[nval * 2:].view(torch.int16)
     dense = torch.empty(m, k, dtype=out_dtype, device=x.device) if dense_out else None
     dense_bits = dense.view(bits) if dense is not None else vals
-    dummy = buf
+    if not sparse_out:  # unused pointers must still point at memory
+        vals = meta = dense_bits
+    dummy = vals
     if mode == "mvue" and u is None and seed is None:
         seed = torch.randint(0, 2**31 - 1, (1,), device=x.device, dtype=torch.int64)
     if mask is not None:
@@ -241,7 +248,8 @@ def compress(x: torch.Tensor, mode: str, *, out_dtype: torch.dtype = torch.bfloa
         raise ValueError(f"compress: u must be a contiguous ({m}, {k // 2}) tensor (two uniforms per group)")
     span = (m - 1) * abs(x.stride(0)) + (k - 1) * abs(x.stride(1)) + 1
     consts = dict(MODE=MODES[mode], HAS_U=u is not None, WRITE_DENSE=dense_out, OUT_BF16=out_dtype == torch.bfloat16,
-                  ROUNDS=rounds, BIG=max(span, m * k) >= 2**31, QUAD_LOADS=x.stride(0) == 1 and k > 1)
+                  ROUNDS=rounds, BIG=max(span, m * k) >= 2**31, QUAD_LOADS=x.stride(0) == 1 and k > 1,
+                  WRITE_SPARSE=sparse_out)
     if x.is_cuda:  # tile width and warps measured once per shape and mode (triton.autotune), then
         # launched directly: the autotuner's own dispatch costs ~12 us of host time per call
         key = (m, k, x.stride(0), x.stride(1), x.dtype, tuple(consts.values()))

@@ -6,7 +6,10 @@ operand order and costs ~20-30 us per call. Every plan computes
 
     D (M x N) = A (M x K, 2:4 along K, row-major, compressed) @ B (K x N)
 
-with B and D in row- or column-major order, as the caller's memory already is.
+with B and D in row- or column-major order, as the caller's memory already is, and optionally
+adds a bias vector (one value per row of D) in the GEMM's epilogue: a plan built with a bias
+reads the pointer from its matmul descriptor at each call, so a call with another bias tensor
+only resets that pointer (checked on the H200, ``benchmarks/bias_epilogue.py``).
 """
 
 from __future__ import annotations
@@ -64,6 +67,7 @@ class PlanKey:
     d_order: int
     dtype: torch.dtype
     device: int
+    bias: bool = False
 
 
 class Plan:
@@ -84,9 +88,12 @@ class Plan:
         self.d = dense(key.m, key.n, key.d_order)
         self.mm = L.matmul_descriptor_init(h, _NON_TRANSPOSE, _NON_TRANSPOSE, self.a, self.b, self.d, self.d,
                                            L.ComputeType.COMPUTE_32F)
+        dev = torch.device("cuda", key.device)
+        self._bias_ptr = np.zeros(1, dtype=np.int64)
+        if key.bias:  # the epilogue is chosen when the plan is built: give it a bias to build with
+            self._set_bias(torch.zeros(key.m, dtype=key.dtype, device=dev))
         self.alg = L.matmul_alg_selection_init(h, self.mm, L.MatmulAlg.DEFAULT)
         self.plan = L.matmul_plan_init(h, self.mm, self.alg)
-        dev = torch.device("cuda", key.device)
         self.workspace = torch.empty(max(1, L.matmul_get_workspace(h, self.plan)), dtype=torch.uint8, device=dev)
         self.compressed_size, tmp = L.sp_mma_compressed_size(h, self.plan)
         self._tmp = torch.empty(max(1, tmp), dtype=torch.uint8, device=dev)
@@ -102,8 +109,24 @@ class Plan:
                                torch.cuda.current_stream(a.device).cuda_stream)
         return out
 
-    def matmul(self, a_compressed: torch.Tensor, b: torch.Tensor, d: torch.Tensor) -> torch.Tensor:
-        """D = A @ B on the current stream; ``b`` and ``d`` are raw memory in the plan's orders."""
+    def _set_bias(self, bias: torch.Tensor) -> None:
+        self._bias = bias  # kept alive while the descriptor points at it
+        self._bias_ptr[0] = bias.data_ptr()
+        _lib().matmul_desc_set_attribute(self.h, self.mm, _lib().MatmulDescAttribute.BIAS_POINTER,
+                                         self._bias_ptr.ctypes.data, 8)
+
+    def matmul(self, a_compressed: torch.Tensor, b: torch.Tensor, d: torch.Tensor,
+               bias: torch.Tensor | None = None) -> torch.Tensor:
+        """D = A @ B (+ bias[:, None]) on the current stream; ``b`` and ``d`` are raw memory in the
+        plan's orders; ``bias`` (M values, D's dtype) is given exactly when the plan has one."""
+        if (bias is not None) != self.key.bias:
+            raise ValueError(f"this plan was built {'with' if self.key.bias else 'without'} a bias epilogue")
+        if bias is not None:
+            if bias.shape != (self.key.m,) or bias.dtype != self.key.dtype or not bias.is_contiguous():
+                raise ValueError(f"bias must be a contiguous ({self.key.m},) {self.key.dtype} tensor, got "
+                                 f"{tuple(bias.shape)} {bias.dtype}")
+            if bias.data_ptr() != self._bias_ptr[0]:
+                self._set_bias(bias)
         stream = torch.cuda.current_stream(d.device)
         self._streams[0] = stream.cuda_stream
         _lib().matmul(self.h, self.plan, self._alpha.ctypes.data, a_compressed.data_ptr(), b.data_ptr(),
@@ -116,11 +139,11 @@ _plans: dict[PlanKey, Plan] = {}
 
 
 def get_plan(m: int, k: int, n: int, b_order: int, d_order: int, dtype: torch.dtype,
-             device: int | None = None) -> Plan:
-    """The cached plan for this shape, orders, dtype and device (built on first use)."""
+             device: int | None = None, bias: bool = False) -> Plan:
+    """The cached plan for this shape, orders, dtype, device and bias epilogue (built on first use)."""
     if dtype not in _CUDA_DTYPE:
         raise TypeError(f"cuSPARSELt plans support bfloat16 and float16, got {dtype}")
-    key = PlanKey(m, k, n, b_order, d_order, dtype, torch.cuda.current_device() if device is None else device)
+    key = PlanKey(m, k, n, b_order, d_order, dtype, torch.cuda.current_device() if device is None else device, bias)
     plan = _plans.get(key)
     if plan is None:
         with _lock:

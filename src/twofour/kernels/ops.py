@@ -2,9 +2,10 @@
 under torch's tracers; SparseLinear itself still runs its reference math under ``torch.compile``),
 and the dispatch that picks, per GEMM and shape, dense or 2:4 sparse by measuring both once.
 
-``spmm(a, b, m, d_col)``: D (m x n) = A @ B with A compressed 2:4 (cuSPARSELt layout) and B a
-(k, n) tensor in row- or column-major order (read in place, no transposes); D comes back
-column-major when ``d_col`` (so ``D.t()`` is a row-major (n, m) tensor).
+``spmm(a, b, m, d_col, bias)``: D (m x n) = A @ B (+ bias[:, None], in cuSPARSELt's epilogue)
+with A compressed 2:4 (cuSPARSELt layout) and B a (k, n) tensor in row- or column-major order
+(read in place, no transposes); D comes back column-major when ``d_col`` (so ``D.t()`` is a
+row-major (n, m) tensor).
 ``compress(...)``: the fused Triton prune/MVUE + compression kernel (``compress.py``).
 """
 
@@ -19,11 +20,11 @@ import torch
 
 from . import compress as _ck
 from . import cusparselt as _cs
-from .bias import add_bias_rows_
 from .layout import compressed_size
+from .mask import refresh_mask_
 
-__all__ = ["spmm", "compress", "add_bias_rows_", "order", "fast_available", "choose", "choice_of", "choices",
-           "set_choice", "clear_choices"]
+__all__ = ["spmm", "compress", "refresh_mask_", "order", "fast_available", "triton_ok", "choose",
+           "choice_of", "choices", "set_choice", "clear_choices"]
 
 
 def order(t: torch.Tensor) -> str | None:
@@ -41,21 +42,28 @@ def fast_available() -> bool:
     return os.environ.get("TWOFOUR_FAST", "1") != "0" and _ck.HAS_TRITON and _cs.available()
 
 
-def _spmm(a: torch.Tensor, b: torch.Tensor, m: int, d_col: bool) -> torch.Tensor:
+def triton_ok(t: torch.Tensor) -> bool:
+    """Triton kernels can run on ``t``: a CUDA tensor, Triton installed, TWOFOUR_FAST not 0."""
+    return t.is_cuda and _ck.HAS_TRITON and os.environ.get("TWOFOUR_FAST", "1") != "0"
+
+
+def _spmm(a: torch.Tensor, b: torch.Tensor, m: int, d_col: bool, bias: torch.Tensor | None = None) -> torch.Tensor:
     k, n = b.shape
     bo = order(b)
     if bo is None:
         b, bo = b.contiguous(), "row"
     plan = _cs.get_plan(m, k, n, _cs.ROW if bo == "row" else _cs.COL, _cs.COL if d_col else _cs.ROW, b.dtype,
-                        b.device.index)
+                        b.device.index, bias is not None)
     out = torch.empty((n, m) if d_col else (m, n), dtype=b.dtype, device=b.device)
-    plan.matmul(a, b, out)
+    plan.matmul(a, b, out, bias)
     return out.t() if d_col else out
 
 
 def _compress(x: torch.Tensor, mode: str, scale: torch.Tensor | None, mask: torch.Tensor | None,
-              seed: torch.Tensor | None, dense_out: bool, out_dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
-    buf, dense = _ck.compress(x, mode, out_dtype=out_dtype, scale=scale, mask=mask, seed=seed, dense_out=dense_out)
+              seed: torch.Tensor | None, dense_out: bool, out_dtype: torch.dtype,
+              sparse_out: bool = True) -> tuple[torch.Tensor, torch.Tensor]:
+    buf, dense = _ck.compress(x, mode, out_dtype=out_dtype, scale=scale, mask=mask, seed=seed, dense_out=dense_out,
+                              sparse_out=sparse_out)
     return buf, dense if dense is not None else buf.new_empty(0, dtype=out_dtype)
 
 
@@ -64,34 +72,38 @@ _compress_op = torch.library.custom_op("twofour::compress", _compress, mutates_a
 
 
 @_spmm_op.register_fake
-def _(a, b, m, d_col):
+def _(a, b, m, d_col, bias=None):
     n = b.shape[1]
     return torch.empty_strided((m, n), (1, m) if d_col else (n, 1), dtype=b.dtype, device=b.device)
 
 
 @_compress_op.register_fake
-def _(x, mode, scale, mask, seed, dense_out, out_dtype):
+def _(x, mode, scale, mask, seed, dense_out, out_dtype, sparse_out=True):
     m, k = x.shape
-    buf = torch.empty(compressed_size(m, k, torch.finfo(out_dtype).bits // 8), dtype=torch.uint8, device=x.device)
+    size = compressed_size(m, k, torch.finfo(out_dtype).bits // 8) if sparse_out else 0
+    buf = torch.empty(size, dtype=torch.uint8, device=x.device)
     return buf, torch.empty((m, k) if dense_out else (0,), dtype=out_dtype, device=x.device)
 
 
-def spmm(a: torch.Tensor, b: torch.Tensor, m: int, d_col: bool) -> torch.Tensor:
-    """D (m x n) = A @ B, A compressed 2:4, B (k, n) read in its own order (see the module doc).
+def spmm(a: torch.Tensor, b: torch.Tensor, m: int, d_col: bool, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """D (m x n) = A @ B (+ bias[:, None]), A compressed 2:4, B (k, n) read in its own order (see
+    the module doc); ``bias`` has m values in B's dtype.
 
     Eager calls go straight to cuSPARSELt (a custom op's dispatch costs host time on every call);
     under torch's tracers the registered op ``twofour::spmm`` is used.
     """
-    return _spmm_op(a, b, m, d_col) if torch.compiler.is_compiling() else _spmm(a, b, m, d_col)
+    return _spmm_op(a, b, m, d_col, bias) if torch.compiler.is_compiling() else _spmm(a, b, m, d_col, bias)
 
 
 def compress(x: torch.Tensor, mode: str, scale: torch.Tensor | None, mask: torch.Tensor | None,
-             seed: torch.Tensor | None, dense_out: bool, out_dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
-    """The fused prune + compress kernel: (compressed buffer, dense effective matrix or an empty
-    tensor); eager calls launch it directly, traced ones go through ``twofour::compress``."""
+             seed: torch.Tensor | None, dense_out: bool, out_dtype: torch.dtype,
+             sparse_out: bool = True) -> tuple[torch.Tensor, torch.Tensor]:
+    """The fused prune + compress kernel: (compressed buffer or an empty one without
+    ``sparse_out``, dense effective matrix or an empty tensor); eager calls launch it directly,
+    traced ones go through ``twofour::compress``."""
     if torch.compiler.is_compiling():
-        return _compress_op(x, mode, scale, mask, seed, dense_out, out_dtype)
-    return _compress(x, mode, scale, mask, seed, dense_out, out_dtype)
+        return _compress_op(x, mode, scale, mask, seed, dense_out, out_dtype, sparse_out)
+    return _compress(x, mode, scale, mask, seed, dense_out, out_dtype, sparse_out)
 
 
 # --------------------------------------------------------------------------------------------
