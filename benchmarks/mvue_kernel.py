@@ -1,14 +1,18 @@
-"""Where the time of the MVUE + compression of dY^T goes (GPU): variants of the fused kernel that
-leave one stage out, timed against the copy bandwidth of the same run, after a correctness check.
+"""Where the time of the MVUE + compression of dY^T goes (GPU): the kernel's layout variants,
+timed against the copy bandwidth of the same run, after a correctness check.
 
     PYTHONPATH=src python benchmarks/mvue_kernel.py
 
-First a sweep of fixed tile widths and warp counts (MVUE of dY^T in place), then variants of
-the autotuned kernel, all reading dY^T in place from the row-major dY and writing cuSPARSELt's
-compressed layout, groups along tokens: ``hard`` (top-2, no random draws: the load/split/pack
-skeleton), ``mvue r=0`` (MVUE with a Philox of no rounds: the draws' arithmetic without the
-generator), ``mvue r=7`` / ``r=10`` (the generator). Kernel time is CUDA graph replay (no host
-overhead); "eager" adds the host's launch cost. ``--profile`` runs one launch for ``ncu``.
+All read dY^T in place from the row-major dY and write cuSPARSELt's compressed layout, groups
+along tokens. Variants (``compress.VARIANT`` holds the chosen switches): ``v10`` (one Philox call
+for two groups, joined across threads; values and metadata packed across warps: the kernel of
+steps 10-16), ``+PAIR_ROWS`` (one Philox call for rows 2i and 2i+1 of a group: no layout
+conversion of the random bits), ``+PACK32`` (a group's two values stored as one 32-bit word),
+``+GROUP_PERM`` (tile columns ordered so the two groups of a metadata word are neighbours within
+a warp); then the chosen kernel with the dense estimate as well (``dense_out``) and alone
+(``sparse_out=False``), the hard top-2 through the same layout, and a sweep of tile widths and
+warps. Kernel time is CUDA graph replay (no host overhead). ``--profile`` runs one launch of the
+chosen kernel for ``ncu``.
 """
 
 from __future__ import annotations
@@ -36,7 +40,7 @@ def check() -> None:
     print(f"check: kept sets equal on {same.float().mean().item():.6f} of entries; "
           f"max rel err {((dec - ref.float()).abs() / ref.float().abs().clamp_min(1e-3)).max().item():.2e}")
     assert same.all()
-    xs = torch.randn(64, 256, device="cuda")
+    xs = torch.randn(256, 64, device="cuda").t()  # read in place, as dY^T is
     n = 400
     acc = torch.zeros_like(xs, dtype=torch.float64)
     for i in range(n):
@@ -55,42 +59,51 @@ def _copy_bandwidth() -> float:
     return 2 * x.numel() * 2 / do_bench(lambda: y.copy_(x), return_mode="median") / 1e6
 
 
+VARIANTS = {"v10": dict(PAIR_ROWS=False, PACK32=False, GROUP_PERM=False),
+            "+PAIR_ROWS": dict(PAIR_ROWS=True, PACK32=False, GROUP_PERM=False),
+            "+PAIR_ROWS +PACK32": dict(PAIR_ROWS=True, PACK32=True, GROUP_PERM=False),
+            "+PAIR_ROWS +GROUP_PERM (+PACK32)": dict(PAIR_ROWS=True, PACK32=True, GROUP_PERM=True),
+            "+GROUP_PERM (+PACK32)": dict(PAIR_ROWS=False, PACK32=True, GROUP_PERM=True)}
+
+
 def main() -> None:
     check()
     bw = _copy_bandwidth()
     print(f"copy bandwidth {bw:.0f} GB/s")
+    seed = torch.tensor([5], device="cuda")
+    print("\n| shape (tokens x out) | variant | kernel ms | GB/s | of copy |\n|---|---|---|---|---|")
+    for t, n in ((32768, 5120), (32768, 1280), (16384, 11008)):
+        dy = torch.randn(t, n, device="cuda", dtype=torch.bfloat16)
+        sparse_bytes = t * n * 2 + t * n + t * n // 8  # read bf16, write half the values + 4 bits per group
+        cases = {name: (dict(mode="mvue", seed=seed, variant=v), sparse_bytes) for name, v in VARIANTS.items()}
+        cases["chosen, + dense estimate"] = (dict(mode="mvue", seed=seed, dense_out=True), sparse_bytes + t * n * 2)
+        cases["chosen, dense estimate only"] = (dict(mode="mvue", seed=seed, dense_out=True, sparse_out=False),
+                                                t * n * 4)
+        cases["chosen, hard top-2"] = (dict(mode="hard"), sparse_bytes)
+        for name, (kw, nbytes) in cases.items():
+            fn = lambda dy=dy, kw=kw: ck.compress(dy.t(), **kw)  # noqa: E731
+            fn()
+            ms = do_bench_cudagraph(fn)
+            print(f"| {t} x {n} | {name} | {ms:.3f} | {nbytes / ms / 1e6:.0f} | {nbytes / ms / 1e6 / bw:.0%} |",
+                  flush=True)
     t, n = 32768, 5120
     dy = torch.randn(t, n, device="cuda", dtype=torch.bfloat16)
-    nbytes = t * n * 2 + t * n + t * n // 8  # read bf16, write half the values + 4 bits per group
-    seed = torch.tensor([5], device="cuda")
-    print("\nMVUE of dY^T in place, 774M fc1 shape, per tile width x warps (kernel ms, % of copy):")
+    nbytes = t * n * 2 + t * n + t * n // 8
+    print("\nchosen variant, 774M fc1 shape, per tile width x warps (kernel ms, % of copy):")
     for bc, w in ((32, 2), (64, 2), (64, 4), (128, 4), (128, 8), (256, 8)):
         fn = lambda bc=bc, w=w: ck.compress(dy.t(), "mvue", seed=seed, tile=(bc, w))  # noqa: E731
         fn()
         ms = do_bench_cudagraph(fn)
         print(f"  BC={bc} {w} warps: {ms:.3f} ms ({nbytes / ms / 1e6 / bw:.0%})", flush=True)
-    print("\n| shape (tokens x out) | variant (dY^T read in place) | kernel ms | GB/s | of copy | eager ms |")
-    print("|---|---|---|---|---|---|")
-    for t, n in ((32768, 5120), (32768, 1280), (16384, 11008)):
-        dy = torch.randn(t, n, device="cuda", dtype=torch.bfloat16)
-        nbytes = t * n * 2 + t * n + t * n // 8
-        for name, kw in (("hard", dict(mode="hard")), ("mvue r=0", dict(mode="mvue", seed=seed, rounds=0)),
-                         ("mvue r=7", dict(mode="mvue", seed=seed, rounds=7)),
-                         ("mvue r=10", dict(mode="mvue", seed=seed, rounds=10))):
-            fn = lambda dy=dy, kw=kw: ck.compress(dy.t(), **kw)  # noqa: E731
-            fn()
-            ms = do_bench_cudagraph(fn)
-            eager = do_bench(fn, return_mode="median")
-            print(f"| {t} x {n} | {name} | {ms:.3f} | {nbytes / ms / 1e6:.0f} | {nbytes / ms / 1e6 / bw:.0%} | "
-                  f"{eager:.3f} |", flush=True)
-    print("\nautotuned (tile, warps) per (rows, columns, strides) and mode:",
-          sorted({(k[:4], k[5][0], v) for k, v in ck._launch.items()}))
+    print("\nautotuned (tile, warps) per (rows, columns, strides):",
+          sorted({(k[:4], v) for k, v in ck._launch.items()}))
 
 
 def profile_once() -> None:
-    """One launch of the plain kernel at the 774M fc1 shape (MVUE of dY^T in place), for ``ncu``."""
+    """One launch of the chosen kernel at the 774M fc1 shape (MVUE of dY^T in place), for ``ncu``
+    (autotuned first; ``ncu -k regex:_compress_kernel`` with ``-c`` picks launches)."""
     dy = torch.randn(32768, 5120, device="cuda", dtype=torch.bfloat16)
-    ck.compress(dy.t(), "mvue", seed=torch.tensor([5], device="cuda"), tile=(32, 2))
+    ck.compress(dy.t(), "mvue", seed=torch.tensor([5], device="cuda"))
     torch.cuda.synchronize()
 
 
