@@ -4,15 +4,15 @@ timed against the copy bandwidth of the same run, after a correctness check.
     PYTHONPATH=src python benchmarks/mvue_kernel.py
 
 All read dY^T in place from the row-major dY and write cuSPARSELt's compressed layout, groups
-along tokens. Variants (``compress.VARIANT`` holds the chosen switches): ``v10`` (one Philox call
-for two groups, joined across threads; values and metadata packed across warps: the kernel of
-steps 10-16), ``+PAIR_ROWS`` (one Philox call for rows 2i and 2i+1 of a group: no layout
-conversion of the random bits), ``+PACK32`` (a group's two values stored as one 32-bit word),
-``+GROUP_PERM`` (tile columns ordered so the two groups of a metadata word are neighbours within
-a warp); then the chosen kernel with the dense estimate as well (``dense_out``) and alone
-(``sparse_out=False``), the hard top-2 through the same layout, and a sweep of tile widths and
-warps. Kernel time is CUDA graph replay (no host overhead). ``--profile`` runs one launch of the
-chosen kernel for ``ncu``.
+along tokens. Variants (``compress.VARIANT`` holds the chosen switch): ``v10`` (one Philox call
+for two groups, joined across threads: the kernel of steps 10-16) and ``PAIR_ROWS`` (one Philox
+call for rows 2i and 2i+1 of a group: no layout conversion of the random bits); then the chosen
+kernel with the dense estimate as well (``dense_out``) and alone (``sparse_out=False``), the
+hard top-2 through the same layout, and a sweep of tile widths and warps. (Step 23 of
+docs/PERFORMANCE.md also measured two variants since removed: a group's values stored as one
+32-bit word, and tile columns reordered so that a metadata word packs within a warp.) Kernel
+time is CUDA graph replay (no host overhead). ``--profile`` runs one launch of the chosen kernel
+for ``ncu``.
 """
 
 from __future__ import annotations
@@ -59,11 +59,7 @@ def _copy_bandwidth() -> float:
     return 2 * x.numel() * 2 / do_bench(lambda: y.copy_(x), return_mode="median") / 1e6
 
 
-VARIANTS = {"v10": dict(PAIR_ROWS=False, PACK32=False, GROUP_PERM=False),
-            "+PAIR_ROWS": dict(PAIR_ROWS=True, PACK32=False, GROUP_PERM=False),
-            "+PAIR_ROWS +PACK32": dict(PAIR_ROWS=True, PACK32=True, GROUP_PERM=False),
-            "+PAIR_ROWS +GROUP_PERM (+PACK32)": dict(PAIR_ROWS=True, PACK32=True, GROUP_PERM=True),
-            "+GROUP_PERM (+PACK32)": dict(PAIR_ROWS=False, PACK32=True, GROUP_PERM=True)}
+VARIANTS = {"v10": dict(PAIR_ROWS=False), "PAIR_ROWS": dict(PAIR_ROWS=True)}
 
 
 def main() -> None:

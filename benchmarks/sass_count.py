@@ -33,7 +33,8 @@ def sass(mode: int, bc: int, warps: int, in_place: bool, rounds: int = ck.PHILOX
     source with contiguous rows (dY^T read from dY), else for a row-major source."""
     fn = ck._compress_kernel
     const = {"MODE": mode, "HAS_U": False, "WRITE_DENSE": False, "OUT_BF16": True, "BC": bc, "ROUNDS": rounds,
-             "BIG": False, "QUAD_LOADS": in_place, "WRITE_SPARSE": True, **(ck.VARIANT if in_place else dict.fromkeys(ck.VARIANT, False)),
+             "BIG": False, "QUAD_LOADS": in_place, "WRITE_SPARSE": True,
+             **(ck.VARIANT if in_place else dict.fromkeys(ck.VARIANT, False)),
              "sr" if in_place else "sc": 1}
     sig = {**_SIG, **{k: "constexpr" for k in const}}
     aligned = ("src", "vals", "meta", "m_rows", "k_cols", "n_ct", "sc" if in_place else "sr")

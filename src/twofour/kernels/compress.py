@@ -32,12 +32,12 @@ HAS_TRITON = triton is not None
 MODES = {"hard": 0, "soft": 1, "mask": 2, "mvue": 3}
 BC = 128  # columns per program off the GPU (a 64 x 128 tile); on the GPU autotuned over 32-256
 PHILOX_ROUNDS = 10  # Philox4x32 rounds for MVUE's draws (Triton's and cuRAND's default)
-#: Layout switches of the kernel for a source with contiguous rows (dY^T read in place), chosen by
-#: measurement (docs/PERFORMANCE.md, step 23): PAIR_ROWS shares one Philox call between rows 2i
-#: and 2i+1 of a group (no layout conversion of the random bits); PACK32 stores a group's two
-#: values as one 32-bit word; GROUP_PERM orders the tile's columns so that the two groups of a
-#: metadata word sit side by side (packed within a warp, not across warps).
-VARIANT = {"PAIR_ROWS": True, "PACK32": False, "GROUP_PERM": False}
+#: Layout switch of the kernel for a source with contiguous rows (dY^T read in place): PAIR_ROWS
+#: shares one Philox call between rows 2i and 2i+1 of a group, which the thread already holds,
+#: instead of between two groups spread over threads (a layout conversion of the random bits
+#: through shared memory); measured 0.319 -> 0.283 ms at the 774M fc1 shape (docs/PERFORMANCE.md,
+#: step 23, where two other variants measured slower and were removed).
+VARIANT = {"PAIR_ROWS": True}
 
 
 if HAS_TRITON:
@@ -97,8 +97,7 @@ if HAS_TRITON:
                          n_ct, MODE: tl.constexpr, HAS_U: tl.constexpr, WRITE_DENSE: tl.constexpr,
                          OUT_BF16: tl.constexpr, BC: tl.constexpr, ROUNDS: tl.constexpr = PHILOX_ROUNDS,
                          BIG: tl.constexpr = False, QUAD_LOADS: tl.constexpr = False,
-                         WRITE_SPARSE: tl.constexpr = True, PAIR_ROWS: tl.constexpr = False,
-                         PACK32: tl.constexpr = False, GROUP_PERM: tl.constexpr = False):
+                         WRITE_SPARSE: tl.constexpr = True, PAIR_ROWS: tl.constexpr = False):
         """One 64-row band x BC columns: the four entries of each group as four (64, BC/4)
         tensors (one tile load and a split, or four loads for a source with contiguous rows),
         the kept pair chosen elementwise, values and metadata packed by reshapes."""
@@ -111,10 +110,7 @@ if HAS_TRITON:
         if BIG:  # offsets past 2^31: 64-bit index arithmetic (else 32-bit, a third of the instructions)
             r, c = r.to(tl.int64), c.to(tl.int64)
         off = r * sr + c * sc
-        jj = tl.arange(0, G)
-        if GROUP_PERM:  # column j of the tile holds group (j // 8) * 8 + (j % 2) * 4 + (j % 8) // 2, so
-            jj = (jj // 8) * 8 + (jj % 2) * 4 + (jj % 8) // 2  # the two groups of a metadata word sit side by side
-        gq = pc * G + jj[None, :]  # the group each column of the (64, G) tensors holds
+        gq = pc * G + tl.arange(0, G)[None, :]  # the group each column of the (64, G) tensors holds
         if QUAD_LOADS:  # rows contiguous (dY^T read in place): four coalesced loads, one per group entry
             okq = (r < m_rows) & (gq < k_cols // 4)
             offq = r * sr + gq * (4 * sc)
@@ -131,11 +127,7 @@ if HAS_TRITON:
         elif MODE == 3:  # MVUE: two draws without replacement, a_i/S then a_j/(S - a_i)
             eps = 1e-6 * tl.maximum(tl.maximum(a0, a1), tl.maximum(a2, a3)) + 1e-30
             a0, a1, a2, a3 = a0 + eps, a1 + eps, a2 + eps, a3 + eps
-            if HAS_U and GROUP_PERM:  # given uniforms, two per group (tests draw the reference's)
-                ok_u = (r < m_rows) & (gq < k_cols // 4)
-                u1 = tl.load(u_ptr + r * (k_cols // 2) + 2 * gq, mask=ok_u, other=0.5)
-                u2 = tl.load(u_ptr + r * (k_cols // 2) + 2 * gq + 1, mask=ok_u, other=0.5)
-            elif HAS_U:
+            if HAS_U:  # given uniforms, two per group (tests draw the reference's)
                 cu = pc * BC // 2 + tl.arange(0, BC // 2)[None, :]
                 u = tl.load(u_ptr + r * (k_cols // 2) + cu, mask=(r < m_rows) & (cu < k_cols // 2),
                             other=0.5)
@@ -181,26 +173,15 @@ if HAS_TRITON:
             y1 = y1 * s * _rcp(ak1 * (1 + qs - qk1))
         v0, v1 = _out(y0, OUT_BF16), _out(y1, OUT_BF16)
         if WRITE_SPARSE:  # the compressed layout (skipped when only the dense matrix is read)
-            if PACK32 or GROUP_PERM:  # the two kept values of a group as one 32-bit word, lower first
-                vw = (v0.to(tl.uint16, bitcast=True).to(tl.uint32)
-                      | (v1.to(tl.uint16, bitcast=True).to(tl.uint32) << 16)).to(tl.int32, bitcast=True)
-                tl.store(vals.to(tl.pointer_type(tl.int32)) + r * (k_cols // 4) + gq, vw,
-                         mask=(r < m_rows) & (gq < k_cols // 4))
-            else:
-                vv = tl.reshape(tl.join(v0, v1), (64, BC // 2))  # (64, G, 2) -> row-major values
-                cv = pc * (BC // 2) + tl.arange(0, BC // 2)[None, :]
-                tl.store(vals + r * (k_cols // 2) + cv, vv, mask=(r < m_rows) & (cv < k_cols // 2))
+            vv = tl.reshape(tl.join(v0, v1), (64, BC // 2))  # (64, G, 2) -> row-major values
+            cv = pc * (BC // 2) + tl.arange(0, BC // 2)[None, :]
+            tl.store(vals + r * (k_cols // 2) + cv, vv, mask=(r < m_rows) & (cv < k_cols // 2))
             code = tl.where(r < m_rows, i0 | (i1 << 2), 14)  # padding rows read as "keep 2 and 3"
             # (64 rows, G groups) -> (rt, rh, rl, ct, gh, gl); nibble rh + 2*gh of word (rl, gl)
+            c6 = tl.reshape(code, (4, 2, 8, CT, 2, 4))
             rh = tl.arange(0, 2)[None, :, None, None, None, None]
-            if GROUP_PERM:  # columns ordered (ct, gl, gh): gh is the last axis
-                c6 = tl.reshape(code, (4, 2, 8, CT, 4, 2))
-                gh = tl.arange(0, 2)[None, None, None, None, None, :]
-                word = tl.sum(tl.sum(c6 << (4 * (rh + 2 * gh)), axis=5), axis=1)  # (rt, rl, ct, gl)
-            else:
-                c6 = tl.reshape(code, (4, 2, 8, CT, 2, 4))
-                gh = tl.arange(0, 2)[None, None, None, None, :, None]
-                word = tl.sum(tl.sum(c6 << (4 * (rh + 2 * gh)), axis=4), axis=1)  # (rt, rl, ct, gl)
+            gh = tl.arange(0, 2)[None, None, None, None, :, None]
+            word = tl.sum(tl.sum(c6 << (4 * (rh + 2 * gh)), axis=4), axis=1)  # (rt, rl, ct, gl)
             word = tl.where(word >= 32768, word - 65536, word).to(tl.int16)
             rt = tl.arange(0, 4)[:, None, None, None]
             rl = tl.arange(0, 8)[None, :, None, None]
@@ -212,23 +193,14 @@ if HAS_TRITON:
             d0, d3 = tl.where(k0, v0, zero), tl.where(k3, v1, zero)
             d1 = tl.where(i1 == 1, v1, tl.where(i0 == 1, v0, zero))
             d2 = tl.where(i0 == 2, v0, tl.where(i1 == 2, v1, zero))
-            if GROUP_PERM:  # one store per group entry, at the group each column holds
-                okd = (r < m_rows) & (gq < k_cols // 4)
-                dptr = dense_out + r * k_cols + 4 * gq
-                tl.store(dptr, d0, mask=okd)
-                tl.store(dptr + 1, d1, mask=okd)
-                tl.store(dptr + 2, d2, mask=okd)
-                tl.store(dptr + 3, d3, mask=okd)
-            else:
-                dd = tl.join(tl.join(d0, d1), tl.join(d2, d3)).permute(0, 1, 3, 2)  # (64, G, e)
-                tl.store(dense_out + r * k_cols + c, tl.reshape(dd, (64, BC)), mask=ok)
+            dd = tl.join(tl.join(d0, d1), tl.join(d2, d3)).permute(0, 1, 3, 2)  # (64, G, e)
+            tl.store(dense_out + r * k_cols + c, tl.reshape(dd, (64, BC)), mask=ok)
 
 
     _compress_tuned = triton.autotune(
         configs=[triton.Config({"BC": bc}, num_warps=w) for bc, w in ((32, 2), (64, 2), (64, 4), (128, 4), (128, 8),
                                                                        (256, 8))],
-        key=["m_rows", "k_cols", "sr", "sc", "MODE", "WRITE_DENSE", "ROUNDS", "WRITE_SPARSE", "PAIR_ROWS", "PACK32",
-             "GROUP_PERM"],
+        key=["m_rows", "k_cols", "sr", "sc", "MODE", "WRITE_DENSE", "ROUNDS", "WRITE_SPARSE", "PAIR_ROWS"],
     )(_compress_kernel)
 
     @triton.jit
@@ -256,8 +228,8 @@ def compress(x: torch.Tensor, mode: str, *, out_dtype: torch.dtype = torch.bfloa
     Philox rounds). Returns the compressed uint8 buffer (empty with ``sparse_out=False``, for a
     caller that reads only the dense matrix) and, with ``dense_out``, the effective (M, K) matrix
     in ``out_dtype``. ``tile`` = (columns, warps) fixes the launch (benchmarks); by default it is
-    autotuned once per shape on the GPU. ``variant`` overrides the kernel's layout switches
-    (benchmarks; :data:`VARIANT` has the defaults and what each does).
+    autotuned once per shape on the GPU. ``variant`` overrides the kernel's layout switch
+    (benchmarks; :data:`VARIANT` has the default and what it does).
     """
     if not HAS_TRITON:
         raise RuntimeError("twofour's fused compression needs Triton (pip install triton)")
@@ -294,10 +266,8 @@ def compress(x: torch.Tensor, mode: str, *, out_dtype: torch.dtype = torch.bfloa
     consts = dict(MODE=MODES[mode], HAS_U=u is not None, WRITE_DENSE=dense_out, OUT_BF16=out_dtype == torch.bfloat16,
                   ROUNDS=rounds, BIG=max(span, m * k) >= 2**31, QUAD_LOADS=x.stride(0) == 1 and k > 1,
                   WRITE_SPARSE=sparse_out)
-    if consts["QUAD_LOADS"]:  # the layout switches measured for a source read in place
-        switches = {**VARIANT, **(variant or {})}
-        consts.update(PAIR_ROWS=switches["PAIR_ROWS"], PACK32=switches["PACK32"],
-                      GROUP_PERM=switches["GROUP_PERM"] and mode != "mask")
+    if consts["QUAD_LOADS"]:  # the layout switch measured for a source read in place
+        consts["PAIR_ROWS"] = {**VARIANT, **(variant or {})}["PAIR_ROWS"]
     if x.is_cuda:  # tile width and warps measured once per shape and mode (triton.autotune), then
         # launched directly: the autotuner's own dispatch costs ~12 us of host time per call
         key = (m, k, x.stride(0), x.stride(1), x.dtype, tuple(consts.values()))
