@@ -8,11 +8,12 @@ along tokens. Variants (``compress.VARIANT`` holds the chosen switch): ``v10`` (
 for two groups, joined across threads: the kernel of steps 10-16) and ``PAIR_ROWS`` (one Philox
 call for rows 2i and 2i+1 of a group: no layout conversion of the random bits); then the chosen
 kernel with the dense estimate as well (``dense_out``) and alone (``sparse_out=False``), the
-hard top-2 through the same layout, and a sweep of tile widths and warps. (Step 23 of
-docs/PERFORMANCE.md also measured two variants since removed: a group's values stored as one
-32-bit word, and tile columns reordered so that a metadata word packs within a warp.) Kernel
-time is CUDA graph replay (no host overhead). ``--profile`` runs one launch of the chosen kernel
-for ``ncu``.
+hard top-2 through the same layout, the kernel on a row-major dY^T (dY stored column-major, as
+fc1's gradient is in the FFN's layout plan: the tile-load path), and a sweep of tile widths and
+warps. (Step 23 of docs/PERFORMANCE.md also measured two variants since removed: a group's
+values stored as one 32-bit word, and tile columns reordered so that a metadata word packs
+within a warp.) Kernel time is CUDA graph replay (no host overhead). ``--profile`` runs one
+launch of the chosen kernel for ``ncu``.
 """
 
 from __future__ import annotations
@@ -76,8 +77,14 @@ def main() -> None:
         cases["chosen, dense estimate only"] = (dict(mode="mvue", seed=seed, dense_out=True, sparse_out=False),
                                                 t * n * 4)
         cases["chosen, hard top-2"] = (dict(mode="hard"), sparse_bytes)
+        dyc = dy.t().contiguous().t()  # dY stored column-major: dY^T row-major, fc1's in the FFN's layout plan
+        cases["dY^T row-major (tile path)"] = (dict(mode="mvue", seed=seed, src=dyc), sparse_bytes)
+        cases["dY^T row-major, PAIR_ROWS"] = (dict(mode="mvue", seed=seed, src=dyc, variant=dict(PAIR_ROWS=True)),
+                                              sparse_bytes)
         for name, (kw, nbytes) in cases.items():
-            fn = lambda dy=dy, kw=kw: ck.compress(dy.t(), **kw)  # noqa: E731
+            kw = dict(kw)
+            src = kw.pop("src", dy)
+            fn = lambda src=src, kw=kw: ck.compress(src.t(), **kw)  # noqa: E731
             fn()
             ms = do_bench_cudagraph(fn)
             print(f"| {t} x {n} | {name} | {ms:.3f} | {nbytes / ms / 1e6:.0f} | {nbytes / ms / 1e6 / bw:.0%} |",

@@ -95,13 +95,14 @@ VARIANTS = [{"PAIR_ROWS": True}, {"PAIR_ROWS": False}]
 
 
 @pytest.mark.parametrize("variant", VARIANTS, ids=["pair_rows", "pair_groups"])
-def test_mvue_in_place_layout_variants(variant, device):
-    """dY^T read in place, every layout variant of the kernel: with the reference's uniforms it
-    keeps the reference's entries; with Philox draws each kept value is x / p at its own place
-    (metadata and values agree) and the dense copy is the same estimate."""
+@pytest.mark.parametrize("in_place", [True, False], ids=["in_place", "row_major"])
+def test_mvue_layout_variants(variant, in_place, device):
+    """dY^T read in place or row-major, every layout variant of the kernel: with the reference's
+    uniforms it keeps the reference's entries; with Philox draws each kept value is x / p at its
+    own place (metadata and values agree) and the dense copy is the same estimate."""
     n, t = 96, 256
     dy = torch.randn(t, n, device=device)
-    x = dy.t()
+    x = dy.t() if in_place else dy.t().contiguous()
     u = torch.rand(n, t // 2, device=device)
     buf, dense = ck.compress(x, "mvue", u=u, dense_out=True, variant=variant)
     ref = _mvue_24(x.contiguous(), u=u)

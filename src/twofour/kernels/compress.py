@@ -36,7 +36,9 @@ PHILOX_ROUNDS = 10  # Philox4x32 rounds for MVUE's draws (Triton's and cuRAND's 
 #: shares one Philox call between rows 2i and 2i+1 of a group, which the thread already holds,
 #: instead of between two groups spread over threads (a layout conversion of the random bits
 #: through shared memory); measured 0.319 -> 0.283 ms at the 774M fc1 shape (docs/PERFORMANCE.md,
-#: step 23, where two other variants measured slower and were removed).
+#: step 23, where two other variants measured slower and were removed). On the tile-load path
+#: (a row-major source) it measured faster too (0.312 -> 0.291 ms) but stays off there until
+#: its GPU test has run (it passes under Triton's interpreter).
 VARIANT = {"PAIR_ROWS": True}
 
 
@@ -266,8 +268,8 @@ def compress(x: torch.Tensor, mode: str, *, out_dtype: torch.dtype = torch.bfloa
     consts = dict(MODE=MODES[mode], HAS_U=u is not None, WRITE_DENSE=dense_out, OUT_BF16=out_dtype == torch.bfloat16,
                   ROUNDS=rounds, BIG=max(span, m * k) >= 2**31, QUAD_LOADS=x.stride(0) == 1 and k > 1,
                   WRITE_SPARSE=sparse_out)
-    if consts["QUAD_LOADS"]:  # the layout switch measured for a source read in place
-        consts["PAIR_ROWS"] = {**VARIANT, **(variant or {})}["PAIR_ROWS"]
+    default = VARIANT if consts["QUAD_LOADS"] else {"PAIR_ROWS": False}  # measured for a source read in place
+    consts["PAIR_ROWS"] = {**default, **(variant or {})}["PAIR_ROWS"]
     if x.is_cuda:  # tile width and warps measured once per shape and mode (triton.autotune), then
         # launched directly: the autotuner's own dispatch costs ~12 us of host time per call
         key = (m, k, x.stride(0), x.stride(1), x.dtype, tuple(consts.values()))
