@@ -198,7 +198,6 @@ if HAS_TRITON:
             dd = tl.join(tl.join(d0, d1), tl.join(d2, d3)).permute(0, 1, 3, 2)  # (64, G, e)
             tl.store(dense_out + r * k_cols + c, tl.reshape(dd, (64, BC)), mask=ok)
 
-
     _compress_tuned = triton.autotune(
         configs=[triton.Config({"BC": bc}, num_warps=w) for bc, w in ((32, 2), (64, 2), (64, 4), (128, 4), (128, 8),
                                                                        (256, 8))],
