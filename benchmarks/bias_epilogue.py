@@ -2,63 +2,35 @@
 
     PYTHONPATH=src python benchmarks/bias_epilogue.py
 
-Checks, on random data, (1) that a plan built with a bias pointer adds that bias to each row of
-D, for row- and column-major D; (2) whether a plan follows a bias pointer changed after it was
-built (set on the matmul descriptor only), and what that costs in host time (re-initialising
-the plan instead ended the first run of this script without a traceback, so it is not tried);
-(3) which bias dtype it reads (bf16 like D, or fp32); then times the sparse
-forward with the bias in the epilogue against the same GEMM without bias, with the bias added
-afterwards in place, and dense ``addmm``.
+Checks, on random data and through twofour's own ``cusparselt.Plan``, (1) that a plan built
+with a bias epilogue (a placeholder bias at build time) adds the bias given at the call to each
+row of D, for row- and column-major D; (2) that it follows a bias pointer changed after it was
+built (reset on the matmul descriptor only), and what that costs in host time; (3) what a
+float32 buffer behind the pointer gives (it is read in D's dtype); then times the sparse forward
+with the bias in the epilogue against the same GEMM without bias, with the bias added
+afterwards in place, and dense ``addmm``. (Step 17 of docs/PERFORMANCE.md ran this script's
+first form, which built its plans from raw descriptors, before ``Plan`` took a bias; that
+form also tried re-initialising a plan after the pointer change and ended without a
+traceback.)
 """
 
 from __future__ import annotations
 
 import time
 
-import numpy as np
 import torch
 from triton.testing import do_bench
 
 from twofour.kernels import cusparselt as cs
 from twofour.kernels import ops
 
-L = cs._lib()
 DT = torch.bfloat16
 
 
-def plan_with_bias(m: int, k: int, n: int, d_order: int, bias: torch.Tensor | None):
-    """A raw plan D (m x n) = A (m x k, 2:4) @ B (k x n, column-major), the bias pointer set
-    before the plan is built (as torch's _cslt_sparse_mm does)."""
-    h = cs._handle(torch.cuda.current_device())
-    dt = cs._CUDA_DTYPE[DT]
-
-    def dense(rows, cols, order):
-        return L.dense_descriptor_init(h, rows, cols, cols if order == cs.ROW else rows, 16, dt, order)
-
-    a = L.structured_descriptor_init(h, m, k, k, 16, dt, cs.ROW, L.Sparsity.SPARSITY_50_PERCENT)
-    b, d = dense(k, n, cs.COL), dense(m, n, d_order)
-    mm = L.matmul_descriptor_init(h, 0, 0, a, b, d, d, L.ComputeType.COMPUTE_32F)
-    ptr = np.zeros(1, dtype=np.int64)
-    if bias is not None:
-        ptr[0] = bias.data_ptr()
-        L.matmul_desc_set_attribute(h, mm, L.MatmulDescAttribute.BIAS_POINTER, ptr.ctypes.data, 8)
-    alg = L.matmul_alg_selection_init(h, mm, L.MatmulAlg.DEFAULT)
-    plan = L.matmul_plan_init(h, mm, alg)
-    ws = torch.empty(max(1, L.matmul_get_workspace(h, plan)), dtype=torch.uint8, device="cuda")
-    return dict(h=h, mm=mm, alg=alg, plan=plan, ws=ws, ptr=ptr, alpha=np.ones(1, np.float32),
-                beta=np.zeros(1, np.float32), streams=np.zeros(1, np.int64))
-
-
-def run(p, ac, b, d):
-    p["streams"][0] = torch.cuda.current_stream().cuda_stream
-    L.matmul(p["h"], p["plan"], p["alpha"].ctypes.data, ac.data_ptr(), b.data_ptr(), p["beta"].ctypes.data,
-             d.data_ptr(), d.data_ptr(), p["ws"].data_ptr(), p["streams"].ctypes.data, 1)
-    return d
-
-
-def set_bias(p, bias: torch.Tensor) -> None:
-    p["ptr"][0] = bias.data_ptr()
-    L.matmul_desc_set_attribute(p["h"], p["mm"], L.MatmulDescAttribute.BIAS_POINTER, p["ptr"].ctypes.data, 8)
+def plan(m: int, k: int, n: int, d_col: bool, bias: bool) -> cs.Plan:
+    """twofour's cached plan D (m x n) = A (m x k, 2:4) @ B (k x n, column-major); with ``bias``
+    it is built with a placeholder bias and each call resets the descriptor's pointer."""
+    return cs.get_plan(m, k, n, cs.COL, cs.COL if d_col else cs.ROW, DT, bias=bias)
 
 
 def rel(a: torch.Tensor, b: torch.Tensor) -> float:
@@ -82,27 +54,22 @@ def checks() -> None:
     for d_col in (False, True):
         order = "D col-major" if d_col else "D row-major"
         raw, dv = out_tensor(m, n, d_col)
-        p = plan_with_bias(m, k, n, cs.COL if d_col else cs.ROW, b1)
-        run(p, wc, x.t(), raw)
-        torch.cuda.synchronize()
-        errs = [rel(dv, ref + bb.float()[:, None]) for bb in (b1, b2)] + [rel(dv, ref)]
-        print(f"| {order}, bias b1 set before plan init | " + " | ".join(f"{e:.2e}" for e in errs) + " |")
-        set_bias(p, b2)
-        raw.zero_()
-        run(p, wc, x.t(), raw)
-        torch.cuda.synchronize()
-        errs = [rel(dv, ref + bb.float()[:, None]) for bb in (b1, b2)] + [rel(dv, ref)]
-        print(f"| {order}, pointer changed to b2 on the descriptor | " + " | ".join(f"{e:.2e}" for e in errs) + " |")
-        b32 = b1.float()
-        p32 = plan_with_bias(m, k, n, cs.COL if d_col else cs.ROW, b32)
-        run(p32, wc, x.t(), raw)
+        p = plan(m, k, n, d_col, True)
+        for name, bias in (("b1 given to a plan built with a placeholder", b1), ("then b2 (pointer reset)", b2)):
+            raw.zero_()
+            p.matmul(wc, x.t(), raw, bias)
+            torch.cuda.synchronize()
+            errs = [rel(dv, ref + bb.float()[:, None]) for bb in (b1, b2)] + [rel(dv, ref)]
+            print(f"| {order}, {name} | " + " | ".join(f"{e:.2e}" for e in errs) + " |")
+        b32 = b1.float()  # a float32 buffer behind the pointer: a bf16 view of its first bytes has its address
+        p.matmul(wc, x.t(), raw, b32.view(DT)[:m])
         torch.cuda.synchronize()
         print(f"| {order}, fp32 bias buffer | {rel(dv, ref + b32[:, None]):.2e} | - | {rel(dv, ref):.2e} |")
     # host cost of changing the pointer
-    p = plan_with_bias(m, k, n, cs.ROW, b1)
+    p = plan(m, k, n, False, True)
     t0 = time.perf_counter()
     for i in range(1000):
-        set_bias(p, b1 if i % 2 else b2)
+        p._set_bias(b1 if i % 2 else b2)
     print(f"\nhost cost of a bias pointer change: {(time.perf_counter() - t0) * 1e3:.2f} us")
 
 
@@ -120,14 +87,14 @@ def time_shape(t: int, k: int, n: int) -> dict[str, float]:
            "dense addmm": do_bench(lambda: torch.addmm(bias, x, wd.t()), return_mode="median")}
     for d_col in (False, True):
         raw, _ = out_tensor(n, t, d_col)
-        pb = plan_with_bias(n, k, t, cs.COL if d_col else cs.ROW, bias)
-        p0 = plan_with_bias(n, k, t, cs.COL if d_col else cs.ROW, None)
+        pb, p0 = plan(n, k, t, d_col, True), plan(n, k, t, d_col, False)
         tag = "sparse_dc" if d_col else "sparse_dr"
-        res[tag] = do_bench(lambda p0=p0, raw=raw: run(p0, wc, x.t(), raw), return_mode="median")
-        res[tag + " + epilogue bias"] = do_bench(lambda pb=pb, raw=raw: run(pb, wc, x.t(), raw), return_mode="median")
+        res[tag] = do_bench(lambda p0=p0, raw=raw: p0.matmul(wc, x.t(), raw), return_mode="median")
+        res[tag + " + epilogue bias"] = do_bench(lambda pb=pb, raw=raw: pb.matmul(wc, x.t(), raw, bias),
+                                                 return_mode="median")
         if not d_col:
             res[tag + " + torch add_"] = do_bench(
-                lambda p0=p0, raw=raw: run(p0, wc, x.t(), raw).add_(bias[:, None]), return_mode="median")
+                lambda p0=p0, raw=raw: p0.matmul(wc, x.t(), raw).add_(bias[:, None]), return_mode="median")
     return res
 
 

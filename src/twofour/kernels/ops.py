@@ -37,14 +37,18 @@ def order(t: torch.Tensor) -> str | None:
     return None
 
 
+def _enabled() -> bool:
+    return _ck.HAS_TRITON and os.environ.get("TWOFOUR_FAST", "1") != "0"
+
+
 def fast_available() -> bool:
     """cuSPARSELt bindings, Triton and an sm80+ GPU are all here (and TWOFOUR_FAST is not 0)."""
-    return os.environ.get("TWOFOUR_FAST", "1") != "0" and _ck.HAS_TRITON and _cs.available()
+    return _enabled() and _cs.available()
 
 
 def triton_ok(t: torch.Tensor) -> bool:
     """Triton kernels can run on ``t``: a CUDA tensor, Triton installed, TWOFOUR_FAST not 0."""
-    return t.is_cuda and _ck.HAS_TRITON and os.environ.get("TWOFOUR_FAST", "1") != "0"
+    return t.is_cuda and _enabled()
 
 
 def _spmm(a: torch.Tensor, b: torch.Tensor, m: int, d_col: bool, bias: torch.Tensor | None = None) -> torch.Tensor:
