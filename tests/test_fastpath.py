@@ -1,11 +1,9 @@
 """The GPU fast path (cuSPARSELt GEMMs + fused kernels) against the reference path."""
 
-import os
-
 import pytest
 import torch
 
-from twofour import SparseLinear
+from twofour import SparseLinear, settings
 from twofour.kernels import ops
 
 pytestmark = [pytest.mark.gpu]
@@ -22,27 +20,23 @@ def rel(a, b):
 
 
 def run(layer, x, g, fast):
-    os.environ["TWOFOUR_FAST"] = "1" if fast else "0"
-    try:
+    with settings.override(fast=fast):
         layer.weight.grad = None
         xx = x.detach().clone().requires_grad_()
         with torch.autocast("cuda", dtype=torch.bfloat16):
             y = layer(xx)
         y.backward(g)
         return y.detach(), xx.grad, layer.weight.grad.clone()
-    finally:
-        os.environ.pop("TWOFOUR_FAST", None)
 
 
 @pytest.mark.parametrize("recipe", ["ste", "sr-ste", "s-ste", "t-sr-ste"])
 @pytest.mark.parametrize("gemm", ["sparse", "dense", "auto"])
 @pytest.mark.parametrize("layout", ["row", "col"])
 @pytest.mark.parametrize("transposed_output", [False, True])
-def test_fast_matches_reference(recipe, gemm, layout, transposed_output, monkeypatch):
+def test_fast_matches_reference(recipe, gemm, layout, transposed_output):
     """bf16 tolerances: forward (bias in cuSPARSELt's epilogue when sparse) and dX within 1e-2
     relative; dW (mvue off) within 1e-2. The output is row-major unless ``transposed_output``
     allows y^T; dX comes back in x's order."""
-    monkeypatch.setenv("TWOFOUR_GEMM", gemm)
     torch.manual_seed(0)
     layer = SparseLinear(256, 512, device="cuda", recipe=recipe, mvue=False, transposed_output=transposed_output)
     with torch.no_grad():
@@ -51,8 +45,9 @@ def test_fast_matches_reference(recipe, gemm, layout, transposed_output, monkeyp
     if layout == "col":  # activations stored transposed, as a sparse fc1 may leave them
         x = x.reshape(-1, 256).t().contiguous().t().reshape(4, 256, 256)
     g = torch.randn(4, 256, 512, device="cuda", dtype=torch.bfloat16)
-    yf, dxf, dwf = run(layer, x, g, True)
-    yr, dxr, dwr = run(layer, x, g, False)
+    with settings.override(gemm=gemm):
+        yf, dxf, dwf = run(layer, x, g, True)
+        yr, dxr, dwr = run(layer, x, g, False)
     assert rel(yf, yr) < 1e-2 and rel(dxf, dxr) < 1e-2 and rel(dwf, dwr) < 1e-2
     if not transposed_output:
         assert yf.is_contiguous()
@@ -77,18 +72,24 @@ def test_fast_mvue_is_unbiased(recipe):
     assert errs[1] < 0.1
 
 
-def test_weight_compressed_once_per_step():
+def test_weight_compressed_once_per_step(monkeypatch):
+    """Micro-batches reuse the compressed weight; an optimizer step (an in-place update) makes
+    the next forward compress again, and the result follows the new weight."""
     layer = SparseLinear(256, 256, device="cuda", recipe="s-ste")
     x = torch.randn(64, 256, device="cuda")
+    calls = []
+    compress = type(layer.pruner).compress
+    monkeypatch.setattr(type(layer.pruner), "compress", lambda self, *a: calls.append(1) or compress(self, *a))
     with torch.autocast("cuda", dtype=torch.bfloat16):
+        y1 = layer(x)
         layer(x)
-        first = layer._wcache[1][0]
-        layer(x)
-        assert layer._wcache[1][0] is first  # micro-batches reuse it
+        assert len(calls) == 1  # micro-batches reuse it
         with torch.no_grad():
-            layer.weight.add_(0.01)  # an optimizer step
-        layer(x)
-        assert layer._wcache[1][0] is not first
+            layer.weight.mul_(-1)  # an optimizer step
+        y2 = layer(x)
+        assert len(calls) == 2
+    bias = layer.bias.to(torch.bfloat16)
+    assert rel(y2 - bias, -(y1 - bias)) < 1e-2  # S(-W) = -S(W): the new weight was used
 
 
 def test_compile_fullgraph():
@@ -104,16 +105,24 @@ def test_compile_fullgraph():
     assert torch.isfinite(layer.weight.grad).all()
 
 
-def test_choices_can_be_inspected_and_forced():
+def test_choices_can_be_inspected_and_forced(monkeypatch):
+    """A measured choice is listed with its timings; a forced choice is the one that runs."""
     ops.clear_choices()
     layer = SparseLinear(256, 256, device="cuda", recipe="ste")
+    x = torch.randn(64, 256, device="cuda")
     with torch.autocast("cuda", dtype=torch.bfloat16):
-        layer(torch.randn(64, 256, device="cuda"))
+        layer(x)
     table = ops.choices()
     key = next(k for k in table if k.startswith("fwd"))
-    assert table[key]["choice"] in table[key]["ms"]
-    ops.set_choice(key, "dense")
-    assert ops.choices()[key]["choice"] == "dense"
+    assert table[key]["choice"] in table[key]["ms"] and len(table[key]["ms"]) >= 2
+    spmm, calls = ops.spmm, []
+    monkeypatch.setattr(ops, "spmm", lambda *a: calls.append(1) or spmm(*a))
+    for forced, sparse_calls in (("dense", 0), ("sparse_dc", 1)):
+        ops.set_choice(key, forced)
+        calls.clear()
+        with torch.autocast("cuda", dtype=torch.bfloat16), torch.no_grad():
+            layer(x)
+        assert ops.choices()[key]["choice"] == forced and len(calls) == sparse_calls
 
 
 def test_cuda_graph_replay_follows_weight_updates():

@@ -38,7 +38,7 @@ def test_hard(shape, out_dtype, device):
 @pytest.mark.parametrize("tile", [(32, 2), (64, 4), (256, 8)])
 def test_any_tile_gives_the_same_bytes(tile, device):
     w = torch.randn(128, 256, device=device)
-    assert torch.equal(ck.compress(w, "hard", tile=tile)[0], ck.compress(w, "hard")[0])
+    assert torch.equal(ck.compress_tiled(w, "hard", tile=tile)[0], ck.compress(w, "hard")[0])
 
 
 @pytest.mark.parametrize("shape", SHAPES)
@@ -91,7 +91,7 @@ def test_mvue_with_philox_seed_is_unbiased(device):
     assert ((acc / n - x.double()).abs() <= 5 * sem + 1e-2).all()
 
 
-VARIANTS = [{"PAIR_ROWS": True}, {"PAIR_ROWS": False}]
+VARIANTS = [True, False]  # pair_rows
 
 
 @pytest.mark.parametrize("variant", VARIANTS, ids=["pair_rows", "pair_groups"])
@@ -104,17 +104,18 @@ def test_mvue_layout_variants(variant, in_place, device):
     dy = torch.randn(t, n, device=device)
     x = dy.t() if in_place else dy.t().contiguous()
     u = torch.rand(n, t // 2, device=device)
-    buf, dense = ck.compress(x, "mvue", u=u, dense_out=True, variant=variant)
+    buf, dense = ck.compress_tiled(x, "mvue", u=u, dense_out=True, pair_rows=variant)
     ref = _mvue_24(x.contiguous(), u=u)
     dec = decompress_reference(buf, n, t).float()
     assert torch.equal(dec != 0, ref != 0) and torch.equal(dense.float(), dec)
-    buf, dense = ck.compress(x, "mvue", seed=torch.tensor([7], device=device), dense_out=True, variant=variant)
+    buf, dense = ck.compress_tiled(x, "mvue", seed=torch.tensor([7], device=device), dense_out=True,
+                                   pair_rows=variant)
     dec = decompress_reference(buf, n, t).float()
     kept = dec != 0
     assert (kept.reshape(-1, 4).sum(1) == 2).all() and torch.equal(dense.float(), dec)
     want = x / mvue_inclusion_probability(x)
     torch.testing.assert_close(dec[kept], want[kept].bfloat16().float(), rtol=1e-2, atol=1e-6)
-    hard, _ = ck.compress(x, "hard", variant=variant)  # the plain top-2 through the same layout
+    hard, _ = ck.compress_tiled(x, "hard", pair_rows=variant)  # the plain top-2 through the same layout
     assert torch.equal(hard, compress_reference((x * mask_24(x)).bfloat16(), mask_24(x)))
 
 
@@ -146,9 +147,8 @@ def test_compress_op_traces_like_eager():
     whole, the same bytes as the eager call."""
     x = torch.randn(64, 64)
     torch.library.opcheck(ops._compress_op, (x, "hard", None, None, None, True, torch.bfloat16))
-    eager = ops.compress(x, "hard", None, None, None, True, torch.bfloat16)
-    traced = torch.compile(lambda t: ops.compress(t, "hard", None, None, None, True, torch.bfloat16),
-                           fullgraph=True)(x)
+    eager = ops.compress(x, "hard", dense_out=True)
+    traced = torch.compile(lambda t: ops.compress(t, "hard", dense_out=True), fullgraph=True)(x)
     assert all(torch.equal(a, b) for a, b in zip(eager, traced, strict=True))
 
 

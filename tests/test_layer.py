@@ -36,7 +36,8 @@ def test_effective_weight(recipe, device):
 @pytest.mark.parametrize("recipe", ["dense", *SPARSE])
 @pytest.mark.parametrize("bias", [True, False])
 def test_gradients_match_autograd_on_effective_weight(recipe, bias, device):
-    """Forward, dX, db and dW equal plain autograd on W_eff (dW passed straight through, plus masked decay)."""
+    """Forward, dX, db and dW equal plain autograd on W_eff (dW passed straight through; SR-STE's
+    masked decay is added once per optimizer step, see test_masked_decay_*)."""
     opts = {} if recipe == "dense" else {"mvue": False}
     lin = layer_for(recipe, device, bias=bias, **opts)
     x = torch.randn(3, 5, 32, device=device, requires_grad=True)
@@ -52,11 +53,7 @@ def test_gradients_match_autograd_on_effective_weight(recipe, bias, device):
 
     torch.testing.assert_close(y, y_ref)
     torch.testing.assert_close(x.grad, x_ref.grad)
-    dw = w_eff.grad
-    if recipe in ("sr-ste", "t-sr-ste"):
-        mask = mask_24(lin.weight) if recipe == "sr-ste" else lin.mask
-        dw = dw + lin.recipe.decay * (~mask) * lin.weight.detach()
-    torch.testing.assert_close(lin.weight.grad, dw)
+    torch.testing.assert_close(lin.weight.grad, w_eff.grad)
     if bias:
         torch.testing.assert_close(lin.bias.grad, b.grad)
 
@@ -117,7 +114,7 @@ def test_state_dict_keys_and_round_trip(device):
     fresh = layer_for("t-sr-ste", device, in_f=16, out_f=16, mask_interval=2, seed=1)
     assert not torch.equal(fresh.mask, lin.mask)
     fresh.load_state_dict(sd)
-    assert fresh._step == 5 and int(fresh.step) == 5
+    assert int(fresh.step) == 5
     torch.testing.assert_close(fresh.effective_weight(), lin.effective_weight())
     assert torch.equal(fresh.mask, lin.mask)
     # the next refresh happens at the same step in both
@@ -146,7 +143,7 @@ def test_dense_checkpoint_loads_as_made_sparse(device):
     lin = layer_for("s-ste", device, seed=5)
     lin.load_state_dict(dense.state_dict())  # strict: recipe buffers are derived from the weight
     torch.testing.assert_close(lin.beta, fixed_scale(dense.weight))
-    assert torch.equal(lin.mask, mask_24(dense.weight)) and lin._step == 0
+    assert torch.equal(lin.mask, mask_24(dense.weight)) and int(lin.step) == 0
 
 
 def test_to_moves_buffers():
@@ -158,9 +155,15 @@ def test_to_moves_buffers():
 
 @pytest.mark.gpu
 def test_to_cuda_moves_buffers():
-    lin = layer_for("t-sr-ste", "cpu", in_f=16, out_f=16).cuda()
-    assert lin.mask.is_cuda and lin.step.is_cuda
-    lin(torch.randn(4, 16, device="cuda")).sum().backward()
+    lin = layer_for("t-sr-ste", "cpu", in_f=16, out_f=16, mask_interval=1).cuda()
+    assert lin.mask.is_cuda and lin.step.is_cuda and lin.beta is None
+    x = torch.randn(4, 16, device="cuda")
+    lin(x).sum().backward()
+    torch.testing.assert_close(lin.weight.grad, torch.ones(16, 4, device="cuda") @ x)
+    with torch.no_grad():
+        lin.weight.mul_(-2).add_(torch.randn_like(lin.weight))
+    lin.advance()  # the refresh runs on the GPU and counts flips there
+    assert lin.flips.is_cuda and torch.equal(lin.mask, transposable_mask_24(lin.weight))
 
 
 def test_bad_shape_raises():
@@ -204,3 +207,39 @@ def test_recipe_object_and_repr():
     lin = SparseLinear(8, 8, recipe=make_recipe("sr-ste", decay=1e-3))
     assert lin.recipe.decay == 1e-3 and "sr-ste" in repr(lin)
     assert isinstance(twofour.SparseLinear(8, 4), nn.Linear)
+
+
+@pytest.mark.parametrize("recipe", ["sr-ste", "t-sr-ste"])
+def test_masked_decay_counts_once_per_optimizer_step(recipe, device):
+    """One batch, or the same batch in 4 micro-batches (loss divided by 4, as gradient
+    accumulation does): the same update, the decay added once, after clipping."""
+    results = []
+    for micro in (1, 4):
+        lin = layer_for(recipe, device, in_f=16, out_f=16, decay=0.05, mvue=False)
+        opt = torch.optim.SGD(lin.parameters(), lr=1.0)
+        twofour.attach(lin, opt)
+        x = torch.randn(8, 16, device=device, generator=torch.Generator(device).manual_seed(1))
+        for chunk in x.chunk(micro):
+            (lin(chunk).pow(2).sum() / 8).backward()
+        torch.nn.utils.clip_grad_norm_(lin.parameters(), 1e9)
+        before = lin.weight.detach().clone()
+        mask = lin.mask.clone()
+        grad = lin.weight.grad.clone()
+        opt.step()
+        results.append(lin.weight.detach().clone())
+        # SGD, lr 1: the step is exactly the clipped gradient plus the decay on the pruned positions
+        torch.testing.assert_close(before - lin.weight.detach(), grad + 0.05 * (~mask) * before)
+    torch.testing.assert_close(results[0], results[1])
+
+
+def test_masked_decay_follows_clipping():
+    """Clipping sees the gradient without the decay; the decay is added after it."""
+    lin = layer_for("sr-ste", "cpu", decay=0.1)
+    opt = torch.optim.SGD(lin.parameters(), lr=1.0)
+    twofour.attach(lin, opt)
+    lin(torch.randn(8, 32)).pow(2).sum().backward()
+    torch.nn.utils.clip_grad_norm_(lin.parameters(), 1e-3)
+    clipped, w0, mask = lin.weight.grad.clone(), lin.weight.detach().clone(), lin.mask.clone()
+    opt.step()
+    torch.testing.assert_close(w0 - lin.weight.detach(), clipped + 0.1 * (~mask) * w0)
+    assert clipped.norm() < 1e-3 + 1e-6

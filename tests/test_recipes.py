@@ -3,17 +3,18 @@ import dataclasses
 import pytest
 
 from twofour import RECIPES, Recipe, make_recipe
+from twofour.pruners import HARD, SOFT, TRANSPOSABLE
 
 
 def test_names_and_defaults():
     assert RECIPES == ("dense", "ste", "sr-ste", "s-ste", "t-sr-ste", "step")
     assert make_recipe() == make_recipe("s-ste")
     s = make_recipe("s-ste")
-    assert s.pruning == "soft" and s.mvue and not s.fp8 and s.decay == 0
+    assert s.pruning is SOFT and s.mvue and not s.fp8 and s.decay == 0
     sr = make_recipe("sr-ste")
-    assert sr.pruning == "hard" and sr.decay == 2e-4 and not sr.mvue
+    assert sr.pruning is HARD and sr.decay == 2e-4 and not sr.mvue
     t = make_recipe("t-sr-ste")
-    assert t.pruning == "transposable" and t.mvue and t.mask_interval == 40 and t.dense_finetune == pytest.approx(1 / 6)
+    assert t.pruning is TRANSPOSABLE and t.mvue and t.mask_interval == 40 and t.dense_finetune == pytest.approx(1 / 6)
     assert make_recipe("step").starts_dense
     assert not make_recipe("dense").sparse and make_recipe("ste").sparse
 

@@ -6,16 +6,18 @@
     twofour.flip_rate(model)["total"]              # monitor mask changes
 """
 
-from . import pruning
+from . import pruners, pruning, settings
 from .layer import SparseLinear
 from .optim import STEPAdamW
 from .recipes import DEFAULT_RECIPE, RECIPES, Recipe, make_recipe
-from .sparsify import DEFAULT_EXCLUDE, advance, attach, flip_rate, sparse_layers, sparsify
+from .sparsify import DEFAULT_EXCLUDE, add_masked_decay, advance, attach, flip_rate, sparse_layers, sparsify
 
 __version__ = "0.1.0"
 
 __all__ = [
     "pruning",
+    "pruners",
+    "settings",
     "SparseLinear",
     "STEPAdamW",
     "Recipe",
@@ -25,6 +27,7 @@ __all__ = [
     "sparsify",
     "attach",
     "advance",
+    "add_masked_decay",
     "flip_rate",
     "sparse_layers",
     "DEFAULT_EXCLUDE",

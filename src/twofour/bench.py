@@ -20,13 +20,15 @@ from torch import nn
 from . import SparseLinear, __version__
 from .kernels import cusparselt, ops
 from .pruning import transposable_mask_24
+from .recipes import Recipe, make_recipe
 
 __all__ = ["run_bench", "fwd_bwd_step", "gpt_train_step"]
 
 # (name, d_model, d_ffn, tokens) of a transformer's FFN pair; tokens = seq 1024 x micro-batch
 SHAPES = [("gpt2-124m", 768, 3072, 32768), ("gpt2-350m", 1024, 4096, 32768), ("gpt2-774m", 1280, 5120, 32768),
           ("gpt2-1.5b", 1600, 6400, 32768), ("llama-7b-ffn", 4096, 11008, 16384)]
-LAYER_RECIPES = ["ste", "sr-ste", "s-ste", "t-sr-ste"]
+LAYER_RECIPES = [make_recipe(name) for name in ("ste", "sr-ste", "s-ste", "t-sr-ste")]
+DENSE, S_STE, T_SR_STE = make_recipe("dense"), make_recipe("s-ste"), make_recipe("t-sr-ste")
 
 
 def _bench(fn, quick: bool) -> float:
@@ -46,11 +48,11 @@ def _gemms(t: int, k: int, n: int, quick: bool) -> dict[str, float]:
     x = torch.randn(t, k, device="cuda", dtype=torch.bfloat16)
     w = torch.randn(n, k, device="cuda")
     dy = torch.randn(t, n, device="cuda", dtype=torch.bfloat16)
-    wc, wd = ops.compress(w, "hard", None, None, None, True, torch.bfloat16)
+    wc, wd = ops.compress(w, "hard", dense_out=True)
     m = transposable_mask_24(w)
-    wtc = ops.compress(w.t(), "mask", None, m.t(), None, False, torch.bfloat16)[0]
+    wtc = ops.compress(w.t(), "mask", mask=m.t())[0]
     wtd = (w * m).bfloat16()
-    dyc = ops.compress(dy.t(), "mvue", None, None, torch.tensor([1], device="cuda"), False, torch.bfloat16)[0]
+    dyc = ops.compress(dy.t(), "mvue", seed=torch.tensor([1], device="cuda"))[0]
     out = {}
     fd = _bench(lambda: x @ wd.t(), quick)
     out["fwd"] = fd / min(_bench(lambda d=d: ops.spmm(wc, x.t(), n, d), quick) for d in (False, True))
@@ -71,13 +73,11 @@ def _kernels(t: int, k: int, n: int, bw: float, quick: bool) -> dict[str, tuple[
     dy = torch.randn(t, n, device="cuda", dtype=torch.bfloat16)
     seed = torch.tensor([3], device="cuda")
     cbytes = n * k // 2 * 2 + n * k // 8
-    cases = {"soft threshold + scale + compress W": (lambda: ops.compress(w, "soft", beta, None, None, False,
-                                                                          torch.bfloat16), n * k * 4 + cbytes),
-             "hard mask + compress W (+ dense W_eff)": (lambda: ops.compress(w, "hard", None, None, None, True,
-                                                                             torch.bfloat16), n * k * 6 + cbytes),
+    cases = {"soft threshold + scale + compress W": (lambda: ops.compress(w, "soft", scale=beta), n * k * 4 + cbytes),
+             "hard mask + compress W (+ dense W_eff)": (lambda: ops.compress(w, "hard", dense_out=True),
+                                                        n * k * 6 + cbytes),
              "MVUE + compress dY^T, read in place from dY": (
-                 lambda: ops.compress(dy.t(), "mvue", None, None, seed, False, torch.bfloat16),
-                 t * n * 2 + t * n // 2 * 2 + t * n // 8)}
+                 lambda: ops.compress(dy.t(), "mvue", seed=seed), t * n * 2 + t * n // 2 * 2 + t * n // 8)}
     res = {}
     for name, (fn, nbytes) in cases.items():
         fn()  # autotune outside the graph
@@ -96,7 +96,7 @@ def fwd_bwd_step(module: nn.Module, x: torch.Tensor, g: torch.Tensor):
             p.grad = None
         for mod in module.modules():
             if isinstance(mod, SparseLinear):
-                mod._wcache = None
+                mod.compressed.clear()
         with torch.autocast("cuda", dtype=torch.bfloat16):
             y = module(x)
         y.backward(g)
@@ -119,11 +119,11 @@ def _layers(t: int, k: int, n: int, quick: bool, ffn_in: bool) -> dict[str, floa
     for r in LAYER_RECIPES:
         layer = SparseLinear(k, n, device="cuda", recipe=r, transposed_output=ffn_in)
         _fwd_bwd(layer, x, g, True)  # measure the dispatch choices first
-        out[r] = td / _fwd_bwd(layer, x, g, quick)
+        out[r.name] = td / _fwd_bwd(layer, x, g, quick)
     return out
 
 
-def _ffn(t: int, d: int, h: int, quick: bool, recipe: str) -> float:
+def _ffn(t: int, d: int, h: int, quick: bool, recipe: Recipe) -> float:
     def block(lin):
         return nn.Sequential(lin(d, h), nn.GELU(approximate="tanh"), lin(h, d)).cuda()
 
@@ -135,7 +135,7 @@ def _ffn(t: int, d: int, h: int, quick: bool, recipe: str) -> float:
     return _fwd_bwd(dense, x, g, quick) / _fwd_bwd(sparse, x, g, quick)
 
 
-def gpt_train_step(preset: str, batch: int, recipe: str, *, transposed_output: bool = True,
+def gpt_train_step(preset: str, batch: int, recipe: Recipe, *, transposed_output: bool = True,
                    advance: bool = True) -> tuple[nn.Module, Callable[[], None]]:
     """A GPT ``preset`` (vocabulary 50304, sequence 1024) on the GPU with ``recipe`` on its FFN
     linears (fc1 with ``transposed_output``), fused AdamW and, with ``advance``, ``attach()``;
@@ -145,7 +145,7 @@ def gpt_train_step(preset: str, batch: int, recipe: str, *, transposed_output: b
 
     torch.manual_seed(0)
     model = GPT.from_preset(preset, block_size=1024, vocab_size=50304).cuda()
-    if recipe != "dense":
+    if recipe.sparse:
         sparsify(model, recipe, include=FFN_PATTERNS, transposed_output=FFN_IN_PATTERNS if transposed_output else ())
     opt = torch.optim.AdamW(model.parameters(), lr=1e-4, fused=True)
     if advance:
@@ -162,7 +162,7 @@ def gpt_train_step(preset: str, batch: int, recipe: str, *, transposed_output: b
     return model, step
 
 
-def _step_time(preset: str, batch: int, recipe: str) -> float:
+def _step_time(preset: str, batch: int, recipe: Recipe) -> float:
     step = gpt_train_step(preset, batch, recipe)[1]
     for _ in range(3):
         step()
@@ -186,14 +186,14 @@ def _train_step(preset: str, batches: tuple[int, ...]) -> tuple[float, float, in
     the largest of ``batches`` whose dense step fits in the GPU's memory: (ratio, dense ms, batch)."""
     for batch in batches:
         try:
-            dense = _step_time(preset, batch, "dense")
+            dense = _step_time(preset, batch, DENSE)
         except torch.OutOfMemoryError:
             dense = None
         gc.collect()  # the failed attempt's model, once its traceback is gone
         torch.cuda.empty_cache()
         if dense is None:
             continue
-        sparse = _step_time(preset, batch, "s-ste")
+        sparse = _step_time(preset, batch, S_STE)
         torch.cuda.empty_cache()
         return dense / sparse, dense, batch
     raise RuntimeError(f"twofour bench: no micro-batch of {batches} fits {preset} on this GPU")
@@ -218,7 +218,7 @@ def run_bench(args: argparse.Namespace) -> str:
     bw = _copy_bandwidth(quick)
     tflops = _gemm_rate(quick)
     lines = [f"GPU: {torch.cuda.get_device_name()}; torch {torch.__version__}, triton {triton.__version__}, "
-             f"cuSPARSELt {cusparselt._lib().get_version(cusparselt._handle(torch.cuda.current_device()))}, "
+             f"cuSPARSELt {cusparselt.version()}, "
              f"twofour {__version__}, Python {platform.python_version()}; copy bandwidth {bw:.0f} GB/s, "
              f"dense bf16 {tflops:.0f} TFLOP/s (8192^3). Ratios: dense bf16 time / twofour time.", ""]
     lines += ["### GEMMs of one linear (operands already compressed)", "",
@@ -237,17 +237,18 @@ def run_bench(args: argparse.Namespace) -> str:
     lines += ["", "### SparseLinear forward + backward (pruning, compression and MVUE included), per recipe", "",
               "In the FFN's layout plan: the first linear may leave y^T (`transposed_output=True`), the second "
               "reads it (a column-major x) and writes a row-major y; dense nn.Linear on the same x.", "",
-              "| shape | tokens x in -> out | " + " | ".join(LAYER_RECIPES) + " |",
+              "| shape | tokens x in -> out | " + " | ".join(r.name for r in LAYER_RECIPES) + " |",
               "|---|---|" + "---|" * len(LAYER_RECIPES)]
     for name, d, h, t in shapes:
         for k, n in ((d, h), (h, d)):
             r = _layers(t, k, n, quick, ffn_in=(k, n) == (d, h))
-            lines.append(f"| {name} | {t} x {k} -> {n} | " + " | ".join(f"{r[x]:.2f}x" for x in LAYER_RECIPES) + " |")
+            ratios = " | ".join(f"{r[x.name]:.2f}x" for x in LAYER_RECIPES)
+            lines.append(f"| {name} | {t} x {k} -> {n} | {ratios} |")
             print(lines[-1], flush=True)
     lines += ["", "### FFN block (fc -> GELU -> proj), forward + backward", "", "| shape | tokens | s-ste | t-sr-ste |",
               "|---|---|---|---|"]
     for name, d, h, t in shapes:
-        s_ste, t_sr = _ffn(t, d, h, quick, "s-ste"), _ffn(t, d, h, quick, "t-sr-ste")
+        s_ste, t_sr = _ffn(t, d, h, quick, S_STE), _ffn(t, d, h, quick, T_SR_STE)
         lines.append(f"| {name} | {t} | {s_ste:.2f}x | {t_sr:.2f}x |")
         print(lines[-1], flush=True)
     lines += ["", "### Full GPT training step (bf16 autocast, fused AdamW; s-ste on the FFN linears)", "",

@@ -1,4 +1,4 @@
-"""FP8 with per-tensor current scaling (DESIGN.md section 1), simulated in plain torch.
+"""FP8 with per-tensor current scaling (docs/design.md, section 1), simulated in plain torch.
 
 ``fake_fp8(t, fmt)`` rounds ``t`` onto the FP8 grid of ``fmt`` after scaling its absolute
 maximum to the format's largest value, and scales back: the numerics of an FP8 GEMM operand,

@@ -1,4 +1,4 @@
-"""The 2:4 pruning math (DESIGN.md section 1), in plain torch.
+"""The 2:4 pruning math (docs/design.md, section 1), in plain torch.
 
 Groups are 4 consecutive elements along the last dimension. Every public function validates
 its input (shape, dtype, finiteness) and raises a clear error; the underscore versions skip

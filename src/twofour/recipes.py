@@ -1,4 +1,4 @@
-"""The training recipes (DESIGN.md section 2) as small immutable value objects.
+"""The training recipes (docs/design.md, section 2) as small immutable value objects.
 
 A :class:`Recipe` says *what* a sparse layer does (which pruning, which gradient extras, which
 schedule); the layer reads its fields and never parses the name. Build one with
@@ -9,11 +9,11 @@ from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass
-from typing import Any, Literal
+from typing import Any
+
+from .pruners import HARD, NONE, SOFT, TRANSPOSABLE, Pruner
 
 __all__ = ["Recipe", "make_recipe", "RECIPES", "DEFAULT_RECIPE"]
-
-Pruning = Literal["none", "hard", "soft", "transposable"]
 
 
 @dataclass(frozen=True)
@@ -22,11 +22,13 @@ class Recipe:
 
     Attributes:
         name: the recipe's public name (``dense``, ``ste``, ``sr-ste``, ``s-ste``, ``t-sr-ste``, ``step``).
-        pruning: ``none`` (dense), ``hard`` (top-2 of 4), ``soft`` (S-STE soft threshold with a
-            fixed per-tensor scale) or ``transposable`` (2:4 both ways, refreshed periodically).
+        pruning: the :class:`~twofour.pruners.Pruner` that makes the weight 2:4: ``NONE`` (dense),
+            ``HARD`` (top-2 of 4), ``SOFT`` (S-STE soft threshold with a fixed per-tensor scale)
+            or ``TRANSPOSABLE`` (2:4 both ways, refreshed periodically).
         mvue: estimate dW from an unbiased 2:4 MVUE of dY^T instead of the dense dY^T.
         fp8: simulate FP8 operands (e4m3 forward, e5m2 gradients, per-tensor current scaling).
-        decay: SR-STE masked decay lambda, added to the gradient as ``decay * (1 - m) * W``.
+        decay: SR-STE masked decay lambda, added to the gradient as ``decay * (1 - m) * W`` once per
+            optimizer step, after gradient clipping (:func:`twofour.attach` does it).
         mask_interval: optimizer steps between mask refreshes (transposable masks only).
         dense_finetune: fraction of ``total_steps`` at the end trained dense (masks dropped).
         total_steps: the run's length in optimizer steps; needed for ``dense_finetune``.
@@ -34,7 +36,7 @@ class Recipe:
     """
 
     name: str
-    pruning: Pruning = "none"
+    pruning: Pruner = NONE
     mvue: bool = False
     fp8: bool = False
     decay: float = 0.0
@@ -46,22 +48,22 @@ class Recipe:
     @property
     def sparse(self) -> bool:
         """Whether this recipe prunes at all (False only for ``dense``)."""
-        return self.pruning != "none"
+        return self.pruning.sparse
 
     def to_dict(self) -> dict[str, Any]:
-        """A plain dict, for checkpoints and logs; ``make_recipe(**d)`` rebuilds it."""
-        return dataclasses.asdict(self)
+        """A plain dict (the pruner by its name), for checkpoints and logs."""
+        return {f.name: getattr(self, f.name) for f in dataclasses.fields(self)} | {"pruning": self.pruning.name}
 
 
 # name -> (fixed fields, {option: default}) ; options not listed are refused
 _SPARSE_COMMON = {"mvue": False, "fp8": False}
 _TABLE: dict[str, tuple[dict[str, Any], dict[str, Any]]] = {
-    "dense": ({"pruning": "none"}, {}),
-    "ste": ({"pruning": "hard"}, dict(_SPARSE_COMMON)),
-    "sr-ste": ({"pruning": "hard"}, {**_SPARSE_COMMON, "decay": 2e-4}),
-    "s-ste": ({"pruning": "soft"}, {**_SPARSE_COMMON, "mvue": True}),
+    "dense": ({"pruning": NONE}, {}),
+    "ste": ({"pruning": HARD}, dict(_SPARSE_COMMON)),
+    "sr-ste": ({"pruning": HARD}, {**_SPARSE_COMMON, "decay": 2e-4}),
+    "s-ste": ({"pruning": SOFT}, {**_SPARSE_COMMON, "mvue": True}),
     "t-sr-ste": (
-        {"pruning": "transposable"},
+        {"pruning": TRANSPOSABLE},
         {
             **_SPARSE_COMMON,
             "mvue": True,
@@ -71,7 +73,7 @@ _TABLE: dict[str, tuple[dict[str, Any], dict[str, Any]]] = {
             "total_steps": None,
         },
     ),
-    "step": ({"pruning": "hard", "starts_dense": True}, {**_SPARSE_COMMON, "decay": 2e-4}),
+    "step": ({"pruning": HARD, "starts_dense": True}, {**_SPARSE_COMMON, "decay": 2e-4}),
 }
 RECIPES: tuple[str, ...] = tuple(_TABLE)
 DEFAULT_RECIPE = "s-ste"

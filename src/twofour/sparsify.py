@@ -15,7 +15,7 @@ from .layer import SparseLinear
 from .optim import STEPAdamW
 from .recipes import DEFAULT_RECIPE, Recipe, make_recipe
 
-__all__ = ["sparsify", "attach", "advance", "flip_rate", "sparse_layers", "DEFAULT_EXCLUDE"]
+__all__ = ["sparsify", "attach", "advance", "add_masked_decay", "flip_rate", "sparse_layers", "DEFAULT_EXCLUDE"]
 
 log = logging.getLogger("twofour")
 
@@ -64,11 +64,9 @@ def sparsify(model: nn.Module, recipe: str | Recipe = DEFAULT_RECIPE, *, include
             skipped.append((name, "inside nn.MultiheadAttention, which bypasses its forward"))
             continue
         in_f, out_f = mod.weight.shape if conv1d else mod.weight.shape[::-1]
-        if rec.sparse and in_f % 4:
-            skipped.append((name, f"in_features={in_f} is not a multiple of 4"))
-            continue
-        if rec.pruning == "transposable" and out_f % 4:
-            skipped.append((name, f"out_features={out_f} is not a multiple of 4 (transposable masks)"))
+        reason = rec.pruning.unsupported(out_f, in_f)
+        if reason:
+            skipped.append((name, reason))
             continue
         parent_name, _, attr = name.rpartition(".")
         flag = _matches(name, transposed)
@@ -109,17 +107,47 @@ def advance(model: nn.Module, optimizer: torch.optim.Optimizer | None = None) ->
         layer.advance(sparse_phase)
 
 
-def attach(model: nn.Module, optimizer: torch.optim.Optimizer) -> torch.utils.hooks.RemovableHandle:
-    """Advance ``model``'s sparse layers after every ``optimizer.step()``: the one call a loop needs.
+@torch.no_grad()
+def add_masked_decay(model: nn.Module) -> None:
+    """Add SR-STE's masked decay ``decay * (1 - m) * W`` to every sparse layer's gradient.
 
-    With gradient accumulation the optimizer steps once per N micro-batches, and so do the
-    masks, refresh intervals and phases. Returns a handle whose ``remove()`` detaches it.
+    Call it once per optimizer step, after gradient clipping and right before
+    ``optimizer.step()`` (so that it counts once, however many micro-batches were accumulated);
+    or let :func:`attach` call it for you. Layers whose recipe has no decay are left alone.
+    """
+    for _, layer in sparse_layers(model):
+        layer.add_masked_decay_()
+
+
+class _Attached:
+    """The hooks :func:`attach` put on an optimizer; ``remove()`` takes both off."""
+
+    def __init__(self, *handles: torch.utils.hooks.RemovableHandle):
+        self._handles = handles
+
+    def remove(self) -> None:
+        for h in self._handles:
+            h.remove()
+
+
+def attach(model: nn.Module, optimizer: torch.optim.Optimizer) -> _Attached:
+    """Drive ``model``'s sparse layers from ``optimizer``: the one call a loop needs.
+
+    Before every ``optimizer.step()`` it adds SR-STE's masked decay to the gradients
+    (:func:`add_masked_decay`; after your gradient clipping, which comes before the step), and
+    after it advances masks, flip counts and phases (:func:`advance`). With gradient
+    accumulation the optimizer steps once per N micro-batches, and so do both. Returns a handle
+    whose ``remove()`` detaches it.
     """
     needs_step = any(layer.recipe.starts_dense for _, layer in sparse_layers(model))
     if needs_step and not isinstance(optimizer, STEPAdamW):
         raise TypeError("the 'step' recipe needs twofour.optim.STEPAdamW as its optimizer "
                         f"(got {type(optimizer).__name__}): it decides when the masks switch on")
-    return optimizer.register_step_post_hook(lambda opt, args, kwargs: advance(model, opt))
+    pre = None
+    if any(layer.recipe.decay for _, layer in sparse_layers(model)):
+        pre = optimizer.register_step_pre_hook(lambda opt, args, kwargs: add_masked_decay(model))
+    post = optimizer.register_step_post_hook(lambda opt, args, kwargs: advance(model, opt))
+    return _Attached(*(h for h in (pre, post) if h is not None))
 
 
 def flip_rate(model: nn.Module) -> dict[str, float]:

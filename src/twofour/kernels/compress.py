@@ -8,7 +8,7 @@ tile and split into the four entries of each group by reshapes; a source whose r
 contiguous (``dY^T`` read in place from the row-major ``dY``, groups along tokens) is read with
 four coalesced loads, one per group entry. Every per-group step (ranking, threshold, MVUE's
 draws and inclusion probabilities) is then elementwise, and the metadata is packed by reshapes.
-docs/PERFORMANCE.md records the variants measured and why these were kept.
+docs/notes/fastpath-experiments.md records the variants measured and why these were kept.
 
 Tested against the plain-torch reference on the CPU with ``TRITON_INTERPRET=1`` and byte for
 byte against cuSPARSELt's own compression on the GPU.
@@ -35,8 +35,8 @@ PHILOX_ROUNDS = 10  # Philox4x32 rounds for MVUE's draws (Triton's and cuRAND's 
 #: Layout switch of the kernel for a source with contiguous rows (dY^T read in place): PAIR_ROWS
 #: shares one Philox call between rows 2i and 2i+1 of a group, which the thread already holds,
 #: instead of between two groups spread over threads (a layout conversion of the random bits
-#: through shared memory); measured 0.319 -> 0.283 ms at the 774M fc1 shape (docs/PERFORMANCE.md,
-#: step 23, where two other variants measured slower and were removed). On the tile-load path
+#: through shared memory); measured 0.319 -> 0.283 ms at the 774M fc1 shape on an H200, where two
+#: other variants measured slower (docs/notes/fastpath-experiments.md). On the tile-load path
 #: (a row-major source) it measured faster too (0.312 -> 0.291 ms) but stays off there until
 #: its GPU test has run (it passes under Triton's interpreter).
 VARIANT = {"PAIR_ROWS": True}
@@ -201,7 +201,7 @@ if HAS_TRITON:
     _compress_tuned = triton.autotune(
         configs=[triton.Config({"BC": bc}, num_warps=w) for bc, w in ((32, 2), (64, 2), (64, 4), (128, 4), (128, 8),
                                                                        (256, 8))],
-        key=["m_rows", "k_cols", "sr", "sc", "MODE", "WRITE_DENSE", "ROUNDS", "WRITE_SPARSE", "PAIR_ROWS"],
+        key=["m_rows", "k_cols", "sr", "sc", "MODE", "WRITE_DENSE", "WRITE_SPARSE", "PAIR_ROWS"],
     )(_compress_kernel)
 
     @triton.jit
@@ -218,20 +218,33 @@ _launch: dict[tuple, tuple[int, int]] = {}  # (shape, strides, dtype, constants)
 
 def compress(x: torch.Tensor, mode: str, *, out_dtype: torch.dtype = torch.bfloat16, scale: torch.Tensor | None = None,
              mask: torch.Tensor | None = None, u: torch.Tensor | None = None, seed: torch.Tensor | None = None,
-             dense_out: bool = False, rounds: int = PHILOX_ROUNDS, tile: tuple[int, int] | None = None,
-             sparse_out: bool = True,
-             variant: dict[str, bool] | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
+             dense_out: bool = False, sparse_out: bool = True) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Prune the (M, K) matrix ``x`` (any strides) along K and compress it for cuSPARSELt.
 
     ``mode``: ``hard`` (top-2), ``soft`` (``scale`` * soft threshold), ``mask`` (keep ``mask``,
     a bool tensor of x's shape and strides) or ``mvue`` (uniforms ``u``, two per group, a
-    contiguous (M, K/2) tensor, or a Philox ``seed`` int tensor on the device, with ``rounds``
-    Philox rounds). Returns the compressed uint8 buffer (empty with ``sparse_out=False``, for a
-    caller that reads only the dense matrix) and, with ``dense_out``, the effective (M, K) matrix
-    in ``out_dtype``. ``tile`` = (columns, warps) fixes the launch (benchmarks); by default it is
-    autotuned once per shape on the GPU. ``variant`` overrides the kernel's layout switch
-    (benchmarks; :data:`VARIANT` has the default and what it does).
+    contiguous (M, K/2) tensor, or a Philox ``seed`` int tensor on the device). Returns the
+    compressed uint8 buffer (empty with ``sparse_out=False``, for a caller that reads only the
+    dense matrix) and, with ``dense_out``, the effective (M, K) matrix in ``out_dtype``. On the
+    GPU the tile width and warps are autotuned once per shape.
     """
+    return compress_tiled(x, mode, out_dtype=out_dtype, scale=scale, mask=mask, u=u, seed=seed, dense_out=dense_out,
+                          sparse_out=sparse_out)
+
+
+def compress_tiled(x: torch.Tensor, mode: str, *, tile: tuple[int, int] | None = None, pair_rows: bool | None = None,
+                   **kwargs) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """:func:`compress` with the launch fixed: ``tile`` = (columns, warps) instead of the
+    autotuned one, ``pair_rows`` instead of :data:`VARIANT`'s layout switch. For tests (every
+    launch must write the same bytes) and benchmarks (timing each launch)."""
+    return _compress(x, mode, tile=tile, pair_rows=pair_rows, **kwargs)
+
+
+def _compress(x: torch.Tensor, mode: str, *, out_dtype: torch.dtype = torch.bfloat16,
+              scale: torch.Tensor | None = None, mask: torch.Tensor | None = None, u: torch.Tensor | None = None,
+              seed: torch.Tensor | None = None, dense_out: bool = False, sparse_out: bool = True,
+              tile: tuple[int, int] | None = None,
+              pair_rows: bool | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
     if not HAS_TRITON:
         raise RuntimeError("twofour's fused compression needs Triton (pip install triton)")
     m, k = x.shape
@@ -265,10 +278,11 @@ def compress(x: torch.Tensor, mode: str, *, out_dtype: torch.dtype = torch.bfloa
         raise ValueError(f"compress: u must be a contiguous ({m}, {k // 2}) tensor (two uniforms per group)")
     span = (m - 1) * abs(x.stride(0)) + (k - 1) * abs(x.stride(1)) + 1
     consts = dict(MODE=MODES[mode], HAS_U=u is not None, WRITE_DENSE=dense_out, OUT_BF16=out_dtype == torch.bfloat16,
-                  ROUNDS=rounds, BIG=max(span, m * k) >= 2**31, QUAD_LOADS=x.stride(0) == 1 and k > 1,
+                  BIG=max(span, m * k) >= 2**31, QUAD_LOADS=x.stride(0) == 1 and k > 1,
                   WRITE_SPARSE=sparse_out)
-    default = VARIANT if consts["QUAD_LOADS"] else {"PAIR_ROWS": False}  # measured for a source read in place
-    consts["PAIR_ROWS"] = {**default, **(variant or {})}["PAIR_ROWS"]
+    if pair_rows is None:  # measured for a source read in place
+        pair_rows = VARIANT["PAIR_ROWS"] and consts["QUAD_LOADS"]
+    consts["PAIR_ROWS"] = pair_rows
     if x.is_cuda:  # tile width and warps measured once per shape and mode (triton.autotune), then
         # launched directly: the autotuner's own dispatch costs ~12 us of host time per call
         key = (m, k, x.stride(0), x.stride(1), x.dtype, tuple(consts.values()))

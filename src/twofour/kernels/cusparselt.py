@@ -1,7 +1,7 @@
 """A thin binding to cuSPARSELt through ``nvmath-python``, with plans built once and reused.
 
 torch's own ``torch._cslt_sparse_mm`` rebuilds its cuSPARSELt plan on every call (0.4-1.3 ms
-of host time, DESIGN.md section 4); a :class:`Plan` here is built once per shape, dtype and
+of host time, docs/design.md, section 4); a :class:`Plan` here is built once per shape, dtype and
 operand order and costs ~20-30 us per call. Every plan computes
 
     D (M x N) = A (M x K, 2:4 along K, row-major, compressed) @ B (K x N)
@@ -20,7 +20,7 @@ from dataclasses import dataclass
 
 import torch
 
-__all__ = ["available", "Plan", "get_plan", "ROW", "COL"]
+__all__ = ["available", "version", "Plan", "get_plan", "ROW", "COL"]
 
 ROW, COL = 2, 1  # cusparseOrder_t
 _NON_TRANSPOSE = 0
@@ -44,6 +44,11 @@ def available() -> bool:
     except Exception:  # missing package or library: the dense path is used instead
         return False
     return True
+
+
+def version() -> int:
+    """The loaded cuSPARSELt library's version number (e.g. 800 for 0.8.0)."""
+    return _lib().get_version(_handle(torch.cuda.current_device()))
 
 
 _handles: dict[int, int] = {}

@@ -4,7 +4,7 @@ written over the old one, and the number of positions that changed added to a de
 
 The plain-torch version (``pruning._mask_24``, a comparison and a sum) builds a 4 x 4
 comparison per group and ran at 0.58 ms a layer on the H200 (42 ms of a 259 ms gpt2-774m step
-for its 72 FFN layers, docs/PERFORMANCE.md); this kernel reads the weight and the old mask once
+for its 72 FFN layers, docs/notes/fastpath-experiments.md); this kernel reads the weight and the old mask once
 and writes the new mask. Tested against the reference on the CPU under Triton's interpreter.
 """
 

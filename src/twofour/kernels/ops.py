@@ -12,12 +12,12 @@ row-major (n, m) tensor).
 from __future__ import annotations
 
 import json
-import os
 import statistics
 from collections.abc import Callable
 
 import torch
 
+from .. import settings
 from . import compress as _ck
 from . import cusparselt as _cs
 from .layout import compressed_size
@@ -38,16 +38,17 @@ def order(t: torch.Tensor) -> str | None:
 
 
 def _enabled() -> bool:
-    return _ck.HAS_TRITON and os.environ.get("TWOFOUR_FAST", "1") != "0"
+    return _ck.HAS_TRITON and settings.fast
 
 
 def fast_available() -> bool:
-    """cuSPARSELt bindings, Triton and an sm80+ GPU are all here (and TWOFOUR_FAST is not 0)."""
+    """cuSPARSELt bindings, Triton and an sm80+ GPU are all here (and the fast path is on:
+    :mod:`twofour.settings`)."""
     return _enabled() and _cs.available()
 
 
 def triton_ok(t: torch.Tensor) -> bool:
-    """Triton kernels can run on ``t``: a CUDA tensor, Triton installed, TWOFOUR_FAST not 0."""
+    """Triton kernels can run on ``t``: a CUDA tensor, Triton installed, the fast path on."""
     return t.is_cuda and _enabled()
 
 
@@ -99,15 +100,15 @@ def spmm(a: torch.Tensor, b: torch.Tensor, m: int, d_col: bool, bias: torch.Tens
     return _spmm_op(a, b, m, d_col, bias) if torch.compiler.is_compiling() else _spmm(a, b, m, d_col, bias)
 
 
-def compress(x: torch.Tensor, mode: str, scale: torch.Tensor | None, mask: torch.Tensor | None,
-             seed: torch.Tensor | None, dense_out: bool, out_dtype: torch.dtype,
+def compress(x: torch.Tensor, mode: str, *, scale: torch.Tensor | None = None, mask: torch.Tensor | None = None,
+             seed: torch.Tensor | None = None, dense_out: bool = False, out_dtype: torch.dtype = torch.bfloat16,
              sparse_out: bool = True) -> tuple[torch.Tensor, torch.Tensor]:
-    """The fused prune + compress kernel: (compressed buffer or an empty one without
-    ``sparse_out``, dense effective matrix or an empty tensor); eager calls launch it directly,
-    traced ones go through ``twofour::compress``."""
-    if torch.compiler.is_compiling():
-        return _compress_op(x, mode, scale, mask, seed, dense_out, out_dtype, sparse_out)
-    return _compress(x, mode, scale, mask, seed, dense_out, out_dtype, sparse_out)
+    """The fused prune + compress kernel (:func:`twofour.kernels.compress.compress`): the
+    compressed buffer (empty without ``sparse_out``) and the dense effective matrix (empty
+    without ``dense_out``). Eager calls launch it directly, traced ones go through
+    ``twofour::compress``."""
+    args = (x, mode, scale, mask, seed, dense_out, out_dtype, sparse_out)
+    return _compress_op(*args) if torch.compiler.is_compiling() else _compress(*args)
 
 
 # --------------------------------------------------------------------------------------------
@@ -148,11 +149,11 @@ def choose(kind: str, m: int, k: int, n: int, b_order: str, dtype: torch.dtype,
            candidates: dict[str, Callable[[], torch.Tensor]]) -> str:
     """The candidate to run for this GEMM: an override, a cached measurement, or measure now.
 
-    ``TWOFOUR_GEMM=dense`` or ``=sparse`` forces a side for every GEMM; :func:`set_choice`
-    forces one GEMM. While compiling or capturing a CUDA graph nothing is measured: the
+    ``settings.gemm`` (``TWOFOUR_GEMM``) ``dense`` or ``sparse`` forces a side for every GEMM;
+    :func:`set_choice` forces one GEMM. While compiling or capturing a CUDA graph nothing is measured: the
     cached choice is used, else the first sparse candidate.
     """
-    forced = os.environ.get("TWOFOUR_GEMM", "auto")
+    forced = settings.gemm
     if forced != "auto":
         return next((c for c in candidates if c.startswith(forced)), next(iter(candidates)))
     key = _key(kind, m, k, n, b_order, dtype, candidates)
@@ -169,8 +170,8 @@ def choose(kind: str, m: int, k: int, n: int, b_order: str, dtype: torch.dtype,
 
 def choice_of(kind: str, m: int, k: int, n: int, b_order: str, dtype: torch.dtype) -> str | None:
     """The cached choice for one GEMM, or None if it was not measured yet."""
-    if os.environ.get("TWOFOUR_GEMM", "auto") != "auto":
-        return "dense" if os.environ["TWOFOUR_GEMM"] == "dense" else "sparse"
+    if settings.gemm != "auto":
+        return settings.gemm
     hit = _choices.get(_key(kind, m, k, n, b_order, dtype))  # dW's candidates: dense and sparse
     return None if hit is None else hit["choice"]
 
