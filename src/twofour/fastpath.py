@@ -121,18 +121,19 @@ class FastSparseLinearFn(torch.autograd.Function):
 
 
 def _mvue_dw(dy2: torch.Tensor, x2: torch.Tensor) -> torch.Tensor:
-    """dW = MVUE(dY^T) X: the estimate compressed by the fused kernel reading dY^T in place (a
-    transposing copy first measured slower), then the 2:4 or the dense GEMM, whichever measured
-    faster; once measured, the kernel writes only the operand that GEMM reads."""
+    """dW on the MVUE 2:4 estimate of dY^T where that pays, else the exact dense dW.
+
+    The two routes are timed whole, once per shape: the sparse one is the fused kernel reading
+    dY^T in place (a transposing copy first measured slower) and writing the compressed
+    estimate, then the 2:4 GEMM; the dense one is the plain dY^T X GEMM, with no estimate at
+    all. So MVUE runs only where its compression plus the sparse GEMM beat the dense GEMM, and
+    elsewhere dW is exact (unbiased either way)."""
     t, n = dy2.shape
-    seed = torch.randint(0, 2**31 - 1, (1,), device=dy2.device)
-    key = ("dw", n, t, x2.shape[1], ops.order(x2), dy2.dtype)
-    known = ops.choice_of(*key)
-    buf, dense = ops.compress(dy2.t(), "mvue", seed=seed, dense_out=known != "sparse", out_dtype=dy2.dtype,
-                              sparse_out=known != "dense")
-    cands = {}
-    if known != "dense":
-        cands["sparse"] = lambda: ops.spmm(buf, x2, n, False)
-    if known != "sparse":
-        cands["dense"] = lambda: dense @ x2
-    return cands[known or ops.choose(*key, cands)]()
+
+    def sparse() -> torch.Tensor:
+        seed = torch.randint(0, 2**31 - 1, (1,), device=dy2.device)
+        buf = ops.compress(dy2.t(), "mvue", seed=seed, out_dtype=dy2.dtype)[0]
+        return ops.spmm(buf, x2, n, False)
+
+    cands = {"sparse": sparse, "dense": lambda: dy2.t() @ x2}
+    return cands[ops.choose("dw-mvue", n, t, x2.shape[1], ops.order(x2), dy2.dtype, cands)]()

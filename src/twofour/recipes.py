@@ -25,7 +25,9 @@ class Recipe:
         pruning: the :class:`~twofour.pruners.Pruner` that makes the weight 2:4: ``NONE`` (dense),
             ``HARD`` (top-2 of 4), ``SOFT`` (S-STE soft threshold with a fixed per-tensor scale)
             or ``TRANSPOSABLE`` (2:4 both ways, refreshed periodically).
-        mvue: estimate dW from an unbiased 2:4 MVUE of dY^T instead of the dense dY^T.
+        mvue: estimate dW from an unbiased 2:4 MVUE of dY^T instead of the dense dY^T. On the GPU
+            fast path only where that route (the estimate's compression plus the 2:4 GEMM)
+            measures faster than the dense dW GEMM; elsewhere dW is exact.
         fp8: simulate FP8 operands (e4m3 forward, e5m2 gradients, per-tensor current scaling).
         decay: SR-STE masked decay lambda, added to the gradient as ``decay * (1 - m) * W`` once per
             optimizer step, after gradient clipping (:func:`twofour.attach` does it).

@@ -24,7 +24,7 @@ from .layout import compressed_size
 from .mask import refresh_mask_
 
 __all__ = ["spmm", "compress", "refresh_mask_", "order", "fast_available", "triton_ok", "choose",
-           "choice_of", "choices", "set_choice", "clear_choices"]
+           "choices", "set_choice", "clear_choices"]
 
 
 def order(t: torch.Tensor) -> str | None:
@@ -166,14 +166,6 @@ def choose(kind: str, m: int, k: int, n: int, b_order: str, dtype: torch.dtype,
     best = min(times, key=times.get)
     _choices[key] = {"choice": best, "ms": {k2: round(v, 4) for k2, v in times.items()}}
     return best
-
-
-def choice_of(kind: str, m: int, k: int, n: int, b_order: str, dtype: torch.dtype) -> str | None:
-    """The cached choice for one GEMM, or None if it was not measured yet."""
-    if settings.gemm != "auto":
-        return settings.gemm
-    hit = _choices.get(_key(kind, m, k, n, b_order, dtype))  # dW's candidates: dense and sparse
-    return None if hit is None else hit["choice"]
 
 
 def choices() -> dict[str, dict]:
