@@ -54,8 +54,8 @@ def test_resume_is_bit_identical(tmp_path, corpus):
     assert main(["train", *args, "--out", str(part), "--resume"]) == 0
     assert [r[:2] for r in losses(part)] == [r[:2] for r in losses(full)]  # every train loss, bit for bit
     assert [r for r in losses(part) if r[0] % 4 == 0] == [r for r in losses(full) if r[0] % 4 == 0]  # val too
-    a = torch.load(full / "ckpt.pt", weights_only=False)["model"]
-    b = torch.load(part / "ckpt.pt", weights_only=False)["model"]
+    a = torch.load(full / "ckpt.pt", weights_only=True)["model"]
+    b = torch.load(part / "ckpt.pt", weights_only=True)["model"]
     assert all(torch.equal(a[k], b[k]) for k in a)
 
 
@@ -63,7 +63,7 @@ def test_gradient_accumulation_and_recipe_options(tmp_path, corpus):
     out = tmp_path / "acc"
     assert main(["train", *SMALL, "--data", corpus, "--out", str(out), "--recipe", "sr-ste", "--grad-accum", "2",
                  "--opt", "decay=6e-5", "--sparse-attention"]) == 0
-    ck = torch.load(out / "ckpt.pt", weights_only=False)
+    ck = torch.load(out / "ckpt.pt", weights_only=True)
     assert ck["config"]["recipe_options"] == {"decay": 6e-5}
     assert int(ck["model"]["h.0.attn.qkv.step"]) == 8  # one advance per optimizer step, not per micro-batch
 
@@ -132,6 +132,29 @@ def test_never_overwrites_and_checks_checkpoints(tmp_path, corpus, capsys):
     assert main([*args, "--overwrite"]) == 0
 
 
+class _Boom:
+    def __reduce__(self):
+        return (os.system, (f"touch {self.marker}",))
+
+
+def test_checkpoints_load_safely(tmp_path, corpus, capsys):
+    """A checkpoint is loaded with weights_only=True: a crafted file whose unpickling would run a
+    command is refused with a clear error, and the command never runs."""
+    out = tmp_path / "run"
+    args = ["train", *SMALL, "--data", corpus, "--out", str(out), "--recipe", "ste"]
+    assert main(args) == 0
+    ck = torch.load(out / "ckpt.pt", weights_only=True)  # only tensors and plain data in a real one
+    marker = tmp_path / "pwned"
+    boom = _Boom()
+    boom.marker = marker
+    ck["rng"][0]["python"] = boom
+    torch.save(ck, out / "ckpt.pt")
+    err = error_of([*args, "--resume"], capsys)
+    assert "refused" in err and "could run code" in err
+    assert "refused" in error_of(["export", str(out)], capsys)
+    assert not marker.exists()
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("fsdp", [False, True], ids=["ddp", "fsdp2"])
 def test_torchrun_two_processes(tmp_path, corpus, fsdp):
@@ -149,5 +172,5 @@ def test_torchrun_two_processes(tmp_path, corpus, fsdp):
     assert res.stdout.count("final train loss") == 1  # only rank 0 reports
     s = json.loads((out / "summary.json").read_text())
     assert s["tokens"] == 8 * 4 * 32 * 2
-    ck = torch.load(out / "ckpt.pt", weights_only=False)
+    ck = torch.load(out / "ckpt.pt", weights_only=True)
     assert len(ck["rng"]) == 2 and ck["step"] == 8

@@ -130,3 +130,20 @@ def test_step_switch_does_not_depend_on_the_loss_scale(scale):
         assert opt.variance_change() > 0
     assert switched[0] == switched[1]
     assert opt.t_min < switched[0] <= opt.t_max  # the criterion decides, not the t_min floor
+
+
+def test_config_turns_the_recipe_name_into_a_recipe_once():
+    from twofour.config import TrainConfig, TrainError
+    from twofour.train import build_model
+
+    rec = TrainConfig(recipe="t-sr-ste", steps=50).recipe_object()
+    assert isinstance(rec, twofour.Recipe) and rec.total_steps == 50  # filled from steps
+    assert TrainConfig(recipe="t-sr-ste", recipe_options={"total_steps": 7}).recipe_object().total_steps == 7
+    assert TrainConfig().recipe_object().name == twofour.DEFAULT_RECIPE
+    assert TrainConfig(recipe="step").recipe_object().starts_dense
+    with pytest.raises(TrainError, match="valid options"):
+        TrainConfig(recipe="ste", recipe_options={"decay": 1.0}).recipe_object()
+    model = build_model(TrainConfig(seq_len=32), rec, vocab_size=64)
+    layers = dict(twofour.sparse_layers(model))
+    assert layers and all(layer.recipe == rec for layer in layers.values())
+    assert model.fsdp_units() == list(model.h) and model.vocab_size == 64

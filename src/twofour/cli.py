@@ -36,8 +36,8 @@ def _option(text: str) -> tuple[str, Any]:
 
 
 def _run_args(p: argparse.ArgumentParser, default_out: str) -> None:
+    from .config import TrainConfig  # noqa: PLC0415
     from .model import PRESETS  # noqa: PLC0415
-    from .train import TrainConfig  # noqa: PLC0415
 
     d = TrainConfig()
     g = p.add_argument_group("model and data")
@@ -75,7 +75,7 @@ def _run_args(p: argparse.ArgumentParser, default_out: str) -> None:
 
 def _config(a: argparse.Namespace, recipe: str):
     """A TrainConfig from the parsed options: every option named like a field sets that field."""
-    from .train import TrainConfig  # noqa: PLC0415
+    from .config import TrainConfig  # noqa: PLC0415
 
     fields = {f.name for f in dataclasses.fields(TrainConfig)}
     given = {k: v for k, v in vars(a).items() if k in fields}
@@ -153,8 +153,8 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> int:
     """Entry point; bad input ends with one line on stderr and exit status 2."""
     args = build_parser().parse_args(argv)
+    from .config import TrainError  # noqa: PLC0415
     from .data import DataError  # noqa: PLC0415
-    from .train import TrainError  # noqa: PLC0415
 
     try:
         return args.func(args)

@@ -10,9 +10,11 @@ from typing import Any
 
 import numpy as np
 
+from .config import TrainConfig
 from .data import load_data
-from .recipes import RECIPES
-from .train import METRICS, TrainConfig, pyplot, read_metrics, train
+from .recipes import RECIPES, recipe_options
+from .runs import pyplot, read_config, read_metrics, read_summary
+from .train import train
 
 __all__ = ["compare", "results_table"]
 
@@ -27,12 +29,14 @@ def compare(recipes: list[str], base: TrainConfig, seeds: list[int] | None = Non
     summaries = []
     for recipe in recipes:
         for seed in seeds:
+            # a recipe that takes no options (dense) runs without the others' --opt
+            options = base.recipe_options if recipe_options(recipe) else {}
             cfg = dataclasses.replace(base, recipe=recipe, seed=seed, out_dir=str(root / f"{recipe}-s{seed}"),
-                                      recipe_options={} if recipe == "dense" else base.recipe_options)
+                                      recipe_options=options)
             cfg.validate()
-            done = Path(cfg.out_dir) / "summary.json"
-            if done.exists() and not base.overwrite and _same_run(Path(cfg.out_dir) / "config.json", cfg):
-                summaries.append(json.loads(done.read_text()))
+            done = read_summary(cfg.out_dir)
+            if done is not None and not base.overwrite and _same_run(read_config(cfg.out_dir), cfg):
+                summaries.append(done)
                 continue
             summaries.append(train(cfg, data))
     root.mkdir(parents=True, exist_ok=True)
@@ -42,18 +46,20 @@ def compare(recipes: list[str], base: TrainConfig, seeds: list[int] | None = Non
     return summaries
 
 
-def _same_run(path: Path, cfg: TrainConfig) -> bool:
-    """Whether the finished run's config.json is ``cfg``, up to how it was launched."""
+def _same_run(config: dict[str, Any] | None, cfg: TrainConfig) -> bool:
+    """Whether a finished run's config (its config.json) is ``cfg``, up to how it was launched."""
+    if config is None:
+        return False
     launch = ("overwrite", "resume", "progress")
-    want = {k: v for k, v in json.loads(json.dumps(dataclasses.asdict(cfg))).items() if k not in launch}
-    have = {k: v for k, v in json.loads(path.read_text()).items() if k not in launch}
+    want = {k: v for k, v in json.loads(json.dumps(cfg.to_dict())).items() if k not in launch}
+    have = {k: v for k, v in config.items() if k not in launch}
     return want == have
 
 
 def _all_runs(root: Path, like: dict[str, Any]) -> list[dict[str, Any]]:
     """Every finished run under ``root`` with the same model and token budget as ``like``,
     in recipe order then seed (so a later call with more seeds extends the table)."""
-    runs = [json.loads(p.read_text()) for p in root.glob("*/summary.json")]
+    runs = [read_summary(p.parent) for p in root.glob("*/summary.json")]
     runs = [r for r in runs if (r["model"], r["tokens"]) == (like["model"], like["tokens"])]
     order = {name: i for i, name in enumerate(RECIPES)}
     return sorted(runs, key=lambda r: (order.get(r["recipe"], len(order)), r["seed"]))
@@ -82,7 +88,7 @@ def plot_compare(root: Path, summaries: list[dict[str, Any]]) -> Path | None:
     fig, (ax1, ax2, ax3) = plt.subplots(1, 3, figsize=(16, 4.5))
     for i, s in enumerate(summaries):
         color = f"C{i % 10}"  # one color per run in every panel
-        m = read_metrics(Path(s["out_dir"]) / METRICS)
+        m = read_metrics(s["out_dir"])
         label = f"{s['recipe']} (seed {s['seed']})"
         if m["val_loss"]:
             ax1.plot(*zip(*m["val_loss"]), "o-", markersize=3, label=label, color=color)

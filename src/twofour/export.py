@@ -10,35 +10,39 @@ from typing import Any
 import torch
 
 from . import sparse_layers
+from .config import TrainConfig, TrainError
 from .layer import RECIPE_BUFFERS
-from .train import CKPT, TrainConfig, TrainError, build_model
+from .runs import read_checkpoint
+from .train import build_model
 
 __all__ = ["export"]
 
 
 def export(run: str | Path, out: str | Path | None = None) -> dict[str, Any]:
-    """Write ``model.safetensors`` (or ``.pt`` without safetensors) and ``model_config.json``."""
-    path = Path(run)
-    ckpt_path = path / CKPT if path.is_dir() else path
-    if not ckpt_path.exists():
-        raise TrainError(f"no checkpoint at {ckpt_path}")
+    """Write ``model.safetensors`` (or ``.pt`` without safetensors) and ``model_config.json``.
+
+    Weights tied to another (the model's ``tied_weights``, e.g. GPT's output head) are stored
+    once, under their source's name."""
+    ckpt = read_checkpoint(run)
     try:
-        ckpt = torch.load(ckpt_path, map_location="cpu", weights_only=False)
-        cfg = TrainConfig(**{k: v for k, v in ckpt["config"].items() if k in TrainConfig.__dataclass_fields__})
+        cfg = TrainConfig.from_dict(ckpt["config"])
+        model = build_model(cfg, cfg.recipe_object(), ckpt["vocab_size"])
+        model.load_state_dict(ckpt["model"])
+    except TrainError:
+        raise
     except Exception as e:
-        raise TrainError(f"{ckpt_path} is not a readable twofour checkpoint ({type(e).__name__})") from None
-    vocab = ckpt["model"]["wte.weight"].shape[0]
-    model = build_model(cfg, vocab)
-    model.load_state_dict(ckpt["model"])
+        raise TrainError(f"{run} is not a readable twofour checkpoint ({type(e).__name__}: {e})") from None
     sparse = 0
     with torch.no_grad():
         for _, layer in sparse_layers(model):
             if layer.recipe.sparse:
                 layer.weight.copy_(layer.effective_weight())
                 sparse += 1
+    tied = dict(getattr(model, "tied_weights", {}))
     tensors = {k: v.contiguous() for k, v in model.state_dict().items()
-               if k.rpartition(".")[2] not in RECIPE_BUFFERS and k != "lm_head.weight"}
-    out = Path(out) if out else ckpt_path.parent / "model.safetensors"
+               if k.rpartition(".")[2] not in RECIPE_BUFFERS and k not in tied}
+    path = Path(run)
+    out = Path(out) if out else (path if path.is_dir() else path.parent) / "model.safetensors"
     try:
         from safetensors.torch import save_file  # noqa: PLC0415
 
@@ -46,7 +50,7 @@ def export(run: str | Path, out: str | Path | None = None) -> dict[str, Any]:
     except ImportError:
         out = out.with_suffix(".pt")
         torch.save(tensors, out)
-    meta = {"preset": cfg.model, "vocab_size": vocab, "block_size": cfg.seq_len, "recipe": cfg.recipe,
-            "sparse_layers": sparse, "tied_lm_head": True, "step": ckpt["step"]}
+    meta = {"preset": cfg.model, "vocab_size": model.vocab_size, "block_size": cfg.seq_len, "recipe": cfg.recipe,
+            "sparse_layers": sparse, "tied_lm_head": bool(tied), "tied_weights": tied, "step": ckpt["step"]}
     out.with_name("model_config.json").write_text(json.dumps(meta, indent=2))
     return {"weights": str(out), **meta}

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from typing import ClassVar
 
 import torch
 from torch import nn
@@ -121,9 +122,17 @@ class GPT(nn.Module):
             raise ValueError(f"unknown model preset {name!r}; valid presets: {', '.join(PRESETS)}")
         return cls(GPTConfig(**{**PRESETS[name], **overrides}))
 
-    def num_params(self) -> int:
-        """Parameter count without the position embedding (as GPT-2's papers count)."""
-        return sum(p.numel() for p in self.parameters()) - self.wpe.weight.numel()
+    #: Parameters that are another parameter under a second name (alias -> source): the output
+    #: head is the token embedding. Exports store the source only.
+    tied_weights: ClassVar[dict[str, str]] = {"lm_head.weight": "wte.weight"}
+
+    @property
+    def vocab_size(self) -> int:
+        return self.cfg.vocab_size
+
+    def fsdp_units(self) -> list[nn.Module]:
+        """The submodules FSDP shards one by one (each gathered just before it runs): the blocks."""
+        return list(self.h)
 
     def forward(self, idx: torch.Tensor, targets: torch.Tensor | None = None):
         t = idx.shape[1]
