@@ -16,7 +16,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from .fastpath import CompressedWeight, FastSparseLinearFn, applies, compute_dtype
+from .fastpath import CompressedWeight, FastSparseLinearFn, applies, compiled_linear, compute_dtype
 from .fp8 import E4M3, E5M2, fake_fp8
 from .kernels import ops
 from .pruning import mvue_24_padded
@@ -229,6 +229,9 @@ class SparseLinear(nn.Linear):
         if not self._dense and not r.fp8 and applies(x, self.in_features, self.out_features):
             cdt = compute_dtype(x)
             with torch.autocast("cuda", enabled=False):
+                if torch.compiler.is_compiling():  # compressed in the graph, the GEMMs as custom ops
+                    wc, wd, wtc = self.pruner.compress(self.weight.detach(), self.beta, self.mask, cdt)
+                    return compiled_linear(x.to(cdt), self.weight, self.bias, wc, wd, wtc, r.mvue)
                 wc, wd, wtc = self.compressed.get(self.weight, self.pruner, self.beta, self.mask, self._step, cdt)
                 return FastSparseLinearFn.apply(x.to(cdt), self.weight, self.bias, wc, wd, wtc, r.mvue,
                                                 self.transposed_output)

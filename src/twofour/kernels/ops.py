@@ -150,9 +150,11 @@ def choose(kind: str, m: int, k: int, n: int, b_order: str, dtype: torch.dtype,
     """The candidate to run for this GEMM: an override, a cached measurement, or measure now.
 
     ``settings.gemm`` (``TWOFOUR_GEMM``) ``dense`` or ``sparse`` forces a side for every GEMM;
-    :func:`set_choice` forces one GEMM. While compiling or capturing a CUDA graph nothing is measured: the
-    cached choice is used, else the first sparse candidate.
+    :func:`set_choice` forces one GEMM. While compiling or capturing a CUDA graph nothing is
+    measured: the cached choice is used, else the first sparse candidate.
     """
+    if len(candidates) == 1:
+        return next(iter(candidates))
     forced = settings.gemm
     if forced != "auto":
         return next((c for c in candidates if c.startswith(forced)), next(iter(candidates)))

@@ -1,0 +1,56 @@
+"""The fast path as torch.compile sees it (custom ops with their backward), on the CPU: the ops
+pass torch's checks and, compiled whole, give the reference's output and gradients. On the CPU
+only the dense routes exist (no cuSPARSELt); tests/test_fastpath.py runs the 2:4 ones on a GPU."""
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from twofour import fastpath
+from twofour.pruners import HARD, SOFT, TRANSPOSABLE
+
+
+def operands(pruner, n=64, k=96):
+    w = torch.randn(n, k, requires_grad=True)
+    beta, mask = torch.tensor(1.3), pruner.mask(w.detach())
+    wc, wd, wtc = pruner.compress(w.detach(), beta, mask, torch.bfloat16)
+    return w, pruner.effective(w.detach(), beta, mask), wc[:0], wd, wtc[:0]  # dense routes only
+
+
+@pytest.mark.filterwarnings("ignore::DeprecationWarning")
+@pytest.mark.parametrize("pruner", [HARD, SOFT, TRANSPOSABLE], ids=lambda p: p.name)
+@pytest.mark.parametrize("bias", [True, False])
+def test_compiled_linear_matches_reference(pruner, bias):
+    torch.manual_seed(0)
+    w, w_eff, wc, wd, wtc = operands(pruner)
+    b = torch.randn(64, requires_grad=True) if bias else None
+    x = torch.randn(96, 64).t().reshape(2, 32, 96).requires_grad_()  # a column-major input too
+    g = torch.randn(2, 32, 64, dtype=torch.bfloat16)
+
+    def f(x):
+        return fastpath.compiled_linear(x.to(torch.bfloat16), w, b, wc, wd, wtc, mvue=True)
+
+    y = torch.compile(f, backend="aot_eager", fullgraph=True)(x)
+    y.backward(g)
+    w_ref = w_eff.bfloat16().requires_grad_()
+    b_ref = None if b is None else b.detach().bfloat16().requires_grad_()
+    x_ref = x.detach().bfloat16().requires_grad_()
+    y_ref = F.linear(x_ref, w_ref, b_ref)
+    y_ref.backward(g)
+    assert y.is_contiguous() and y.dtype == torch.bfloat16
+    torch.testing.assert_close(y, y_ref, rtol=1e-2, atol=2e-2)  # bf16: a fused bias rounds once less
+    torch.testing.assert_close(x.grad, x_ref.grad.float(), rtol=1e-2, atol=1e-2)
+    torch.testing.assert_close(w.grad, w_ref.grad.float(), rtol=1e-2, atol=1e-2)  # passed straight through
+    if bias:
+        torch.testing.assert_close(b.grad, b_ref.grad.float(), rtol=1e-2, atol=1e-2)
+
+
+@pytest.mark.filterwarnings("ignore::DeprecationWarning")
+def test_custom_ops_pass_opcheck():
+    torch.manual_seed(0)
+    w, _, wc, wd, wtc = operands(SOFT)
+    x2 = torch.randn(32, 96, dtype=torch.bfloat16)
+    b = torch.randn(64, dtype=torch.bfloat16)
+    torch.library.opcheck(torch.ops.twofour.sparse_linear.default, (x2, w.detach(), wc, wd, wtc, b, True))
+    dy2 = torch.randn(32, 64, dtype=torch.bfloat16)
+    torch.library.opcheck(torch.ops.twofour.sparse_linear_backward.default, (dy2, x2, wd, wtc, True, True, True))
