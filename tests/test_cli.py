@@ -74,14 +74,42 @@ def test_compare_table_and_plot(tmp_path, corpus, capsys):
                  "--seeds", "1,2"]) == 0
     table = (out / "compare.md").read_text()
     assert (out / "compare.png").exists()
-    rows = [ln for ln in table.splitlines() if ln.startswith("| dense") or ln.startswith("| s-ste")]
-    assert len(rows) == 4 and "gap to dense" in table
+    runs = [ln for ln in table.splitlines() if ln.startswith(("| dense | 1 |", "| dense | 2 |", "| s-ste | 1 |",
+                                                                 "| s-ste | 2 |"))]
+    assert len(runs) == 4 and "gap to dense" in table
     printed = capsys.readouterr().out
     assert "| s-ste | 2 |" in printed
+    # the per-recipe rows: mean ± std over the 2 seeds, and the gap to dense paired by seed
+    val = {(r, s): json.loads((out / f"{r}-s{s}" / "summary.json").read_text())["final_val_loss"]
+           for r in ("dense", "s-ste") for s in (1, 2)}
+    gaps = [val["s-ste", s] - val["dense", s] for s in (1, 2)]
+    losses = [val["s-ste", s] for s in (1, 2)]
+    row = next(ln for ln in printed.splitlines() if ln.startswith("| s-ste | 1, 2 | "))
+    cells = [c.strip() for c in row.strip("|").split("|")]
+    assert cells[2] == f"{sum(losses) / 2:.4f} ± {abs(losses[0] - losses[1]) / 2 ** 0.5:.4f}"
+    assert cells[3] == f"{sum(gaps) / 2:+.4f} ± {abs(gaps[0] - gaps[1]) / 2 ** 0.5:.4f}"
+    assert row in table
     # a second call reuses the finished runs
     mtime = (out / "dense-s1" / "ckpt.pt").stat().st_mtime
     assert main(["compare", *SMALL, "--data", corpus, "--out", str(out), "--recipes", "dense", "--seeds", "1"]) == 0
     assert (out / "dense-s1" / "ckpt.pt").stat().st_mtime == mtime
+
+
+def test_authors_regime_by_name(tmp_path, corpus, capsys):
+    """--regime authors: peak lr 1.5e-4, floor 1e-5, warmup 10% of a short run, SR-STE decay 6e-5."""
+    out = tmp_path / "authors"
+    assert main(["train", *SMALL, "--data", corpus, "--out", str(out), "--recipe", "sr-ste", "--regime", "authors",
+                 "--grad-accum", "1", "--steps", "20", "--eval-interval", "10"]) == 0
+    with open(out / "metrics.csv") as fh:
+        lr = [float(r["lr"]) for r in csv.DictReader(fh)]
+    assert lr[1] == pytest.approx(1.5e-4) and lr[0] == pytest.approx(0.75e-4)  # 2 warmup steps, then the peak
+    assert min(lr) >= 1e-5 and lr[-1] < 1.2e-5  # the cosine ends at the 1e-5 floor
+    ck = torch.load(out / "ckpt.pt", weights_only=True)
+    assert ck["config"]["regime"] == "authors" and ck["config"]["recipe_options"] == {}
+    assert json.loads((out / "summary.json").read_text())["regime"] == "authors"
+    # the regime is part of a run's identity: resuming it under another regime is refused
+    assert "another run" in error_of(["train", *SMALL, "--data", corpus, "--out", str(out), "--recipe", "sr-ste",
+                                      "--resume", "--steps", "20", "--eval-interval", "10"], capsys)
 
 
 def test_export_writes_24_weights(tmp_path, corpus):

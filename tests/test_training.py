@@ -147,3 +147,49 @@ def test_config_turns_the_recipe_name_into_a_recipe_once():
     layers = dict(twofour.sparse_layers(model))
     assert layers and all(layer.recipe == rec for layer in layers.values())
     assert model.fsdp_units() == list(model.h) and model.vocab_size == 64
+
+
+def test_authors_regime_settings():
+    from twofour.config import TrainConfig, lr_at
+
+    ours = TrainConfig(model="gpt2-124m", steps=600)
+    authors = TrainConfig(model="gpt2-124m", steps=600, regime="authors")
+    assert (ours.peak_lr, ours.floor_ratio, ours.warmup_steps, ours.micro_batches()) == (6e-4, 0.1, 30, 1)
+    assert authors.peak_lr == 1.5e-4 and authors.peak_lr * authors.floor_ratio == pytest.approx(1e-5)
+    assert authors.warmup_steps == 60 and TrainConfig(regime="authors", steps=300_000).warmup_steps == 3000
+    assert lr_at(authors, 599) == pytest.approx(1e-5, rel=1e-3)
+    # about 0.5M tokens per step through accumulation, unless --grad-accum is given
+    big = TrainConfig(regime="authors", batch_size=32, seq_len=1024)
+    assert big.micro_batches(world=1) == 16 and big.micro_batches(world=2) == 8
+    assert TrainConfig(regime="authors", batch_size=24, seq_len=1000).micro_batches() == 22  # ceil(524288 / 24000)
+    assert TrainConfig(regime="authors", grad_accum=3).micro_batches(world=4) == 3
+    # SR-STE's decay: 6e-5 where the recipe takes it and it wasn't given; the user's value wins
+    assert TrainConfig(recipe="sr-ste", regime="authors").recipe_object().decay == 6e-5
+    assert TrainConfig(recipe="sr-ste").recipe_object().decay == 2e-4
+    assert TrainConfig(recipe="sr-ste", regime="authors", recipe_options={"decay": 1e-4}).recipe_object().decay == 1e-4
+    assert TrainConfig(recipe="s-ste", regime="authors").recipe_object().decay == 0
+    # explicit options win over the regime
+    custom = TrainConfig(regime="authors", lr=1e-3, min_lr_ratio=0.5, warmup=7)
+    assert (custom.peak_lr, custom.floor_ratio, custom.warmup_steps) == (1e-3, 0.5, 7)
+
+
+def test_validation_windows_do_not_depend_on_the_seed():
+    """Runs of different seeds are scored on the same text: the same weights, the same val loss."""
+    import contextlib
+
+    import numpy as np
+
+    from twofour.config import TrainConfig
+    from twofour.data import TokenData
+    from twofour.train import evaluate, val_windows
+
+    rng = np.random.default_rng(0)
+    data = TokenData(rng.integers(0, 64, 5000).astype(np.uint16), rng.integers(0, 64, 3000).astype(np.uint16),
+                     64, "random")
+    a, b = (TrainConfig(seed=s, batch_size=4, seq_len=32, eval_iters=3) for s in (1, 2))
+    starts = val_windows(data, a)
+    assert np.array_equal(starts, val_windows(data, b)) and len(set(starts.tolist())) == 12
+    assert starts[0] == 0 and starts[-1] == len(data.val) - 33  # spread over the whole split
+    model = tiny_gpt()
+    losses = [evaluate(model, data, cfg, "cpu", contextlib.nullcontext()) for cfg in (a, b)]
+    assert losses[0] == losses[1] and losses[0] > 0

@@ -36,7 +36,7 @@ def _option(text: str) -> tuple[str, Any]:
 
 
 def _run_args(p: argparse.ArgumentParser, default_out: str) -> None:
-    from .config import TrainConfig  # noqa: PLC0415
+    from .config import REGIMES, TrainConfig  # noqa: PLC0415
     from .model import PRESETS  # noqa: PLC0415
 
     d = TrainConfig()
@@ -49,14 +49,17 @@ def _run_args(p: argparse.ArgumentParser, default_out: str) -> None:
     g = p.add_argument_group("recipe")
     g.add_argument("--opt", type=_option, action="append", default=[], metavar="KEY=VALUE",
                    help="recipe option, repeatable: mvue=false, decay=6e-5, mask_interval=40, fp8=true, ...")
-    g = p.add_argument_group("optimization")
+    g = p.add_argument_group("optimization (defaults marked 'regime' come from --regime; see the table below)")
+    g.add_argument("--regime", default=d.regime, choices=list(REGIMES),
+                   help="optimization defaults: ours (default) or the S-STE authors' GPT-2 settings")
     g.add_argument("--steps", type=int, default=d.steps, help="optimizer steps (default %(default)s)")
     g.add_argument("--batch-size", type=int, default=d.batch_size, help="sequences per micro-batch per process")
     g.add_argument("--seq-len", type=int, default=d.seq_len, help="tokens per sequence (default %(default)s)")
-    g.add_argument("--grad-accum", type=int, default=d.grad_accum, help="micro-batches per optimizer step")
-    g.add_argument("--lr", type=float, default=None, help="peak learning rate (default: the preset's)")
-    g.add_argument("--min-lr-ratio", type=float, default=d.min_lr_ratio, help="cosine floor as a fraction of --lr")
-    g.add_argument("--warmup", type=int, default=None, help="warmup steps (default 5%% of --steps, at most 2000)")
+    g.add_argument("--grad-accum", type=int, default=None, help="micro-batches per optimizer step (default: regime)")
+    g.add_argument("--lr", type=float, default=None, help="peak learning rate (default: regime)")
+    g.add_argument("--min-lr-ratio", type=float, default=None, help="cosine floor as a fraction of --lr "
+                   "(default: regime)")
+    g.add_argument("--warmup", type=int, default=None, help="linear warmup steps (default: regime)")
     g.add_argument("--weight-decay", type=float, default=d.weight_decay)
     g.add_argument("--grad-clip", type=float, default=d.grad_clip, help="0 turns clipping off")
     g.add_argument("--no-bf16", dest="bf16", action="store_false", help="no bf16 autocast on the GPU")
@@ -125,16 +128,38 @@ def _cmd_bench(a: argparse.Namespace) -> int:
     return 0
 
 
+REGIME_HELP = """\
+regimes (--regime) give the defaults of the options marked 'regime'; an option given explicitly wins:
+                   ours (default)                    authors (S-STE paper's GPT-2 124M settings)
+  peak lr          the preset's (tiny 1e-3,          1.5e-4
+                   gpt2-124m 6e-4, -350m 3e-4,
+                   -774m 2.5e-4, -1.5b 2e-4)
+  cosine floor     0.1 x peak                        1e-5, i.e. peak / 15
+  warmup           5% of --steps, at most 2000       10% of --steps, at most 3000 (the authors warm
+                                                     up 3000 of 300k steps; shorter runs warm up
+                                                     for a tenth of their length)
+  tokens per step  batch-size x seq-len x processes  about 524,288 (0.5M): grad-accum =
+                   (grad-accum 1)                    ceil(524288 / (batch-size x seq-len x processes))
+  SR-STE decay     the recipe's default (2e-4)       6e-5 for recipes that take decay
+  not set by --regime: AdamW betas (0.9, 0.95), weight decay 0.1, gradient clipping 1.0
+"""
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="twofour", description="Pre-train transformers with 2:4 sparse weights.")
     sub = p.add_subparsers(dest="command", required=True)
-    t = sub.add_parser("train", help="train a GPT with a recipe (default: tiny, s-ste, Python stdlib corpus)")
+    t = sub.add_parser("train", help="train a GPT with a recipe (default: tiny, s-ste, Python stdlib corpus)",
+                       epilog=REGIME_HELP, formatter_class=argparse.RawDescriptionHelpFormatter)
     t.add_argument("--recipe", default=DEFAULT_RECIPE, help=f"{', '.join(RECIPES)} (default %(default)s)")
     _run_args(t, "runs/train")
     t.add_argument("--resume", action="store_true", help="continue the run in --out from its checkpoint")
     t.add_argument("--stop-at", type=int, default=None, help="stop after this step (the schedule still spans --steps)")
     t.set_defaults(func=_cmd_train)
-    c = sub.add_parser("compare", help="train several recipes on the same data and budget; table and plot")
+    c = sub.add_parser("compare", help="train several recipes on the same data and budget; table and plot",
+                       description="Train each recipe once per seed with the same options; report per recipe "
+                       "the mean +- standard deviation of the final val loss over seeds and the paired gap to "
+                       "dense (recipe - dense of the same seed, then mean +- std of those gaps).",
+                       epilog=REGIME_HELP, formatter_class=argparse.RawDescriptionHelpFormatter)
     c.add_argument("--recipes", default="dense,ste,sr-ste,s-ste", help="comma-separated (default %(default)s)")
     c.add_argument("--seeds", default=None, help="comma-separated seeds, each recipe once per seed (default --seed)")
     _run_args(c, "runs/compare")

@@ -1,5 +1,6 @@
-"""``twofour compare``: several recipes (and seeds) on the same data, seed and token budget,
-then one markdown table and one plot overlaying their curves."""
+"""``twofour compare``: several recipes (and seeds) on the same data, options and token budget,
+then one markdown table (every run, then each recipe's mean ± std over seeds and its gap to
+dense paired by seed) and one plot (per recipe, the mean curve and the seeds' spread)."""
 
 from __future__ import annotations
 
@@ -16,7 +17,7 @@ from .recipes import RECIPES, recipe_options
 from .runs import pyplot, read_config, read_metrics, read_summary
 from .train import train
 
-__all__ = ["compare", "results_table"]
+__all__ = ["compare", "results_table", "recipe_stats", "plot_compare"]
 
 
 def compare(recipes: list[str], base: TrainConfig, seeds: list[int] | None = None) -> list[dict[str, Any]]:
@@ -57,53 +58,124 @@ def _same_run(config: dict[str, Any] | None, cfg: TrainConfig) -> bool:
 
 
 def _all_runs(root: Path, like: dict[str, Any]) -> list[dict[str, Any]]:
-    """Every finished run under ``root`` with the same model and token budget as ``like``,
+    """Every finished run under ``root`` with the same model, regime and token budget as ``like``,
     in recipe order then seed (so a later call with more seeds extends the table)."""
+    def key(r: dict[str, Any]) -> tuple:
+        return r["model"], r.get("regime", "ours"), r["tokens"]
+
     runs = [read_summary(p.parent) for p in root.glob("*/summary.json")]
-    runs = [r for r in runs if (r["model"], r["tokens"]) == (like["model"], like["tokens"])]
+    runs = [r for r in runs if key(r) == key(like)]
     order = {name: i for i, name in enumerate(RECIPES)}
     return sorted(runs, key=lambda r: (order.get(r["recipe"], len(order)), r["seed"]))
 
 
+def _mean_std(values: list[float]) -> tuple[float, float | None]:
+    """Mean and sample standard deviation (n - 1; None for a single value)."""
+    return float(np.mean(values)), (float(np.std(values, ddof=1)) if len(values) > 1 else None)
+
+
+def recipe_stats(summaries: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """Per recipe, over its seeds: the final val loss (mean, std) and the paired gap to dense:
+    recipe - dense of the same seed for every seed both ran, then the gaps' mean and std
+    (absolute, and relative to that seed's dense loss)."""
+    by_recipe: dict[str, dict[int, float]] = {}
+    for s in summaries:
+        if s["final_val_loss"] is not None:
+            by_recipe.setdefault(s["recipe"], {})[s["seed"]] = s["final_val_loss"]
+    dense = by_recipe.get("dense", {})
+    stats = []
+    for recipe, losses in by_recipe.items():
+        mean, std = _mean_std(list(losses.values()))
+        paired = sorted(set(losses) & set(dense))
+        gaps = [losses[k] - dense[k] for k in paired]
+        rel = [(losses[k] - dense[k]) / dense[k] for k in paired]
+        gap, gap_std = _mean_std(gaps) if gaps else (None, None)
+        rel_gap, rel_std = _mean_std(rel) if rel else (None, None)
+        stats.append({"recipe": recipe, "seeds": sorted(losses), "val_loss_mean": mean, "val_loss_std": std,
+                      "pairs": len(paired), "gap_mean": gap, "gap_std": gap_std,
+                      "rel_gap_mean": rel_gap, "rel_gap_std": rel_std})
+    return stats
+
+
+def _pm(mean: float | None, std: float | None, fmt: str) -> str:
+    if mean is None:
+        return "n/a"
+    return format(mean, fmt) + (f" ± {std:{fmt.lstrip('+')}}" if std is not None else "")
+
+
 def results_table(summaries: list[dict[str, Any]]) -> str:
-    """Markdown: final val loss, gap to dense, mean and final flip rate, tokens/s, wall time."""
-    dense = [s["final_val_loss"] for s in summaries if s["recipe"] == "dense"]
-    ref = float(np.mean(dense)) if dense else None
+    """Markdown: one row per run (final val loss, gap to the same seed's dense, flip rates,
+    tokens/s, wall time), then one row per recipe: mean ± std over seeds and the paired gap."""
+    dense = {s["seed"]: s["final_val_loss"] for s in summaries if s["recipe"] == "dense"}
     s0 = summaries[0]
-    lines = [f"model `{s0['model']}`, {s0['steps']} steps, {s0['tokens']:,} tokens per run", "",
-             "| recipe | seed | final val loss | gap to dense | mean flip rate | final flip rate | tokens/s | wall s |",
+    lines = [f"model `{s0['model']}`, regime `{s0.get('regime', 'ours')}`, {s0['steps']} steps, "
+             f"{s0['tokens']:,} tokens per run", "",
+             "| recipe | seed | final val loss | gap to dense (same seed) | mean flip rate | final flip rate "
+             "| tokens/s | wall s |",
              "|---|---|---|---|---|---|---|---|"]
     for s in summaries:
-        gap = f"{s['final_val_loss'] - ref:+.4f}" if ref is not None else "n/a"
-        lines.append(f"| {s['recipe']} | {s['seed']} | {s['final_val_loss']:.4f} | {gap} | {s['mean_flip_rate']:.2e} "
+        ref = dense.get(s["seed"])
+        gap = f"{s['final_val_loss'] - ref:+.4f}" if ref is not None and s["final_val_loss"] is not None else "n/a"
+        val = f"{s['final_val_loss']:.4f}" if s["final_val_loss"] is not None else "n/a"
+        lines.append(f"| {s['recipe']} | {s['seed']} | {val} | {gap} | {s['mean_flip_rate']:.2e} "
                      f"| {s['final_flip_rate']:.2e} | {s['tokens_per_s']:,.0f} | {s['wall_s']:.0f} |")
+    lines += ["", "Per recipe over seeds: mean ± sample standard deviation (n - 1). Paired gap: recipe - dense "
+              "of the same seed, for each seed both ran, then mean ± std of those gaps; relative: the gaps "
+              "over that seed's dense loss.", "",
+              "| recipe | seeds | final val loss | paired gap to dense | relative gap |", "|---|---|---|---|---|"]
+    for st in recipe_stats(summaries):
+        rel = _pm(*(None if v is None else 100 * v for v in (st["rel_gap_mean"], st["rel_gap_std"])), "+.2f")
+        seeds = ", ".join(map(str, st["seeds"]))
+        lines.append(f"| {st['recipe']} | {seeds} | {_pm(st['val_loss_mean'], st['val_loss_std'], '.4f')} "
+                     f"| {_pm(st['gap_mean'], st['gap_std'], '+.4f')} | {rel}{'' if rel == 'n/a' else ' %'} |")
     return "\n".join(lines) + "\n"
 
 
+def _band(curves: list[list[tuple[int, float]]]) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray] | None:
+    """Steps every curve has, and the mean, min and max over the curves there."""
+    common = sorted(set.intersection(*(set(st for st, _ in c) for c in curves)))
+    if not common:
+        return None
+    vals = np.array([[dict(c)[st] for st in common] for c in curves])
+    return np.array(common), vals.mean(0), vals.min(0), vals.max(0)
+
+
 def plot_compare(root: Path, summaries: list[dict[str, Any]]) -> Path | None:
-    """compare.png: validation loss and flip rate of every run, overlaid."""
+    """compare.png: per recipe, the mean over seeds of the validation loss, the (smoothed)
+    train loss and the flip rate, with a band from the seeds' minimum to their maximum."""
     plt = pyplot()
     if plt is None:
         return None
-    fig, (ax1, ax2, ax3) = plt.subplots(1, 3, figsize=(16, 4.5))
-    for i, s in enumerate(summaries):
-        color = f"C{i % 10}"  # one color per run in every panel
+    runs: dict[str, list[dict[str, list[tuple[int, float]]]]] = {}
+    for s in summaries:
         m = read_metrics(s["out_dir"])
-        label = f"{s['recipe']} (seed {s['seed']})"
-        if m["val_loss"]:
-            ax1.plot(*zip(*m["val_loss"]), "o-", markersize=3, label=label, color=color)
         steps, losses = zip(*m["train_loss"])
         k = max(1, len(losses) // 50)  # smooth the noisy per-step loss for the eye
         smooth = np.convolve(losses, np.ones(k) / k, mode="valid")
-        ax2.plot(steps[k - 1:], smooth, label=label, color=color)
-        fr = [(st, v) for st, v in m["flip_rate"] if v > 0]
-        if fr:
-            ax3.plot(*zip(*fr), label=label, color=color)
-    ax1.set(xlabel="step", ylabel="validation loss", title="validation loss")
-    ax2.set(xlabel="step", ylabel="train loss (smoothed)", title="train loss")
-    ax3.set(xlabel="step", ylabel="flip rate (steps with flips)", title="mask flip rate", yscale="log")
-    for ax in (ax1, ax2, ax3):
-        ax.legend(fontsize=7)
+        m["train_smooth"] = list(zip(steps[k - 1:], smooth))
+        runs.setdefault(s["recipe"], []).append(m)
+    fig, axes = plt.subplots(1, 3, figsize=(16, 4.5))
+    panels = (("val_loss", "validation loss", "o-"), ("train_smooth", "train loss (smoothed)", "-"),
+              ("flip_rate", "mask flip rate", "-"))
+    for i, (recipe, ms) in enumerate(runs.items()):
+        color = f"C{i % 10}"  # one color per recipe in every panel
+        label = f"{recipe} ({len(ms)} seed{'s' if len(ms) > 1 else ''})"
+        for ax, (key, _, style) in zip(axes, panels):
+            band = _band([m[key] for m in ms]) if all(m[key] for m in ms) else None
+            if band is None or (key == "flip_rate" and not (band[1] > 0).any()):
+                continue
+            steps, mean, lo, hi = band
+            if key == "flip_rate":  # log scale: leave out the steps without flips
+                keep = mean > 0
+                steps, mean, lo, hi = steps[keep], mean[keep], np.maximum(lo[keep], mean[keep] * 1e-3), hi[keep]
+            ax.plot(steps, mean, style, markersize=3, label=label, color=color)
+            if len(ms) > 1:
+                ax.fill_between(steps, lo, hi, color=color, alpha=0.2, linewidth=0)
+    for ax, (_, title, _) in zip(axes, panels):
+        ax.set(xlabel="step", ylabel=title, title=title + " (mean over seeds, band: min to max)")
+        if ax.has_data():
+            ax.legend(fontsize=7)
+    axes[2].set_yscale("log")
     fig.tight_layout()
     path = root / "compare.png"
     fig.savefig(path, dpi=110)

@@ -18,6 +18,7 @@ import time
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import torch
 import torch.distributed as dist
 from tqdm.auto import tqdm
@@ -41,7 +42,7 @@ from .runs import (
     write_summary,
 )
 
-__all__ = ["train", "build_model", "evaluate"]
+__all__ = ["train", "build_model", "evaluate", "val_windows"]
 
 
 def build_model(cfg: TrainConfig, recipe: Recipe, vocab_size: int) -> GPT:
@@ -77,16 +78,25 @@ def _device(cfg: TrainConfig, local_rank: int) -> torch.device:
     return torch.device("cuda", local_rank) if dev.type == "cuda" and dev.index is None else dev
 
 
+def val_windows(data: TokenData, cfg: TrainConfig) -> np.ndarray:
+    """Start offsets of the validation windows: ``eval_iters * batch_size`` windows spaced evenly
+    over the whole val split. They depend on the data and the batch shape only, never on the
+    seed, so runs of different seeds (and recipes) are scored on the same text."""
+    last = len(data.val) - cfg.seq_len - 1
+    return np.linspace(0, last, cfg.eval_iters * cfg.batch_size).round().astype(np.int64)
+
+
 @torch.no_grad()
 def evaluate(model, data: TokenData, cfg: TrainConfig, device, autocast) -> float:
-    """Mean validation loss over ``eval_iters`` fixed batches (the same ones every time)."""
+    """Mean validation loss over the fixed windows of :func:`val_windows` (the same every time)."""
     model.eval()
-    gen = torch.Generator().manual_seed(cfg.seed + 1_000_003)
+    starts = val_windows(data, cfg).reshape(cfg.eval_iters, cfg.batch_size)
     total = torch.zeros((), device=device)
-    for _ in range(cfg.eval_iters):
-        x, y = data.batch("val", cfg.batch_size, cfg.seq_len, gen, device)
+    for batch in starts:
+        rows = np.stack([np.asarray(data.val[s : s + cfg.seq_len + 1], dtype=np.int64) for s in batch])
+        t = torch.from_numpy(rows).to(device)
         with autocast:
-            total += model(x, y)[1].float()
+            total += model(t[:, :-1], t[:, 1:])[1].float()
     model.train()
     return total.item() / cfg.eval_iters  # one host sync
 
@@ -144,7 +154,8 @@ def train(cfg: TrainConfig, data: TokenData | None = None) -> dict[str, Any]:
     metrics = MetricsLog(out, start if ckpt else None) if rank == 0 else None
     if rank == 0:
         (out / "config.json").write_text(json.dumps(cfg.to_dict(), indent=2))
-    tokens_per_step = cfg.batch_size * cfg.seq_len * cfg.grad_accum * world
+    accum = cfg.micro_batches(world)
+    tokens_per_step = cfg.batch_size * cfg.seq_len * accum * world
     stop = cfg.stop_at or cfg.steps
     bar = tqdm(range(start, stop), initial=start, total=stop, desc=f"{recipe.name} {cfg.model}",
                disable=rank != 0 or not cfg.progress, dynamic_ncols=True)
@@ -154,11 +165,11 @@ def train(cfg: TrainConfig, data: TokenData | None = None) -> dict[str, Any]:
     # ---- the loop: one optimizer step per iteration ----
     for step in bar:
         # micro-batches: gradients add up; DDP syncs them on the last one only
-        for micro in range(cfg.grad_accum):
+        for micro in range(accum):
             x, y = data.batch("train", cfg.batch_size, cfg.seq_len, data_gen, device)
-            sync = micro == cfg.grad_accum - 1 or not isinstance(model, torch.nn.parallel.DistributedDataParallel)
+            sync = micro == accum - 1 or not isinstance(model, torch.nn.parallel.DistributedDataParallel)
             with (contextlib.nullcontext() if sync else model.no_sync()), autocast:
-                loss = fwd(x, y)[1] / cfg.grad_accum
+                loss = fwd(x, y)[1] / accum
             loss.backward()
             loss_acc += loss.detach()
         # clip, step (the attach() hook advances the sparse layers here), schedule
