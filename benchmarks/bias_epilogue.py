@@ -8,10 +8,10 @@ row of D, for row- and column-major D; (2) that it follows a bias pointer change
 built (reset on the matmul descriptor only), and what that costs in host time; (3) what a
 float32 buffer behind the pointer gives (it is read in D's dtype); then times the sparse forward
 with the bias in the epilogue against the same GEMM without bias, with the bias added
-afterwards in place, and dense ``addmm``. (Step 17 of docs/PERFORMANCE.md ran this script's
-first form, which built its plans from raw descriptors, before ``Plan`` took a bias; that
-form also tried re-initialising a plan after the pointer change and ended without a
-traceback.)
+afterwards in place, and dense ``addmm``. (The "Bias" section of
+docs/notes/fastpath-experiments.md records this script's numbers; its first form, which built
+its plans from raw descriptors before ``Plan`` took a bias, also tried re-initialising a plan
+after the pointer change and ended without a traceback.)
 """
 
 from __future__ import annotations
@@ -46,7 +46,7 @@ def out_tensor(m: int, n: int, d_col: bool) -> tuple[torch.Tensor, torch.Tensor]
 def checks() -> None:
     m, k, n = 1024, 768, 2048  # D = W (m=out, k=in) @ x^T (k, n=tokens)
     w = torch.randn(m, k, device="cuda")
-    wc, wd = ops.compress(w, "hard", None, None, None, True, DT)
+    wc, wd = ops.compress(w, "hard", dense_out=True, out_dtype=DT)
     x = torch.randn(n, k, device="cuda", dtype=DT)
     ref = (wd.float() @ x.float().t())
     b1, b2 = torch.randn(m, device="cuda", dtype=DT) * 4, torch.randn(m, device="cuda", dtype=DT) * 4
@@ -65,7 +65,9 @@ def checks() -> None:
         p.matmul(wc, x.t(), raw, b32.view(DT)[:m])
         torch.cuda.synchronize()
         print(f"| {order}, fp32 bias buffer | {rel(dv, ref + b32[:, None]):.2e} | - | {rel(dv, ref):.2e} |")
-    # host cost of changing the pointer
+    # host cost of changing the pointer: Plan._set_bias is the raw cuSPARSELt call alone
+    # (matmul_desc_set_attribute on BIAS_POINTER); Plan.matmul makes it only inside a GEMM call
+    # and has no public way to change the pointer without running one
     p = plan(m, k, n, False, True)
     t0 = time.perf_counter()
     for i in range(1000):
@@ -80,7 +82,7 @@ COLS = ["dense mm", "dense addmm", "sparse_dr", "sparse_dr + epilogue bias", "sp
 def time_shape(t: int, k: int, n: int) -> dict[str, float]:
     """Milliseconds of each way to compute y^T = W x^T + b (or y = x W^T + b) at one shape."""
     w = torch.randn(n, k, device="cuda")
-    wc, wd = ops.compress(w, "hard", None, None, None, True, DT)
+    wc, wd = ops.compress(w, "hard", dense_out=True, out_dtype=DT)
     x = torch.randn(t, k, device="cuda", dtype=DT)
     bias = torch.randn(n, device="cuda", dtype=DT)
     res = {"dense mm": do_bench(lambda: x @ wd.t(), return_mode="median"),

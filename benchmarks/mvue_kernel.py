@@ -4,16 +4,18 @@ timed against the copy bandwidth of the same run, after a correctness check.
     PYTHONPATH=src python benchmarks/mvue_kernel.py
 
 All read dY^T in place from the row-major dY and write cuSPARSELt's compressed layout, groups
-along tokens. Variants (``compress.VARIANT`` holds the chosen switch): ``v10`` (one Philox call
-for two groups, joined across threads: the kernel of steps 10-16) and ``PAIR_ROWS`` (one Philox
-call for rows 2i and 2i+1 of a group: no layout conversion of the random bits); then the chosen
-kernel with the dense estimate as well (``dense_out``) and alone (``sparse_out=False``), the
-hard top-2 through the same layout, the kernel on a row-major dY^T (dY stored column-major, as
-fc1's gradient is in the FFN's layout plan: the tile-load path), and a sweep of tile widths and
-warps. (Step 23 of docs/PERFORMANCE.md also measured two variants since removed: a group's
-values stored as one 32-bit word, and tile columns reordered so that a metadata word packs
-within a warp.) Kernel time is CUDA graph replay (no host overhead). ``--profile`` runs one
-launch of the chosen kernel for ``ncu``.
+along tokens. Variants (``compress.VARIANT`` holds the chosen switch, ``compress_tiled``'s
+``pair_rows`` overrides it): ``v10`` (one Philox call for two groups, joined across threads:
+the kernel before ``PAIR_ROWS``) and ``PAIR_ROWS`` (one Philox call for rows 2i and 2i+1 of a
+group: no layout conversion of the random bits); then the chosen kernel with the dense estimate
+as well (``dense_out``) and alone (``sparse_out=False``), the hard top-2 through the same
+layout, the kernel on a row-major dY^T (dY stored column-major, as fc1's gradient is in the
+FFN's layout plan: the tile-load path), and a sweep of tile widths and warps
+(``compress_tiled``'s ``tile``). (The "MVUE kernel" section of
+docs/notes/fastpath-experiments.md records these numbers, and two variants measured there and
+since removed: a group's values stored as one 32-bit word, and tile columns reordered so that a
+metadata word packs within a warp.) Kernel time is CUDA graph replay (no host overhead).
+``--profile`` runs one launch of the chosen kernel for ``ncu``.
 """
 
 from __future__ import annotations
@@ -35,7 +37,7 @@ def check() -> None:
     x = dy.t()
     u = torch.rand(x.shape[0], x.shape[1] // 2, device="cuda")
     buf, _ = ck.compress(x, "mvue", u=u)
-    ref = _mvue_24(x.contiguous(), u=u)
+    ref = _mvue_24(x.contiguous(), u=u)  # the private reference: public mvue_24 draws its own uniforms
     dec = decompress_reference(buf, *x.shape).float()
     same = (dec != 0) == (ref != 0)
     print(f"check: kept sets equal on {same.float().mean().item():.6f} of entries; "
@@ -60,7 +62,7 @@ def _copy_bandwidth() -> float:
     return 2 * x.numel() * 2 / do_bench(lambda: y.copy_(x), return_mode="median") / 1e6
 
 
-VARIANTS = {"v10": dict(PAIR_ROWS=False), "PAIR_ROWS": dict(PAIR_ROWS=True)}
+VARIANTS = {"v10": False, "PAIR_ROWS": True}  # compress_tiled's pair_rows
 
 
 def main() -> None:
@@ -72,19 +74,18 @@ def main() -> None:
     for t, n in ((32768, 5120), (32768, 1280), (16384, 11008)):
         dy = torch.randn(t, n, device="cuda", dtype=torch.bfloat16)
         sparse_bytes = t * n * 2 + t * n + t * n // 8  # read bf16, write half the values + 4 bits per group
-        cases = {name: (dict(mode="mvue", seed=seed, variant=v), sparse_bytes) for name, v in VARIANTS.items()}
+        cases = {name: (dict(mode="mvue", seed=seed, pair_rows=v), sparse_bytes) for name, v in VARIANTS.items()}
         cases["chosen, + dense estimate"] = (dict(mode="mvue", seed=seed, dense_out=True), sparse_bytes + t * n * 2)
         cases["chosen, dense estimate only"] = (dict(mode="mvue", seed=seed, dense_out=True, sparse_out=False),
                                                 t * n * 4)
         cases["chosen, hard top-2"] = (dict(mode="hard"), sparse_bytes)
         dyc = dy.t().contiguous().t()  # dY stored column-major: dY^T row-major, fc1's in the FFN's layout plan
         cases["dY^T row-major (tile path)"] = (dict(mode="mvue", seed=seed, src=dyc), sparse_bytes)
-        cases["dY^T row-major, PAIR_ROWS"] = (dict(mode="mvue", seed=seed, src=dyc, variant=dict(PAIR_ROWS=True)),
-                                              sparse_bytes)
+        cases["dY^T row-major, PAIR_ROWS"] = (dict(mode="mvue", seed=seed, src=dyc, pair_rows=True), sparse_bytes)
         for name, (kw, nbytes) in cases.items():
             kw = dict(kw)
             src = kw.pop("src", dy)
-            fn = lambda src=src, kw=kw: ck.compress(src.t(), **kw)  # noqa: E731
+            fn = lambda src=src, kw=kw: ck.compress_tiled(src.t(), **kw)  # noqa: E731
             fn()
             ms = do_bench_cudagraph(fn)
             print(f"| {t} x {n} | {name} | {ms:.3f} | {nbytes / ms / 1e6:.0f} | {nbytes / ms / 1e6 / bw:.0%} |",
@@ -94,10 +95,11 @@ def main() -> None:
     nbytes = t * n * 2 + t * n + t * n // 8
     print("\nchosen variant, 774M fc1 shape, per tile width x warps (kernel ms, % of copy):")
     for bc, w in ((32, 2), (64, 2), (64, 4), (128, 4), (128, 8), (256, 8)):
-        fn = lambda bc=bc, w=w: ck.compress(dy.t(), "mvue", seed=seed, tile=(bc, w))  # noqa: E731
+        fn = lambda bc=bc, w=w: ck.compress_tiled(dy.t(), "mvue", seed=seed, tile=(bc, w))  # noqa: E731
         fn()
         ms = do_bench_cudagraph(fn)
         print(f"  BC={bc} {w} warps: {ms:.3f} ms ({nbytes / ms / 1e6 / bw:.0%})", flush=True)
+    # compress.py keeps the autotuner's picks in a private table: no public name reports them
     print("\nautotuned (tile, warps) per (rows, columns, strides):",
           sorted({(k[:4], v) for k, v in ck._launch.items()}))
 

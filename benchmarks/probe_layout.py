@@ -18,9 +18,7 @@ from twofour.pruning import mask_24  # noqa: E402
 out_dir = os.environ.get("OUT", ".")
 torch.manual_seed(0)
 print("torch", torch.__version__, torch.cuda.get_device_name(), "cusparselt ok:", C.available())
-L = C._lib()
-print("cuSPARSELt version", L.get_version(C._handle(0)))
-
+print("cuSPARSELt version", C.version())
 
 
 def ceilings():

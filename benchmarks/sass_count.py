@@ -5,7 +5,12 @@ what one thread executes: registers, spills, SASS instructions and the most freq
 
 Uses the ``ptxas``/``cuobjdump`` that ship inside Triton's wheel. The kernel has no loops, so
 the static instruction count is what a thread runs for its share of one tile (64 x BC elements
-over 32 x warps threads). docs/PERFORMANCE.md (step 10) quotes this script's numbers.
+over 32 x warps threads). docs/notes/fastpath-experiments.md (section "MVUE kernel", "Why the
+instruction count") quotes this script's numbers.
+
+It compiles the private ``_compress_kernel`` itself (there is no public handle on the Triton
+kernel) with the constants its launcher in ``compress.py`` passes; ``ROUNDS`` is left to the
+kernel's default (``PHILOX_ROUNDS``), as the launcher leaves it.
 """
 
 from __future__ import annotations
@@ -28,14 +33,16 @@ _SIG = {"src": "*bf16", "sr": "i32", "sc": "i32", "m_rows": "i32", "k_cols": "i3
         "dense_out": "*i16", "n_ct": "i32"}
 
 
-def sass(mode: int, bc: int, warps: int, in_place: bool, rounds: int = ck.PHILOX_ROUNDS) -> tuple[int, int, str]:
+def sass(mode: int, bc: int, warps: int, in_place: bool) -> tuple[int, int, str]:
     """(registers, spilled bytes, SASS text) of one kernel variant; ``in_place`` compiles it for a
     source with contiguous rows (dY^T read from dY), else for a row-major source."""
     fn = ck._compress_kernel
-    const = {"MODE": mode, "HAS_U": False, "WRITE_DENSE": False, "OUT_BF16": True, "BC": bc, "ROUNDS": rounds,
-             "BIG": False, "QUAD_LOADS": in_place, "WRITE_SPARSE": True,
+    const = {"MODE": mode, "HAS_U": False, "WRITE_DENSE": False, "OUT_BF16": True, "BC": bc, "BIG": False,
+             "QUAD_LOADS": in_place, "WRITE_SPARSE": True,
              **(ck.VARIANT if in_place else dict.fromkeys(ck.VARIANT, False)),
              "sr" if in_place else "sc": 1}
+    # a compiled signature names every constexpr: the rest (ROUNDS) at the kernel's own defaults
+    const.update({p.name: p.default for p in fn.params if p.is_constexpr and p.has_default and p.name not in const})
     sig = {**_SIG, **{k: "constexpr" for k in const}}
     aligned = ("src", "vals", "meta", "m_rows", "k_cols", "n_ct", "sc" if in_place else "sr")
     src = ASTSource(fn=fn, signature=sig, constexprs={(fn.arg_names.index(k),): v for k, v in const.items()},

@@ -11,13 +11,13 @@ pruning, host time) can be read off.
 from __future__ import annotations
 
 import argparse
-import os
 
 import torch
 from layer_profile import host_ms  # benchmarks/ is the script's folder
 from torch.profiler import ProfilerActivity, profile
 from triton.testing import do_bench
 
+from twofour import make_recipe, settings
 from twofour.bench import gpt_train_step
 from twofour.kernels import ops
 from twofour.sparsify import advance
@@ -36,26 +36,25 @@ def main() -> None:
     print("| variant | step ms | host ms to issue a step | advance() ms |\n|---|---|---|---|")
     tables = {}
     for variant in args.variants.split(","):
-        recipe = "dense" if variant == "dense" else "s-ste"
-        os.environ["TWOFOUR_GEMM"] = "dense" if variant.endswith("gemm-dense") else "auto"
-        model, step = gpt_train_step(args.preset, args.batch, recipe, advance=variant != "s-ste-no-advance",
-                                     transposed_output=variant != "s-ste-row-out")
-        for _ in range(3):
-            step()
-        ms = do_bench(step, warmup=1, rep=1500, return_mode="median")
-        adv = do_bench(lambda m=model: advance(m), return_mode="median") if recipe != "dense" else 0.0
-        hm = host_ms(step, 5)
-        print(f"| {variant} | {ms:.1f} | {hm:.1f} | {adv:.2f} |", flush=True)
-        if variant in ("dense", "s-ste"):
-            with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
-                for _ in range(2):
-                    step()
-                torch.cuda.synchronize()
-            tables[variant] = prof.key_averages().table(sort_by="self_device_time_total", row_limit=args.rows,
-                                                        max_name_column_width=70)
+        recipe = make_recipe("dense" if variant == "dense" else "s-ste")  # s-ste's defaults (MVUE dW on)
+        with settings.override(gemm="dense" if variant.endswith("gemm-dense") else "auto"):
+            model, step = gpt_train_step(args.preset, args.batch, recipe, advance=variant != "s-ste-no-advance",
+                                         transposed_output=variant != "s-ste-row-out")
+            for _ in range(3):
+                step()
+            ms = do_bench(step, warmup=1, rep=1500, return_mode="median")
+            adv = do_bench(lambda m=model: advance(m), return_mode="median") if recipe.sparse else 0.0
+            hm = host_ms(step, 5)
+            print(f"| {variant} | {ms:.1f} | {hm:.1f} | {adv:.2f} |", flush=True)
+            if variant in ("dense", "s-ste"):
+                with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+                    for _ in range(2):
+                        step()
+                    torch.cuda.synchronize()
+                tables[variant] = prof.key_averages().table(sort_by="self_device_time_total", row_limit=args.rows,
+                                                            max_name_column_width=70)
         del model, step
         torch.cuda.empty_cache()
-    os.environ["TWOFOUR_GEMM"] = "auto"
     for variant, table in tables.items():
         print(f"\n{variant}: 2 steps, kernels by device time\n{table}")
     print("\ndispatch choices:")
