@@ -1,5 +1,6 @@
 """The data sources behind --data: the standard library corpus, text, .bin shards, local HF datasets."""
 
+import os
 import pickle
 
 import numpy as np
@@ -27,11 +28,133 @@ def test_batches_are_next_token_windows():
     assert x.shape == y.shape == (4, 32) and torch.equal(x[:, 1:], y[:, :-1])
 
 
+def _assert_split_by_file(data, contents: list[bytes]) -> None:
+    """Every byte of ``contents`` (in file order) is in exactly one split, each file wholly in one."""
+    train, val = bytes(data.train), bytes(data.val)
+    assert len(train) + len(val) == sum(map(len, contents))
+    i = j = 0
+    for c in contents:  # walk both splits in file order: each file must continue one of them
+        if train[i : i + len(c)] == c:
+            i += len(c)
+        elif val[j : j + len(c)] == c:
+            j += len(c)
+        else:
+            raise AssertionError(f"a file's bytes straddle the splits: {c[:20]!r}...")
+    assert i == len(train) and j == len(val)
+
+
 def test_folder_of_text_files(tmp_path):
     for i in range(30):
         (tmp_path / f"doc{i}.txt").write_text(f"document {i} " * 50)
     data = load_data(str(tmp_path))
     assert data.vocab_size == 256 and len(data.train) and len(data.val)
+    files = sorted(tmp_path.iterdir())
+    _assert_split_by_file(data, [f.read_bytes() for f in files])
+
+
+def _corpus(folder, n=30):
+    """``n`` text files (doc6.txt hashes to validation); their bytes in the order they are read."""
+    folder.mkdir(parents=True, exist_ok=True)
+    for i in range(n):
+        (folder / f"doc{i}.txt").write_bytes(f"text {i} ".encode() * 40)
+    return [p.read_bytes() for p in sorted(folder.glob("doc*.txt"))]
+
+
+def test_data_folder_inside_a_hidden_folder(tmp_path):
+    # --data ~/.cache/corpus: the dot-folder above the data folder doesn't count; those below it do
+    folder = tmp_path / ".cache" / "corpus"
+    contents = _corpus(folder)
+    (folder / ".git").mkdir()
+    (folder / ".git" / "objects.txt").write_text("hidden " * 500)
+    (folder / ".notes.txt").write_text("hidden " * 500)
+    data = load_data(str(folder))
+    assert len(data.train) and len(data.val)
+    _assert_split_by_file(data, contents)
+
+
+def test_data_folder_as_a_relative_path(tmp_path, monkeypatch):
+    _corpus(tmp_path / "corp")
+    (tmp_path / "work").mkdir()
+    monkeypatch.chdir(tmp_path / "work")
+    rel, ab = load_data("../corp"), load_data(str(tmp_path / "corp"))
+    assert np.array_equal(rel.train, ab.train) and np.array_equal(rel.val, ab.val) and len(rel.train)
+    monkeypatch.chdir(tmp_path)
+    assert np.array_equal(load_data("./corp").train, ab.train)
+
+
+@pytest.mark.parametrize("name", ["data.txt", "train.txt", "tiny.txt", "input.txt"])
+def test_single_file_is_split_by_position(tmp_path, name):
+    # these names used to hash to validation, leaving training "no bytes"
+    text = "".join(f"line {i}: the quick brown fox\n" for i in range(400)).encode()
+    (tmp_path / name).write_bytes(text)
+    data = load_data(str(tmp_path / name))
+    train, val = bytes(data.train), bytes(data.val)
+    assert train + val == text and val == text[len(train):]
+    assert len(val) == len(text) - int(len(text) * 0.95) > 0
+
+
+def test_single_file_through_the_command_line(tmp_path, monkeypatch):
+    (tmp_path / "data.txt").write_text("".join(f"line {i}: the quick brown fox\n" for i in range(400)))
+    monkeypatch.chdir(tmp_path)
+    assert main([*SMALL, "--data", "data.txt", "--out", "run"]) == 0
+
+
+def test_few_files_all_hashed_to_one_split_fall_back_to_position(tmp_path):
+    # "data.txt" and "train.txt" both hash to validation: training keeps the head, validation the tail
+    (tmp_path / "data.txt").write_bytes(b"a" * 1000)
+    (tmp_path / "train.txt").write_bytes(b"b" * 1000)
+    data = load_data(str(tmp_path))
+    assert bytes(data.train) + bytes(data.val) == b"a" * 1000 + b"b" * 1000 and len(data.val) == 100
+
+
+def test_binary_files_are_skipped_with_a_warning(tmp_path):
+    contents = _corpus(tmp_path)
+    (tmp_path / "image.png").write_bytes(b"\x89PNG\r\n\x1a\n\x00\x00\x00\rIHDR" * 100)
+    (tmp_path / "latin1.bin.dat").write_bytes("caf\xe9 ".encode("latin-1") * 100)  # not UTF-8
+    # a UTF-8 character cut by the 8 KiB probe is still text
+    edge = b"x" * 8191 + "é and more".encode()
+    (tmp_path / "edge.txt").write_bytes(edge)
+    with pytest.warns(UserWarning, match=r"skipped 2 binary files.*image\.png"):
+        data = load_data(str(tmp_path))
+    _assert_split_by_file(data, [*contents, edge])  # doc*.txt sort before edge.txt
+
+
+def test_folder_of_binary_files_is_an_error(tmp_path, capsys):
+    for i in range(3):
+        (tmp_path / f"blob{i}.dat").write_bytes(bytes(range(256)) * 10)
+    with pytest.raises(DataError, match="no text: all 3 files look binary"):
+        load_data(str(tmp_path))
+    with pytest.raises(DataError, match="looks binary"):
+        load_data(str(tmp_path / "blob0.dat"))
+    assert main([*SMALL, "--data", str(tmp_path), "--out", str(tmp_path / "run")]) == 2
+    assert "look binary" in capsys.readouterr().err
+
+
+class _Evil:
+    def __init__(self, marker):
+        self.marker = marker
+
+    def __reduce__(self):
+        return (os.system, (f"echo pwned > {self.marker}",))
+
+
+def test_meta_pkl_is_read_as_plain_data_only(tmp_path):
+    rng = np.random.default_rng(0)
+    rng.integers(0, 65, 5000, dtype=np.uint16).tofile(tmp_path / "train.bin")
+    rng.integers(0, 65, 500, dtype=np.uint16).tofile(tmp_path / "val.bin")
+    chars = [chr(32 + i) for i in range(65)]  # nanoGPT's shakespeare_char meta.pkl: vocab_size, itos, stoi
+    with open(tmp_path / "meta.pkl", "wb") as fh:
+        pickle.dump({"vocab_size": 65, "itos": dict(enumerate(chars)), "stoi": {c: i for i, c in enumerate(chars)}}, fh)
+    assert load_data(str(tmp_path)).vocab_size == 65
+    marker = tmp_path / "pwned"
+    with open(tmp_path / "meta.pkl", "wb") as fh:
+        pickle.dump({"vocab_size": 65, "x": _Evil(marker)}, fh)
+    with pytest.raises(DataError, match="something other than plain data"):
+        load_data(str(tmp_path))
+    assert not marker.exists()
+    (tmp_path / "meta.pkl").write_bytes(b"not a pickle")
+    with pytest.raises(DataError, match="meta.pkl"):
+        load_data(str(tmp_path))
 
 
 def test_bin_shards_with_meta_and_vocab_size(tmp_path, capsys):

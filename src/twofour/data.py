@@ -5,11 +5,14 @@ dataset), all behind one small interface. Nothing is ever fetched from the netwo
 
 from __future__ import annotations
 
+import codecs
 import contextlib
 import importlib
+import io
 import os
 import pickle
 import sysconfig
+import warnings
 import zlib
 from dataclasses import dataclass
 from pathlib import Path
@@ -62,8 +65,21 @@ def stdlib_files() -> list[Path]:
     return sorted(p for p in root.rglob("*.py") if "site-packages" not in p.parts and "dist-packages" not in p.parts)
 
 
+def _position_split(data: bytes | bytearray, name: str) -> TokenData:
+    """Bytes split by position: the last ``VAL_FRACTION`` is validation, the rest training."""
+    cut = int(len(data) * (1 - VAL_FRACTION))
+    if cut == 0:
+        raise DataError(f"{name}: no bytes to train on")
+    arr = np.frombuffer(bytes(data), dtype=np.uint8)
+    return TokenData(arr[:cut], arr[cut:], 256, name)
+
+
 def _split_files(files: list[Path], root: Path, name: str) -> TokenData:
-    """Bytes of ``files``; each file goes to validation by a stable hash of its path (about 5%)."""
+    """Bytes of ``files``; each file goes to validation by a stable hash of its path (about 5%).
+
+    If the hash sends every file to one split (a few files), the concatenated bytes are split by
+    position instead: the tail is validation.
+    """
     train, val = bytearray(), bytearray()
     for f in files:
         try:
@@ -72,12 +88,81 @@ def _split_files(files: list[Path], root: Path, name: str) -> TokenData:
             continue
         rel = f.relative_to(root).as_posix() if f.is_relative_to(root) else f.name
         (val if zlib.crc32(rel.encode()) % 1000 < VAL_FRACTION * 1000 else train).extend(data)
-    if not val and len(train) > 1:  # a single file (or few): hold out its tail instead
-        cut = int(len(train) * (1 - VAL_FRACTION))
-        train, val = train[:cut], train[cut:]
-    if not train:
-        raise DataError(f"{name}: no bytes to train on")
+    if not train or not val:  # all files landed in one split: hold out the tail instead
+        return _position_split(train or val, name)
     return TokenData(np.frombuffer(bytes(train), dtype=np.uint8), np.frombuffer(bytes(val), dtype=np.uint8), 256, name)
+
+
+BINARY_PROBE = 8192  # bytes read from the start of a file to tell text from binary
+
+
+def _is_binary(path: Path) -> bool:
+    """True if the first 8 KiB hold a NUL byte or aren't UTF-8 (a multi-byte character cut off at
+    the end of the probe is fine). Unreadable files count as binary."""
+    try:
+        with path.open("rb") as fh:
+            head = fh.read(BINARY_PROBE)
+    except OSError:
+        return True
+    if b"\0" in head:
+        return True
+    try:
+        codecs.getincrementaldecoder("utf-8")().decode(head, final=False)
+    except UnicodeDecodeError:
+        return True
+    return False
+
+
+def _text_files(folder: Path, spec: str) -> list[Path]:
+    """The non-empty text files below ``folder``, in a fixed order. Hidden files and folders
+    (a name starting with ".") below ``folder`` are skipped; binary files are skipped with one warning."""
+    files = []
+    for dirpath, dirnames, filenames in os.walk(folder):
+        dirnames[:] = sorted(d for d in dirnames if not d.startswith("."))
+        files.extend(Path(dirpath) / f for f in filenames if not f.startswith("."))
+    files = sorted(p for p in files if p.is_file() and p.stat().st_size > 0)
+    if not files:
+        raise DataError(f"{spec}: the folder holds no data")
+    binary = [p for p in files if _is_binary(p)]
+    if binary:
+        if len(binary) == len(files):
+            raise DataError(f"{spec}: the folder holds no text: all {len(files)} files look binary (a NUL byte or "
+                            "not UTF-8 in their first 8 KiB); pass a folder of text files, or .bin token shards")
+        names = ", ".join(p.relative_to(folder).as_posix() for p in binary[:3]) + (", ..." if len(binary) > 3 else "")
+        warnings.warn(f"{spec}: skipped {len(binary)} binary file{'s' if len(binary) > 1 else ''} "
+                      f"(a NUL byte or not UTF-8 in the first 8 KiB): {names}", stacklevel=3)
+        skip = set(binary)
+        files = [p for p in files if p not in skip]
+    return files
+
+
+class _PlainUnpickler(pickle.Unpickler):
+    """An unpickler that builds plain data only (dict, list, tuple, str, int, float, bool, None, ...):
+    any global (a class or function, the way a pickle runs code) is refused."""
+
+    def find_class(self, module: str, name: str):
+        raise pickle.UnpicklingError(f"refusing to load the global {module}.{name}")
+
+
+def _read_meta(meta: Path) -> dict:
+    """nanoGPT's ``meta.pkl`` (``vocab_size``, and ``stoi``/``itos`` for character-level data),
+    read without running code: a pickle holding anything but plain data is refused."""
+    try:
+        obj = _PlainUnpickler(io.BytesIO(meta.read_bytes())).load()
+    except pickle.UnpicklingError as e:
+        raise DataError(f"{meta}: holds something other than plain data ({e}); twofour reads only "
+                        "dicts, lists, strings and numbers from meta.pkl, so that a pickle can't run code") from e
+    except Exception as e:  # truncated or not a pickle at all
+        raise DataError(f"{meta}: not a readable pickle ({type(e).__name__}: {e})") from e
+    if not isinstance(obj, dict) or "vocab_size" not in obj:
+        raise DataError(f"{meta}: expected a dict with 'vocab_size' (as nanoGPT writes it)")
+    try:
+        vocab_size = int(obj["vocab_size"])
+    except (TypeError, ValueError) as e:
+        raise DataError(f"{meta}: vocab_size {obj['vocab_size']!r} is not an integer") from e
+    if vocab_size < 1:
+        raise DataError(f"{meta}: vocab_size {vocab_size} must be positive")
+    return {**obj, "vocab_size": vocab_size}
 
 
 def _bin_shards(folder: Path, vocab_size: int | None) -> TokenData:
@@ -90,8 +175,7 @@ def _bin_shards(folder: Path, vocab_size: int | None) -> TokenData:
         if not meta.exists():
             raise DataError(f"{folder}: .bin shards need their vocabulary size: pass --vocab-size "
                             "(50257 for GPT-2's tokenizer) or put nanoGPT's meta.pkl beside them")
-        with meta.open("rb") as fh:
-            vocab_size = int(pickle.load(fh)["vocab_size"])
+        vocab_size = _read_meta(meta)["vocab_size"]
 
     def load(paths: list[Path]) -> np.ndarray:
         arrs = [np.memmap(p, dtype=np.uint16, mode="r") for p in paths if p.stat().st_size >= 2]
@@ -147,9 +231,11 @@ def load_data(spec: str | None = None, vocab_size: int | None = None) -> TokenDa
     """The data named by ``spec``.
 
     ``None`` or ``"stdlib"``: Python's standard library source, as bytes (vocabulary 256);
-    a text file, or a folder of text files: their bytes; a folder with ``train*.bin`` and
-    ``val*.bin``: uint16 token shards (``vocab_size`` or a ``meta.pkl``); ``hf:NAME_OR_PATH``:
-    the ``text`` column of a local Hugging Face dataset, as bytes.
+    a text file: its bytes, the last 5% for validation; a folder of text files: their bytes, split
+    by file (hidden files and folders below it are skipped, binary files skipped with a warning);
+    a folder with ``train*.bin`` and ``val*.bin``: uint16 token shards (``vocab_size`` or a
+    ``meta.pkl``, read as plain data only); ``hf:NAME_OR_PATH``: the ``text`` column of a local
+    Hugging Face dataset, as bytes.
     """
     if spec is None or spec == "stdlib":
         files = stdlib_files()
@@ -161,13 +247,14 @@ def load_data(spec: str | None = None, vocab_size: int | None = None) -> TokenDa
     path = Path(spec).expanduser()
     if not path.exists():
         raise DataError(f"{spec}: no such file or folder")
+    path = path.resolve()  # "../corp" and "./x": hidden parts are only looked for below the data folder
     if path.is_file():
         if path.stat().st_size == 0:
             raise DataError(f"{spec}: the file is empty")
-        return _split_files([path], path.parent, str(path))
+        if _is_binary(path):
+            raise DataError(f"{spec}: the file looks binary (a NUL byte or not UTF-8 in its first 8 KiB); "
+                            "pass a text file, or a folder of .bin token shards")
+        return _position_split(path.read_bytes(), str(path))
     if any(path.glob("*.bin")):
         return _bin_shards(path, vocab_size)
-    files = sorted(p for p in path.rglob("*") if p.is_file() and not any(part.startswith(".") for part in p.parts))
-    if not files or all(p.stat().st_size == 0 for p in files):
-        raise DataError(f"{spec}: the folder holds no data")
-    return _split_files(files, path, str(path))
+    return _split_files(_text_files(path, spec), path, str(path))
