@@ -2,16 +2,24 @@
 
 Ratios are dense time / twofour time (above 1 is faster), medians of CUDA-event timings
 (``triton.testing.do_bench``), dense measured in the same run on the same random data.
+The last section, :func:`train_throughput`, runs ``twofour train`` itself as subprocesses and
+reports the tokens/s a user sees, sparse recipes against dense, eager and compiled.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import gc
+import json
 import platform
 import re
+import shlex
 import statistics
-from collections.abc import Callable
+import subprocess
+import sys
+import tempfile
+from collections.abc import Callable, Sequence
 from pathlib import Path
 
 import torch
@@ -21,14 +29,20 @@ from . import SparseLinear, __version__
 from .kernels import cusparselt, ops
 from .pruning import transposable_mask_24
 from .recipes import Recipe, make_recipe
+from .runs import CKPT
 
-__all__ = ["run_bench", "fwd_bwd_step", "gpt_train_step"]
+__all__ = ["run_bench", "fwd_bwd_step", "gpt_train_step", "train_throughput", "throughput_table"]
 
 # (name, d_model, d_ffn, tokens) of a transformer's FFN pair; tokens = seq 1024 x micro-batch
 SHAPES = [("gpt2-124m", 768, 3072, 32768), ("gpt2-350m", 1024, 4096, 32768), ("gpt2-774m", 1280, 5120, 32768),
           ("gpt2-1.5b", 1600, 6400, 32768), ("llama-7b-ffn", 4096, 11008, 16384)]
 LAYER_RECIPES = [make_recipe(name) for name in ("ste", "sr-ste", "s-ste", "t-sr-ste")]
 DENSE, S_STE, T_SR_STE = make_recipe("dense"), make_recipe("s-ste"), make_recipe("t-sr-ste")
+# twofour train section: (model, micro-batch) at seq 1024 and the recipes, quick and full
+TRAIN_QUICK = ([("gpt2-124m", 32)], ("dense", "s-ste"))
+TRAIN_FULL = ([("gpt2-124m", 32), ("gpt2-774m", 16)], ("dense", "ste", "s-ste"))
+#: micro-batch per preset when train_throughput isn't given one (seq 1024 in bf16 on an 80 GB GPU)
+TRAIN_BATCH = {"tiny": 16, "gpt2-124m": 32, "gpt2-350m": 16, "gpt2-774m": 16, "gpt2-1.5b": 8}
 
 
 def _bench(fn, quick: bool) -> float:
@@ -204,6 +218,99 @@ def _gemm_rate(quick: bool) -> float:
     return 2 * 8192**3 / _bench(lambda: a @ a, quick) / 1e9
 
 
+def _mode(compiled: bool) -> str:
+    return "compiled" if compiled else "eager"
+
+
+def _train_once(cmd: list[str], out: Path) -> float:
+    """Run one ``twofour train`` command; its summary.json's tokens/s, or RuntimeError with the
+    end of its stderr if it failed (a benchmark that skips a failed run reports a wrong table)."""
+    res = subprocess.run(cmd, capture_output=True, text=True)
+    if res.returncode != 0:
+        tail = "\n".join(res.stderr.rstrip().splitlines()[-20:])
+        raise RuntimeError(f"twofour train failed (exit status {res.returncode}): {shlex.join(cmd)}\n{tail}")
+    summary = out / "summary.json"
+    if not summary.exists():
+        raise RuntimeError(f"twofour train wrote no {summary}: {shlex.join(cmd)}")
+    tok_s = json.loads(summary.read_text())["tokens_per_s"]
+    (out / CKPT).unlink(missing_ok=True)  # a bench needs no checkpoint, and a 774M one is ~9 GB
+    return float(tok_s)
+
+
+def train_throughput(models: Sequence[str], recipes: Sequence[str], *, compile_modes: Sequence[bool] = (False, True),
+                     repeats: int = 3, steps: int = 40, batch_sizes: Sequence[int] | None = None,
+                     seq_len: int = 1024, workdir: str | Path | None = None, extra_args: Sequence[str] = (),
+                     progress: bool = True) -> list[dict]:
+    """Tokens/s of ``twofour train`` as a user runs it (one fresh process per run), per model,
+    recipe and mode (eager, ``--compile``): the runs' summary.json ``tokens_per_s`` (the loop's
+    own median after its warm-up/compile steps), median, min and max over ``repeats``.
+
+    Each repeat runs every configuration once, in the same order (repeats outermost), so drift
+    (clocks, heat, other load) hits every configuration alike. ``batch_sizes``: one micro-batch
+    per model (default :data:`TRAIN_BATCH`'s, else 16); ``extra_args`` go to every run (e.g.
+    ``["--device", "cpu"]``). Runs go to a temporary folder removed afterwards, or to
+    ``workdir`` (kept, less each run's checkpoint, which is deleted as soon as the run ends).
+    A failed run raises RuntimeError with its last stderr lines. ``progress``: one line per
+    finished run on stderr.
+
+    Returns one dict per (model, recipe, mode), in that order: model, batch_size, seq_len, recipe,
+    compile, mode, tokens_per_s (every repeat's), median, min, max, and the ratios of medians
+    vs_dense (to dense of the same model and mode) and vs_dense_compiled (to compiled dense, the
+    fastest dense a user can run); a ratio is None where its dense wasn't measured.
+    """
+    if batch_sizes is None:
+        batch_sizes = [TRAIN_BATCH.get(m, 16) for m in models]
+    if len(batch_sizes) != len(models):
+        raise ValueError(f"train_throughput: {len(batch_sizes)} batch sizes for {len(models)} models, "
+                         "give one per model")
+    if repeats < 1 or steps < 1:
+        raise ValueError(f"train_throughput: repeats and steps must be >= 1, got {repeats} and {steps}")
+    configs = [(m, b, r, c) for m, b in zip(models, batch_sizes) for r in recipes for c in compile_modes]
+    measured: dict[tuple, list[float]] = {key: [] for key in configs}
+    where = tempfile.TemporaryDirectory(prefix="twofour-bench-") if workdir is None else contextlib.nullcontext(workdir)
+    with where as folder:
+        root = Path(folder)
+        for rep in range(repeats):
+            for i, (model, batch, recipe, compiled) in enumerate(configs):
+                out = root / f"{model}-b{batch}-{recipe}-{_mode(compiled)}-r{rep}"
+                cmd = [sys.executable, "-m", "twofour", "train", "--model", model, "--recipe", recipe,
+                       "--steps", str(steps), "--batch-size", str(batch), "--seq-len", str(seq_len),
+                       *(["--compile"] if compiled else []), "--eval-interval", str(steps),
+                       "--ckpt-interval", str(steps), "--out", str(out), "--overwrite", "--no-progress",
+                       *extra_args]
+                tok_s = _train_once(cmd, out)
+                measured[(model, batch, recipe, compiled)].append(tok_s)
+                if progress:
+                    print(f"twofour bench: [{rep * len(configs) + i + 1}/{repeats * len(configs)}] {model} "
+                          f"b{batch}x{seq_len} {recipe} {_mode(compiled)}: {tok_s:,.0f} tokens/s",
+                          file=sys.stderr, flush=True)
+    med = {key: statistics.median(v) for key, v in measured.items()}
+    rows = []
+    for (model, batch, recipe, compiled), values in measured.items():
+        dense, dense_c = med.get((model, batch, "dense", compiled)), med.get((model, batch, "dense", True))
+        m = med[(model, batch, recipe, compiled)]
+        rows.append({"model": model, "batch_size": batch, "seq_len": seq_len, "recipe": recipe, "compile": compiled,
+                     "mode": _mode(compiled), "tokens_per_s": values, "median": m, "min": min(values),
+                     "max": max(values), "vs_dense": m / dense if dense else None,
+                     "vs_dense_compiled": m / dense_c if dense_c else None})
+    return rows
+
+
+def throughput_table(rows: Sequence[dict]) -> str:
+    """:func:`train_throughput`'s rows as a markdown table (ratios above 1: faster than dense)."""
+
+    def ratio(r: float | None) -> str:
+        return "n/a" if r is None else f"{r:.2f}x"
+
+    lines = ["| model | micro-batch x seq | recipe | mode | tokens/s median (min-max) | vs dense same mode "
+             "| vs dense compiled |", "|---|---|---|---|---|---|---|"]
+    for r in rows:
+        lines.append(f"| {r['model']} | {r['batch_size']} x {r['seq_len']} | {r['recipe']} | {r['mode']} "
+                     f"| {r['median']:,.0f} ({r['min']:,.0f}-{r['max']:,.0f}) | {ratio(r['vs_dense'])} "
+                     f"| {ratio(r['vs_dense_compiled'])} |")
+    return "\n".join(lines)
+
+
 def run_bench(args: argparse.Namespace) -> str:
     """Run every measurement, print the markdown report, and write it where ``--write`` says."""
     if not torch.cuda.is_available():
@@ -262,6 +369,19 @@ def run_bench(args: argparse.Namespace) -> str:
         print(lines[-1], flush=True)
     lines += ["", "Dispatch choices measured in this run (`twofour.kernels.ops.choices()`):", "", "```"]
     lines += [f"{k}: {v['choice']}  {v['ms']}" for k, v in sorted(ops.choices().items())] + ["```"]
+    gc.collect()  # leave the GPU's memory to the training processes
+    torch.cuda.empty_cache()
+    models, recipes = TRAIN_QUICK if quick else TRAIN_FULL
+    repeats, steps = 3, 40
+    lines += ["", "### twofour train: tokens/s of the real loop", "",
+              f"`twofour train --steps {steps} [--compile]` as a user runs it, each run a fresh process (default "
+              "data, bf16 autocast, fused AdamW, the recipe on the FFN linears, its own dispatch choices); tokens/s "
+              "is the run's `summary.json` `tokens_per_s` (the loop's median after its warm-up/compile steps); "
+              f"median (min-max) of {repeats} runs, the configurations interleaved in each repeat. Ratios of "
+              "medians: to dense in the same mode, and to compiled dense (the fastest dense a user can run).", ""]
+    rows = train_throughput([m for m, _ in models], recipes, repeats=repeats, steps=steps,
+                            batch_sizes=[b for _, b in models], seq_len=1024)
+    lines.append(throughput_table(rows))
     report = "\n".join(lines) + "\n"
     print("\n" + report)
     if args.write:

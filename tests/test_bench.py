@@ -1,0 +1,73 @@
+"""twofour.bench.train_throughput on the CPU: real ``twofour train`` subprocesses on the tiny preset."""
+
+from pathlib import Path
+
+import pytest
+import torch
+
+from twofour.bench import throughput_table, train_throughput
+
+
+@pytest.fixture(scope="module")
+def corpus(tmp_path_factory):
+    """A small text file, so each run doesn't read the whole standard library."""
+    path = tmp_path_factory.mktemp("data") / "corpus.txt"
+    src = Path(torch.__file__).parent / "nn" / "modules"
+    path.write_bytes(b"".join(p.read_bytes() for p in sorted(src.glob("*.py"))[:8]))
+    return str(path)
+
+
+def cpu_args(corpus):
+    return ["--device", "cpu", "--data", corpus, "--eval-iters", "1"]
+
+
+@pytest.mark.slow
+def test_train_throughput_end_to_end(corpus, tmp_path):
+    recipes = ["dense", "s-ste"]
+    rows = train_throughput(["tiny"], recipes, compile_modes=(False,), repeats=2, steps=8, batch_sizes=[2],
+                            seq_len=32, workdir=tmp_path, extra_args=cpu_args(corpus), progress=False)
+    assert [(r["model"], r["recipe"], r["mode"]) for r in rows] == [("tiny", "dense", "eager"),
+                                                                    ("tiny", "s-ste", "eager")]
+    for r in rows:
+        assert r["batch_size"] == 2 and r["seq_len"] == 32 and r["compile"] is False
+        assert len(r["tokens_per_s"]) == 2
+        assert 0 < r["min"] <= r["median"] <= r["max"]
+        assert r["vs_dense"] > 0
+        assert r["vs_dense_compiled"] is None  # no compiled dense was run
+    assert rows[0]["vs_dense"] == 1.0
+    assert rows[1]["vs_dense"] == pytest.approx(rows[1]["median"] / rows[0]["median"])
+    # every run in its own folder, its checkpoint removed, its summary kept
+    runs = sorted(p.name for p in tmp_path.iterdir())
+    assert len(runs) == 4 and all((tmp_path / r / "summary.json").exists() for r in runs)
+    assert not list(tmp_path.glob("*/ckpt.pt"))
+    table = throughput_table(rows)
+    assert table.count("\n") == 1 + len(rows)
+    for recipe in recipes:
+        assert f"| {recipe} |" in table
+    assert "| 2 x 32 |" in table and "| 1.00x | n/a |" in table
+
+
+def test_train_throughput_raises_on_a_failed_run(corpus):
+    with pytest.raises(RuntimeError, match="twofour train failed") as info:
+        train_throughput(["tiny"], ["no-such-recipe"], compile_modes=(False,), repeats=1, steps=2,
+                         batch_sizes=[2], seq_len=32, extra_args=cpu_args(corpus), progress=False)
+    msg = str(info.value)
+    assert "exit status 2" in msg and "--recipe no-such-recipe" in msg
+    assert "unknown recipe 'no-such-recipe'" in msg.splitlines()[-1]  # the run's own stderr
+
+
+def test_train_throughput_checks_its_arguments():
+    with pytest.raises(ValueError, match="one per model"):
+        train_throughput(["tiny", "gpt2-124m"], ["dense"], batch_sizes=[2])
+
+
+def test_throughput_table_ratios():
+    rows = [{"model": "m", "batch_size": 4, "seq_len": 8, "recipe": r, "mode": mode, "median": med, "min": lo,
+             "max": hi, "vs_dense": vs, "vs_dense_compiled": vc}
+            for r, mode, med, lo, hi, vs, vc in [("dense", "eager", 1000, 900, 1100, 1.0, 0.5),
+                                                 ("dense", "compiled", 2000, 1900, 2100, 1.0, 1.0),
+                                                 ("s-ste", "compiled", 2500, 2400, 2600, 1.25, 1.25)]]
+    table = throughput_table(rows).splitlines()
+    assert table[0].startswith("| model | micro-batch x seq | recipe | mode | tokens/s median (min-max) |")
+    assert table[2] == "| m | 4 x 8 | dense | eager | 1,000 (900-1,100) | 1.00x | 0.50x |"
+    assert table[4] == "| m | 4 x 8 | s-ste | compiled | 2,500 (2,400-2,600) | 1.25x | 1.25x |"
