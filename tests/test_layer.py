@@ -155,7 +155,7 @@ def test_to_moves_buffers():
 
 @pytest.mark.gpu
 def test_to_cuda_moves_buffers():
-    lin = layer_for("t-sr-ste", "cpu", in_f=16, out_f=16, mask_interval=1).cuda()
+    lin = layer_for("t-sr-ste", "cpu", in_f=16, out_f=16, mask_interval=1, mvue=False).cuda()
     assert lin.mask.is_cuda and lin.step.is_cuda and lin.beta is None
     x = torch.randn(4, 16, device="cuda")
     lin(x).sum().backward()
