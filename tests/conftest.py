@@ -1,4 +1,5 @@
 import os
+from pathlib import Path
 
 import pytest
 import torch
@@ -33,3 +34,12 @@ def dtype(request):
 
 def seeded(seed, device="cpu"):
     return torch.Generator(device=device).manual_seed(seed)
+
+
+@pytest.fixture(scope="session")
+def corpus(tmp_path_factory):
+    """A small text file, so the tests don't read the whole standard library each time."""
+    path = tmp_path_factory.mktemp("data") / "corpus.txt"
+    src = Path(torch.__file__).parent / "nn" / "modules"
+    path.write_bytes(b"".join(p.read_bytes() for p in sorted(src.glob("*.py"))[:8]))
+    return str(path)

@@ -11,20 +11,11 @@ from pathlib import Path
 import pytest
 import torch
 
-from twofour.cli import main
+from twofour.cli import build_parser, main
 from twofour.pruning import mask_24
 
 SMALL = ["--model", "tiny", "--steps", "8", "--batch-size", "4", "--seq-len", "32", "--eval-interval", "4",
-         "--eval-iters", "2", "--no-progress"]
-
-
-@pytest.fixture(scope="module")
-def corpus(tmp_path_factory):
-    """A small text file, so the tests don't read the whole standard library each time."""
-    path = tmp_path_factory.mktemp("data") / "corpus.txt"
-    src = Path(torch.__file__).parent / "nn" / "modules"
-    path.write_bytes(b"".join(p.read_bytes() for p in sorted(src.glob("*.py"))[:8]))
-    return str(path)
+         "--eval-iters", "2", "--log-interval", "1", "--no-progress"]
 
 
 def losses(run):
@@ -107,9 +98,9 @@ def test_authors_regime_by_name(tmp_path, corpus, capsys):
     ck = torch.load(out / "ckpt.pt", weights_only=True)
     assert ck["config"]["regime"] == "authors" and ck["config"]["recipe_options"] == {}
     assert json.loads((out / "summary.json").read_text())["regime"] == "authors"
-    # the regime is part of a run's identity: resuming it under another regime is refused
-    assert "another run" in error_of(["train", *SMALL, "--data", corpus, "--out", str(out), "--recipe", "sr-ste",
-                                      "--resume", "--steps", "20", "--eval-interval", "10"], capsys)
+    # a resumed run keeps its regime: asking for another one is refused, naming the option
+    err = error_of(["train", "--out", str(out), "--resume", "--regime", "ours"], capsys)
+    assert "--regime ours contradicts" in err and "authors" in err
 
 
 def test_export_writes_24_weights(tmp_path, corpus):
@@ -153,7 +144,7 @@ def test_never_overwrites_and_checks_checkpoints(tmp_path, corpus, capsys):
     assert main(args) == 0
     before = (out / "ckpt.pt").read_bytes()
     assert "already holds a run" in error_of(args, capsys)
-    assert "another run" in error_of([*args, "--resume", "--recipe", "ste"], capsys)
+    assert "--recipe ste contradicts" in error_of([*args, "--resume", "--recipe", "ste"], capsys)
     assert (out / "ckpt.pt").read_bytes() == before
     (out / "ckpt.pt").write_bytes(before[: len(before) // 2])  # a torn file
     assert "corrupt" in error_of([*args, "--resume"], capsys)
@@ -202,3 +193,77 @@ def test_torchrun_two_processes(tmp_path, corpus, fsdp):
     assert s["tokens"] == 8 * 4 * 32 * 2
     ck = torch.load(out / "ckpt.pt", weights_only=True)
     assert len(ck["rng"]) == 2 and ck["step"] == 8
+
+
+def test_resume_takes_the_runs_settings(tmp_path, corpus, capsys):
+    """--resume alone continues with the checkpoint's data, schedule, batch and recipe; an option
+    that contradicts them is refused by name; --steps may grow only with --reschedule."""
+    out = tmp_path / "run"
+    assert main(["train", *SMALL, "--data", corpus, "--out", str(out), "--recipe", "ste", "--stop-at", "4"]) == 0
+    assert main(["train", "--out", str(out), "--resume", "--no-progress"]) == 0  # no --data: the run's own
+    cfg = json.loads((out / "config.json").read_text())
+    assert cfg["data"] == corpus and cfg["recipe"] == "ste" and cfg["steps"] == 8 and cfg["batch_size"] == 4
+    assert losses(out)[-1][0] == 8
+    err = error_of(["train", "--out", str(out), "--resume", "--steps", "12"], capsys)
+    assert "--steps 12 contradicts" in err and "--reschedule" in err
+    assert "--batch-size 8 contradicts" in error_of(["train", "--out", str(out), "--resume", "--batch-size", "8"],
+                                                    capsys)
+    assert "--data" in error_of(["train", "--out", str(out), "--resume", "--data", str(tmp_path)], capsys)
+    assert "all its 8 steps" in error_of(["train", "--out", str(out), "--resume"], capsys)
+    assert main(["train", "--out", str(out), "--resume", "--steps", "12", "--reschedule", "--no-progress"]) == 0
+    assert losses(out)[-1][0] == 12 and json.loads((out / "config.json").read_text())["steps"] == 12
+    # a relative --data names the same file from wherever the run is resumed
+    rel = os.path.relpath(corpus)
+    assert main(["train", *SMALL, "--data", rel, "--out", str(tmp_path / "rel"), "--stop-at", "2"]) == 0
+    assert main(["train", "--out", str(tmp_path / "rel"), "--resume", "--data", rel, "--no-progress"]) == 0
+
+
+def test_every_option_is_checked(tmp_path, corpus, capsys):
+    base = ["train", *SMALL, "--data", corpus, "--out", str(tmp_path / "x")]
+    for opt, value, says in [("--device", "tpu", "--device"), ("--warmup", "-3", "--warmup"),
+                             ("--grad-clip", "-1", "--grad-clip"), ("--min-lr-ratio", "-2", "--min-lr-ratio"),
+                             ("--weight-decay", "-0.1", "--weight-decay"), ("--log-interval", "0", "--log-interval"),
+                             ("--eval-iters", "0", "--eval-iters"), ("--vocab-size", "0", "--vocab-size"),
+                             ("--lr", "nan", "--lr"), ("--stop-at", "99", "--stop-at")]:
+        assert says in error_of([*base, opt, value], capsys), opt
+    assert "--seeds" in error_of(["compare", *SMALL, "--data", corpus, "--seeds", "1,x"], capsys)
+    assert not (tmp_path / "x").exists()  # nothing written for a run that can't start
+
+
+def test_plain_log_lines_when_not_a_terminal(tmp_path, corpus, capsys):
+    """Output to a file or pipe (pytest captures it): one line every --log-interval steps, with
+    step, loss, lr, tokens/s and flip rate; the metrics rows follow the same interval."""
+    out = tmp_path / "run"
+    args = ["train", "--model", "tiny", "--steps", "20", "--batch-size", "4", "--seq-len", "32", "--eval-interval",
+            "10", "--eval-iters", "2", "--data", corpus, "--out", str(out), "--log-interval", "5"]
+    assert main(args) == 0
+    lines = [ln for ln in capsys.readouterr().out.splitlines() if ln.startswith("step ")]
+    assert [ln.split()[1] for ln in lines] == ["5/20", "10/20", "15/20", "20/20"]
+    assert all(k in lines[0] for k in ("loss ", "lr ", "tok/s", "flip ")) and "val " in lines[1]
+    assert "\r" not in "".join(lines)
+    assert [r[0] for r in losses(out)] == [5, 10, 15, 20]
+
+
+def test_help_shows_defaults():
+    text = build_parser().commands["train"].format_help()
+    for opt in ("--batch-size", "--grad-accum", "--eval-interval", "--ckpt-interval", "--seed", "--weight-decay",
+                "--log-interval"):
+        assert "default" in text.split(opt, 2)[-1].split("\n  --")[0], opt
+    assert "this file" in build_parser().commands["bench"].format_help()
+
+
+def test_overwrite_export_resume_details(tmp_path, corpus):
+    """--overwrite leaves nothing of the old run (its export included); the exported file gets
+    the usual permissions; wall time adds up across a resume."""
+    out = tmp_path / "run"
+    args = ["train", *SMALL, "--data", corpus, "--out", str(out), "--recipe", "ste"]
+    assert main([*args, "--stop-at", "4"]) == 0
+    first = json.loads((out / "summary.json").read_text())["wall_s"]
+    assert main(["train", "--out", str(out), "--resume", "--no-progress"]) == 0
+    assert json.loads((out / "summary.json").read_text())["wall_s"] > first
+    assert main(["export", str(out)]) == 0
+    umask = os.umask(0)
+    os.umask(umask)
+    assert (out / "model.safetensors").stat().st_mode & 0o777 == 0o666 & ~umask
+    assert main([*args, "--overwrite"]) == 0
+    assert not (out / "model.safetensors").exists() and not (out / "model_config.json").exists()

@@ -53,27 +53,36 @@ def _run_args(p: argparse.ArgumentParser, default_out: str) -> None:
     g.add_argument("--regime", default=d.regime, choices=list(REGIMES),
                    help="optimization defaults: ours (default) or the S-STE authors' GPT-2 settings")
     g.add_argument("--steps", type=int, default=d.steps, help="optimizer steps (default %(default)s)")
-    g.add_argument("--batch-size", type=int, default=d.batch_size, help="sequences per micro-batch per process")
+    g.add_argument("--batch-size", type=int, default=d.batch_size,
+                   help="sequences per micro-batch per process (default %(default)s)")
     g.add_argument("--seq-len", type=int, default=d.seq_len, help="tokens per sequence (default %(default)s)")
-    g.add_argument("--grad-accum", type=int, default=None, help="micro-batches per optimizer step (default: regime)")
+    g.add_argument("--grad-accum", type=int, default=None,
+                   help="micro-batches per optimizer step (default: regime; ours 1)")
     g.add_argument("--lr", type=float, default=None, help="peak learning rate (default: regime)")
     g.add_argument("--min-lr-ratio", type=float, default=None, help="cosine floor as a fraction of --lr "
                    "(default: regime)")
     g.add_argument("--warmup", type=int, default=None, help="linear warmup steps (default: regime)")
-    g.add_argument("--weight-decay", type=float, default=d.weight_decay)
-    g.add_argument("--grad-clip", type=float, default=d.grad_clip, help="0 turns clipping off")
+    g.add_argument("--weight-decay", type=float, default=d.weight_decay, help="AdamW's (default %(default)s)")
+    g.add_argument("--grad-clip", type=float, default=d.grad_clip,
+                   help="gradient norm clipping; 0 turns it off (default %(default)s)")
     g.add_argument("--no-bf16", dest="bf16", action="store_false", help="no bf16 autocast on the GPU")
     g.add_argument("--compile", action="store_true", help="torch.compile the model")
-    g.add_argument("--seed", type=int, default=d.seed)
+    g.add_argument("--seed", type=int, default=d.seed, help="model init and data order (default %(default)s)")
     g.add_argument("--device", default=d.device, help="auto, cpu, cuda (default %(default)s)")
     g.add_argument("--fsdp", action="store_true", help="under torchrun: FSDP2 instead of DDP")
     g = p.add_argument_group("logging and checkpoints")
-    g.add_argument("--eval-interval", type=int, default=d.eval_interval)
-    g.add_argument("--eval-iters", type=int, default=d.eval_iters)
-    g.add_argument("--ckpt-interval", type=int, default=d.ckpt_interval)
+    g.add_argument("--eval-interval", type=int, default=d.eval_interval,
+                   help="steps between validation losses (default %(default)s)")
+    g.add_argument("--eval-iters", type=int, default=d.eval_iters,
+                   help="validation batches per evaluation (default %(default)s)")
+    g.add_argument("--ckpt-interval", type=int, default=d.ckpt_interval,
+                   help="steps between checkpoints; also one at the end and on Ctrl-C (default %(default)s)")
+    g.add_argument("--log-interval", type=int, default=d.log_interval,
+                   help="steps between log lines and metrics rows (default %(default)s)")
     g.add_argument("--out", default=default_out, help="run folder (default %(default)s)")
     g.add_argument("--overwrite", action="store_true", help="replace what --out already holds")
-    g.add_argument("--no-progress", dest="progress", action="store_false", help="no progress bar")
+    g.add_argument("--no-progress", dest="progress", action="store_false",
+                   help="plain log lines instead of a progress bar (the default when output is not a terminal)")
 
 
 def _config(a: argparse.Namespace, recipe: str):
@@ -82,13 +91,32 @@ def _config(a: argparse.Namespace, recipe: str):
 
     fields = {f.name for f in dataclasses.fields(TrainConfig)}
     given = {k: v for k, v in vars(a).items() if k in fields}
-    return TrainConfig(**{**given, "recipe": recipe, "recipe_options": dict(a.opt), "out_dir": a.out})
+    data = a.data
+    if data is not None and not data.startswith("hf:"):  # a path means the same folder from anywhere
+        data = str(Path(data).expanduser().resolve())
+    return TrainConfig(**{**given, "recipe": recipe, "recipe_options": dict(a.opt), "out_dir": a.out, "data": data})
+
+
+def _given(a: argparse.Namespace) -> set[str]:
+    """The TrainConfig fields set by an option on the command line (not by a default)."""
+    dests = {"opt": "recipe_options", "out": "out_dir"}
+    return {dests.get(dest, dest) for dest in a.given}
 
 
 def _cmd_train(a: argparse.Namespace) -> int:
+    from .config import resumed_config  # noqa: PLC0415
+    from .runs import CKPT, read_checkpoint  # noqa: PLC0415
     from .train import train  # noqa: PLC0415
 
-    s = train(_config(a, a.recipe))
+    cfg = _config(a, a.recipe)
+    if a.resume:  # the run's own settings, from its checkpoint; options given must agree with them
+        path = Path(a.out) / CKPT
+        if not path.exists():
+            raise ValueError(f"--resume: no checkpoint {path} to resume from")
+        cfg = resumed_config(read_checkpoint(path)["config"], cfg, _given(a))
+        if cfg.reschedule and "steps" in _given(a):
+            print(f"--reschedule: the learning-rate schedule now spans {cfg.steps} steps", file=sys.stderr)
+    s = train(cfg)
     if s:
         val = f"{s['final_val_loss']:.4f}" if s["final_val_loss"] is not None else "n/a"
         print(f"\n{s['recipe']} on {s['model']}: {s['steps']} steps, {s['tokens']:,} tokens\n"
@@ -106,7 +134,10 @@ def _cmd_compare(a: argparse.Namespace) -> int:
     bad = [r for r in recipes if r not in RECIPES]
     if bad or not recipes:
         raise ValueError(f"unknown recipe {', '.join(bad) or '(none given)'}; valid recipes: {', '.join(RECIPES)}")
-    seeds = [int(s) for s in a.seeds.split(",")] if a.seeds else None
+    try:
+        seeds = [int(s) for s in a.seeds.split(",")] if a.seeds else None
+    except ValueError:
+        raise ValueError(f"--seeds takes comma-separated whole numbers (e.g. 1,2,3), got {a.seeds!r}") from None
     summaries = compare(recipes, _config(a, recipes[0]), seeds)
     print("\n" + results_table(summaries))
     print(f"table: {Path(a.out) / 'compare.md'}, plot: {Path(a.out) / 'compare.png'}")
@@ -146,20 +177,24 @@ regimes (--regime) give the defaults of the options marked 'regime'; an option g
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="twofour", description="Pre-train transformers with 2:4 sparse weights.")
+    p = argparse.ArgumentParser(prog="twofour", description="Pre-train transformers with 2:4 sparse weights.",
+                                allow_abbrev=False)
     sub = p.add_subparsers(dest="command", required=True)
     t = sub.add_parser("train", help="train a GPT with a recipe (default: tiny, s-ste, Python stdlib corpus)",
-                       epilog=REGIME_HELP, formatter_class=argparse.RawDescriptionHelpFormatter)
+                       epilog=REGIME_HELP, formatter_class=argparse.RawDescriptionHelpFormatter, allow_abbrev=False)
     t.add_argument("--recipe", default=DEFAULT_RECIPE, help=f"{', '.join(RECIPES)} (default %(default)s)")
     _run_args(t, "runs/train")
-    t.add_argument("--resume", action="store_true", help="continue the run in --out from its checkpoint")
+    t.add_argument("--resume", action="store_true", help="continue the run in --out from its checkpoint, with its "
+                   "settings (options given must agree with them)")
+    t.add_argument("--reschedule", action="store_true", help="with --resume: allow another --steps, recomputing the "
+                   "learning-rate schedule over it")
     t.add_argument("--stop-at", type=int, default=None, help="stop after this step (the schedule still spans --steps)")
     t.set_defaults(func=_cmd_train)
     c = sub.add_parser("compare", help="train several recipes on the same data and budget; table and plot",
                        description="Train each recipe once per seed with the same options; report per recipe "
                        "the mean +- standard deviation of the final val loss over seeds and the paired gap to "
                        "dense (recipe - dense of the same seed, then mean +- std of those gaps).",
-                       epilog=REGIME_HELP, formatter_class=argparse.RawDescriptionHelpFormatter)
+                       epilog=REGIME_HELP, formatter_class=argparse.RawDescriptionHelpFormatter, allow_abbrev=False)
     c.add_argument("--recipes", default="dense,ste,sr-ste,s-ste", help="comma-separated (default %(default)s)")
     c.add_argument("--seeds", default=None, help="comma-separated seeds, each recipe once per seed (default --seed)")
     _run_args(c, "runs/compare")
@@ -168,16 +203,43 @@ def build_parser() -> argparse.ArgumentParser:
     e.add_argument("run", help="run folder or checkpoint file")
     e.add_argument("--out", default=None, help="output file (default RUN/model.safetensors)")
     e.set_defaults(func=_cmd_export)
-    b = sub.add_parser("bench", help="time twofour against dense bf16 on this GPU and write docs/PERFORMANCE.md")
+    b = sub.add_parser("bench", help="time twofour against dense bf16 on this GPU; print the tables (needs CUDA)")
     b.add_argument("--quick", action="store_true", help="fewer shapes and repetitions")
-    b.add_argument("--write", default=None, help="write the markdown table to this file")
+    b.add_argument("--write", default=None, help="also write the markdown tables into this file (e.g. "
+                   "docs/PERFORMANCE.md, between its bench markers)")
     b.set_defaults(func=_cmd_bench)
+    p.commands = {"train": t, "compare": c, "export": e, "bench": b}
     return p
+
+
+def _explicit(parser: argparse.ArgumentParser, argv: list[str]) -> list[str]:
+    """The destinations of the options that appear in ``argv`` (abbreviations are off, so an
+    option appears under one of its own names)."""
+    flags = {tok.split("=", 1)[0] for tok in argv if tok.startswith("--")}
+    return [act.dest for act in parser._actions if flags & set(act.option_strings)]
+
+
+def _interrupted(args: argparse.Namespace, e: KeyboardInterrupt) -> str:
+    """What an interrupt left behind, and how to go on."""
+    from .console import Interrupted  # noqa: PLC0415
+
+    again = ("run the same command again to continue (finished runs are kept, this one resumes)"
+             if args.command == "compare" else f"`twofour train --out {args.out} --resume` continues")
+    if isinstance(e, Interrupted):
+        return f"interrupted; step {e.step} is saved in {e.checkpoint}: {again}"
+    if args.command == "train" and (Path(args.out) / "ckpt.pt").exists():
+        return f"interrupted; the last checkpoint in {args.out} is intact: {again}"
+    if args.command == "compare":
+        return f"interrupted; {again}"
+    return "interrupted before a checkpoint was written"
 
 
 def main(argv: list[str] | None = None) -> int:
     """Entry point; bad input ends with one line on stderr and exit status 2."""
-    args = build_parser().parse_args(argv)
+    parser = build_parser()
+    argv = sys.argv[1:] if argv is None else list(argv)
+    args = parser.parse_args(argv)
+    args.given = _explicit(parser.commands[args.command], argv)
     from .config import TrainError  # noqa: PLC0415
     from .data import DataError  # noqa: PLC0415
 
@@ -186,9 +248,8 @@ def main(argv: list[str] | None = None) -> int:
     except (DataError, TrainError, ValueError, TypeError) as e:
         print(f"twofour {args.command}: error: {e}", file=sys.stderr)
         return 2
-    except KeyboardInterrupt:
-        print(f"twofour {args.command}: interrupted; the last checkpoint is intact (--resume continues)",
-              file=sys.stderr)
+    except KeyboardInterrupt as e:
+        print(f"twofour {args.command}: {_interrupted(args, e)}", file=sys.stderr)
         return 130
     finally:  # under torchrun: leave NCCL/gloo cleanly
         import torch.distributed as dist  # noqa: PLC0415

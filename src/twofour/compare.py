@@ -11,10 +11,10 @@ from typing import Any
 
 import numpy as np
 
-from .config import TrainConfig
+from .config import ADJUSTABLE_OPTIONS, LAUNCH_OPTIONS, TrainConfig
 from .data import load_data
 from .recipes import RECIPES, recipe_options
-from .runs import pyplot, read_config, read_metrics, read_summary
+from .runs import CKPT, pyplot, read_config, read_metrics, read_summary
 from .train import train
 
 __all__ = ["compare", "results_table", "recipe_stats", "plot_compare"]
@@ -22,7 +22,8 @@ __all__ = ["compare", "results_table", "recipe_stats", "plot_compare"]
 
 def compare(recipes: list[str], base: TrainConfig, seeds: list[int] | None = None) -> list[dict[str, Any]]:
     """Train ``base`` once per (recipe, seed) under ``base.out_dir``/RECIPE-sSEED; runs already
-    finished there (a ``summary.json`` with the same config) are reused, not retrained. The table
+    finished there (a ``summary.json`` with the same config) are reused, not retrained, and an
+    interrupted one (a checkpoint, no summary) is resumed, unless ``base.overwrite``. The table
     and plot cover every finished run in the folder with the same model and token budget."""
     seeds = seeds or [base.seed]
     root = Path(base.out_dir)
@@ -35,10 +36,13 @@ def compare(recipes: list[str], base: TrainConfig, seeds: list[int] | None = Non
             cfg = dataclasses.replace(base, recipe=recipe, seed=seed, out_dir=str(root / f"{recipe}-s{seed}"),
                                       recipe_options=options)
             cfg.validate()
+            same = not base.overwrite and _same_run(read_config(cfg.out_dir), cfg)
             done = read_summary(cfg.out_dir)
-            if done is not None and not base.overwrite and _same_run(read_config(cfg.out_dir), cfg):
+            if same and done is not None and done["steps"] == cfg.steps:  # finished (not stopped early)
                 summaries.append(done)
                 continue
+            if same and (Path(cfg.out_dir) / CKPT).exists():
+                cfg = dataclasses.replace(cfg, resume=True)  # interrupted: go on from its checkpoint
             summaries.append(train(cfg, data))
     root.mkdir(parents=True, exist_ok=True)
     summaries = _all_runs(root, summaries[0])
@@ -51,7 +55,7 @@ def _same_run(config: dict[str, Any] | None, cfg: TrainConfig) -> bool:
     """Whether a finished run's config (its config.json) is ``cfg``, up to how it was launched."""
     if config is None:
         return False
-    launch = ("overwrite", "resume", "progress")
+    launch = LAUNCH_OPTIONS | ADJUSTABLE_OPTIONS
     want = {k: v for k, v in json.loads(json.dumps(cfg.to_dict())).items() if k not in launch}
     have = {k: v for k, v in config.items() if k not in launch}
     return want == have

@@ -8,14 +8,17 @@ it into a :class:`twofour.Recipe` once, and the training code below passes that 
 from __future__ import annotations
 
 import dataclasses
+import json
 import math
+import re
 from dataclasses import dataclass, field
 from typing import Any
 
 from .model import PRESETS
 from .recipes import DEFAULT_RECIPE, Recipe, make_recipe, recipe_options
 
-__all__ = ["TrainConfig", "TrainError", "DEFAULT_LR", "Regime", "REGIMES", "lr_at"]
+__all__ = ["TrainConfig", "TrainError", "DEFAULT_LR", "Regime", "REGIMES", "lr_at", "resumed_config", "option_name",
+           "LAUNCH_OPTIONS", "ADJUSTABLE_OPTIONS"]
 
 #: Peak learning rate per preset (GPT-3 paper's table for the GPT-2 sizes; higher for tiny).
 DEFAULT_LR = {"tiny": 1e-3, "gpt2-124m": 6e-4, "gpt2-350m": 3e-4, "gpt2-774m": 2.5e-4, "gpt2-1.5b": 2e-4}
@@ -84,8 +87,10 @@ class TrainConfig:
     eval_interval: int = 100
     eval_iters: int = 10
     ckpt_interval: int = 500
+    log_interval: int = 10  # a log line, a metrics row and the only host sync every this many steps
     out_dir: str = "runs/train"
     resume: bool = False
+    reschedule: bool = False  # resume with another `steps`: the learning-rate schedule is recomputed over it
     overwrite: bool = False
     device: str = "auto"
     fsdp: bool = False
@@ -124,16 +129,28 @@ class TrainConfig:
         if self.regime not in REGIMES:
             raise TrainError(f"unknown regime {self.regime!r}; valid regimes: {', '.join(REGIMES)}")
         self.recipe_object()
-        for name in ("steps", "batch_size", "seq_len", "grad_accum", "eval_interval", "eval_iters", "ckpt_interval"):
+        for name in ("steps", "batch_size", "seq_len", "grad_accum", "eval_interval", "eval_iters", "ckpt_interval",
+                     "log_interval", "vocab_size"):
             value = getattr(self, name)
-            if (value is not None or name != "grad_accum") and (not isinstance(value, int) or value < 1):
-                raise TrainError(f"--{name.replace('_', '-')} must be a positive integer, got {value!r}")
+            if (value is not None or name not in ("grad_accum", "vocab_size")) and (
+                    not isinstance(value, int) or isinstance(value, bool) or value < 1):
+                raise TrainError(f"{option_name(name)} must be a positive integer, got {value!r}")
+        if self.warmup is not None and (not isinstance(self.warmup, int) or self.warmup < 0):
+            raise TrainError(f"--warmup must be a whole number of steps >= 0, got {self.warmup!r}")
+        for name in ("weight_decay", "grad_clip"):
+            value = getattr(self, name)
+            if not (isinstance(value, (int, float)) and math.isfinite(value) and value >= 0):
+                raise TrainError(f"{option_name(name)} must be >= 0, got {value!r}")
         if self.min_lr_ratio is not None and not 0 <= self.min_lr_ratio <= 1:
             raise TrainError(f"--min-lr-ratio must be between 0 and 1, got {self.min_lr_ratio}")
         if self.stop_at is not None and not 1 <= self.stop_at <= self.steps:
             raise TrainError(f"--stop-at must be between 1 and --steps ({self.steps}), got {self.stop_at}")
-        if self.lr is not None and not self.lr > 0:
+        if self.lr is not None and not (math.isfinite(self.lr) and self.lr > 0):
             raise TrainError(f"--lr must be > 0, got {self.lr}")
+        if not (len(self.betas) == 2 and all(0 <= b < 1 for b in self.betas)):
+            raise TrainError(f"betas must be two numbers in [0, 1), got {self.betas!r}")
+        if not _DEVICE.fullmatch(str(self.device)):
+            raise TrainError(f"unknown --device {self.device!r}; use auto, cpu, cuda or cuda:N")
         if self.resume and self.overwrite:
             raise TrainError("--resume and --overwrite contradict each other: pick one")
 
@@ -164,10 +181,58 @@ class TrainConfig:
         target = REGIMES[self.regime].tokens_per_step
         return 1 if target is None else max(1, math.ceil(target / (self.batch_size * self.seq_len * world)))
 
-    def identity(self) -> dict[str, Any]:
-        """What a checkpoint must agree with to be resumed by this config."""
-        return {"model": self.model, "recipe": self.recipe, "recipe_options": self.recipe_options,
-                "regime": self.regime, "sparse_attention": self.sparse_attention, "seq_len": self.seq_len}
+
+
+_DEVICE = re.compile(r"auto|cpu|cuda(:\d+)?")
+
+#: Set by each invocation, never taken from the checkpoint of a resumed run.
+LAUNCH_OPTIONS = frozenset({"out_dir", "resume", "reschedule", "overwrite", "stop_at", "progress"})
+#: How a run executes and reports, not what it trains: a resumed run keeps its checkpoint's value
+#: unless one is given.
+ADJUSTABLE_OPTIONS = frozenset({"log_interval", "eval_interval", "ckpt_interval", "device", "compile", "fsdp"})
+_OPTION_NAMES = {"out_dir": "--out", "recipe_options": "--opt", "bf16": "--no-bf16", "progress": "--no-progress"}
+
+
+def option_name(field_name: str) -> str:
+    """The command-line option that sets a TrainConfig field (``batch_size`` -> ``--batch-size``)."""
+    return _OPTION_NAMES.get(field_name, "--" + field_name.replace("_", "-"))
+
+
+def resumed_config(saved: dict[str, Any], cfg: TrainConfig, given: set[str] | None = None) -> TrainConfig:
+    """The settings a resumed run trains with, as nanoGPT's ``init_from='resume'`` does: those of
+    its checkpoint (``saved``, the checkpoint's config), with ``cfg``'s launch options
+    (:data:`LAUNCH_OPTIONS`) and, where ``cfg`` gives them, its :data:`ADJUSTABLE_OPTIONS`.
+
+    ``given`` names the fields ``cfg`` sets explicitly (the command line's options); None means
+    all of them (a config built in Python). A given field that changes what is trained (data,
+    schedule, batch, recipe, model, ...) must equal the checkpoint's, else TrainError names it;
+    ``steps`` may change only with ``reschedule`` (the learning-rate schedule is recomputed)."""
+    old = TrainConfig.from_dict(saved)
+    merged = {}
+    for f in dataclasses.fields(TrainConfig):
+        name, mine, theirs = f.name, getattr(cfg, f.name), getattr(old, f.name)
+        explicit = given is None or name in given
+        if name in LAUNCH_OPTIONS or (name in ADJUSTABLE_OPTIONS and explicit):
+            merged[name] = mine
+        elif explicit and _norm(mine) != _norm(theirs) and not (name == "steps" and cfg.reschedule):
+            hint = " or add --reschedule to recompute the schedule over the new --steps" if name == "steps" else ""
+            raise TrainError(f"{option_name(name)} {_show(mine)} contradicts the run being resumed "
+                             f"({_show(theirs)} in its checkpoint): a resumed run keeps its settings; leave the "
+                             f"option out{hint}, or start a new run with another --out")
+        else:
+            merged[name] = mine if explicit else theirs
+    return TrainConfig(**merged)
+
+
+def _norm(value: Any) -> Any:
+    """Settings compared as their JSON form (tuples and lists alike)."""
+    return json.loads(json.dumps(value))
+
+
+def _show(value: Any) -> str:
+    if isinstance(value, dict):
+        return ",".join(f"{k}={v}" for k, v in value.items()) or "(none)"
+    return "(none)" if value is None else str(value)
 
 
 def lr_at(cfg: TrainConfig, step: int) -> float:

@@ -4,6 +4,7 @@ replaced by its effective 2:4 weight, so the file loads into a plain dense model
 from __future__ import annotations
 
 import json
+import os
 from pathlib import Path
 from typing import Any
 
@@ -50,6 +51,9 @@ def export(run: str | Path, out: str | Path | None = None) -> dict[str, Any]:
     except ImportError:
         out = out.with_suffix(".pt")
         torch.save(tensors, out)
+    umask = os.umask(0)
+    os.umask(umask)
+    out.chmod(0o666 & ~umask)  # as any file the run writes (safetensors creates it private, 0600)
     meta = {"preset": cfg.model, "vocab_size": model.vocab_size, "block_size": cfg.seq_len, "recipe": cfg.recipe,
             "sparse_layers": sparse, "tied_lm_head": bool(tied), "tied_weights": tied, "step": ckpt["step"]}
     out.with_name("model_config.json").write_text(json.dumps(meta, indent=2))

@@ -18,13 +18,14 @@ import json
 import os
 import pickle
 import random
+import shutil
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 import torch
 
-from .config import TrainConfig, TrainError
+from .config import TrainConfig, TrainError, resumed_config
 
 __all__ = ["CKPT", "METRICS", "FIELDS", "prepare_run_dir", "save_checkpoint", "read_checkpoint",
            "load_checkpoint", "rng_state", "set_rng_state", "full_state_dicts", "load_state_dicts", "MetricsLog",
@@ -33,7 +34,9 @@ __all__ = ["CKPT", "METRICS", "FIELDS", "prepare_run_dir", "save_checkpoint", "r
 CKPT = "ckpt.pt"
 METRICS = "metrics.csv"
 FIELDS = ["step", "tokens", "lr", "train_loss", "val_loss", "flip_rate", "tokens_per_s", "elapsed_s"]
-_OUTPUTS = (CKPT, METRICS, "curves.png", "summary.json")
+#: What a run (and ``twofour export`` of it) leaves in its folder: removed by ``--overwrite``.
+_OUTPUTS = (CKPT, CKPT + ".tmp", METRICS, "curves.png", "summary.json", "config.json", "model.safetensors", "model.pt",
+            "model_config.json")
 
 
 def prepare_run_dir(cfg: TrainConfig) -> Path:
@@ -59,6 +62,7 @@ def prepare_run_dir(cfg: TrainConfig) -> Path:
     if cfg.overwrite and not cfg.resume:
         for name in _OUTPUTS:
             (out / name).unlink(missing_ok=True)
+        shutil.rmtree(out / "tb", ignore_errors=True)  # TensorBoard's event files
     return out
 
 
@@ -133,7 +137,8 @@ def read_checkpoint(path: str | Path) -> dict[str, Any]:
     if not path.exists():
         raise TrainError(f"no checkpoint at {path}")
     try:
-        ckpt = torch.load(path, map_location="cpu", weights_only=True)
+        # mmap: tensors are read when used, so reading a large checkpoint's settings is cheap
+        ckpt = torch.load(path, map_location="cpu", weights_only=True, mmap=True)
     except pickle.UnpicklingError as e:
         first = (str(e).strip().splitlines() or [""])[0][:200]
         raise TrainError(f"{path} is refused: it holds objects other than tensors and plain data, and "
@@ -141,18 +146,16 @@ def read_checkpoint(path: str | Path) -> dict[str, Any]:
     except Exception as e:
         raise TrainError(f"checkpoint {path} is unreadable or corrupt ({type(e).__name__}); "
                          "start again with --overwrite or another --out") from None
-    if not isinstance(ckpt, dict) or not {"identity", "config", "model", "step"} <= set(ckpt):
+    if not isinstance(ckpt, dict) or not {"config", "model", "step"} <= set(ckpt):
         raise TrainError(f"{path} is not a twofour training checkpoint")
     return ckpt
 
 
 def load_checkpoint(path: str | Path, cfg: TrainConfig) -> dict[str, Any]:
-    """:func:`read_checkpoint`, checking that it belongs to ``cfg``'s model and recipe."""
+    """:func:`read_checkpoint`, checking that ``cfg`` trains what the checkpoint's run trained
+    (:func:`twofour.config.resumed_config`; TrainError names the first option that differs)."""
     ckpt = read_checkpoint(path)
-    want, have = cfg.identity(), ckpt["identity"]
-    diff = [f"{k}: checkpoint {have.get(k)!r}, asked {want[k]!r}" for k in want if have.get(k) != want[k]]
-    if diff:
-        raise TrainError(f"checkpoint {path} is from another run ({'; '.join(diff)})")
+    resumed_config(ckpt["config"], cfg)
     return ckpt
 
 
@@ -255,10 +258,17 @@ def plot_run(out: Path, title: str) -> Path | None:
     return path
 
 
+def _steady_throughput(rows: list[tuple[int, float]]) -> float:
+    """Median tokens/s over the logged windows after warm-up: the first window (compilation,
+    allocator and autotuning warm-up) and any ending at one of the first 5 steps are left out,
+    unless nothing else is left."""
+    steady = [v for i, (step, v) in enumerate(rows) if i > 0 and step > 5]
+    return float(np.median(steady or [v for _, v in rows]))
+
+
 def write_summary(out: Path, cfg: TrainConfig) -> dict[str, Any]:
     """summary.json (final losses, throughput, flip rates) and curves.png from the metrics."""
     m = read_metrics(out)
-    tok = [v for _, v in m["tokens_per_s"]]
     flips = [v for _, v in m["flip_rate"]]
     summary = {
         "recipe": cfg.recipe, "model": cfg.model, "regime": cfg.regime, "seed": cfg.seed,
@@ -266,8 +276,7 @@ def write_summary(out: Path, cfg: TrainConfig) -> dict[str, Any]:
         "tokens": int(m["tokens"][-1][1]),
         "final_train_loss": m["train_loss"][-1][1],
         "final_val_loss": m["val_loss"][-1][1] if m["val_loss"] else None,
-        # median over steps after the first few (compilation and warm-up excluded)
-        "tokens_per_s": float(np.median(tok[min(5, len(tok) - 1):])),
+        "tokens_per_s": _steady_throughput(m["tokens_per_s"]),
         "mean_flip_rate": float(np.mean(flips)),
         "final_flip_rate": flips[-1],
         "wall_s": m["elapsed_s"][-1][1],

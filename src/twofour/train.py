@@ -5,8 +5,10 @@ step, log, evaluate, checkpoint.
 Runs on the CPU, one GPU, or several through ``torchrun`` (DDP by default, FSDP2 with
 ``fsdp=True``); only rank 0 logs and writes. Checkpoints are atomic and hold everything a
 bit-identical resume needs on the CPU (model and recipe state, optimizer, scheduler, data
-position and RNG states). The options live in :mod:`twofour.config`, the run folder in
-:mod:`twofour.runs`.
+position and RNG states). Between log lines (every ``log_interval`` steps) the loop never
+waits for the GPU. Ctrl-C or SIGTERM finishes the current step and checkpoints it before
+stopping. The options live in :mod:`twofour.config`, the run folder in :mod:`twofour.runs`,
+the terminal output and signal handling in :mod:`twofour.console`.
 """
 
 from __future__ import annotations
@@ -21,10 +23,10 @@ from typing import Any
 import numpy as np
 import torch
 import torch.distributed as dist
-from tqdm.auto import tqdm
 
 from . import __version__, attach, flip_rate, sparse_layers, sparsify
 from .config import TrainConfig, TrainError, lr_at
+from .console import Interrupted, Progress, StopRequest
 from .data import TokenData, load_data
 from .model import ATTN_PATTERNS, FFN_IN_PATTERNS, FFN_PATTERNS, GPT, PRESETS, GPTConfig
 from .optim import STEPAdamW
@@ -117,6 +119,8 @@ def train(cfg: TrainConfig, data: TokenData | None = None) -> dict[str, Any]:
     if world > 1:
         dist.barrier()
     ckpt = load_checkpoint(out / CKPT, cfg) if cfg.resume else None
+    if ckpt is not None:
+        _check_resumable(ckpt, cfg, world, out)
 
     torch.manual_seed(cfg.seed)
     model = build_model(cfg, recipe, data.vocab_size).to(device)
@@ -157,61 +161,83 @@ def train(cfg: TrainConfig, data: TokenData | None = None) -> dict[str, Any]:
     accum = cfg.micro_batches(world)
     tokens_per_step = cfg.batch_size * cfg.seq_len * accum * world
     stop = cfg.stop_at or cfg.steps
-    bar = tqdm(range(start, stop), initial=start, total=stop, desc=f"{recipe.name} {cfg.model}",
-               disable=rank != 0 or not cfg.progress, dynamic_ncols=True)
-    t_start, t_last, tok_s = time.perf_counter(), time.perf_counter(), 0.0
+    progress = Progress(rank == 0, cfg.progress, f"{recipe.name} {cfg.model}", start, stop)
+    # wall time goes on across a resume; throughput is timed over windows of logged steps
+    t_start = time.perf_counter() - (ckpt.get("elapsed_s", 0.0) if ckpt else 0.0)
+    t_window, window_steps = time.perf_counter(), 0
     loss_acc = torch.zeros((), device=device)
+    stop_request = StopRequest(rank == 0)
 
     # ---- the loop: one optimizer step per iteration ----
-    for step in bar:
-        # micro-batches: gradients add up; DDP syncs them on the last one only
-        for micro in range(accum):
-            x, y = data.batch("train", cfg.batch_size, cfg.seq_len, data_gen, device)
-            sync = micro == accum - 1 or not isinstance(model, torch.nn.parallel.DistributedDataParallel)
-            with (contextlib.nullcontext() if sync else model.no_sync()), autocast:
-                loss = fwd(x, y)[1] / accum
-            loss.backward()
-            loss_acc += loss.detach()
-        # clip, step (the attach() hook advances the sparse layers here), schedule
-        if cfg.grad_clip:
-            torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.grad_clip)
-        lr = sched.get_last_lr()[0]
-        opt.step()
-        sched.step()
-        opt.zero_grad(set_to_none=True)
-        # log
-        if world > 1:
-            dist.all_reduce(loss_acc)
-            loss_acc /= world
-        train_loss = loss_acc.item()
-        loss_acc.zero_()
-        now = time.perf_counter()
-        tok_s = tokens_per_step / max(now - t_last, 1e-9)
-        t_last = now
-        done = step + 1
-        # evaluate
-        val_loss = None
-        if done % cfg.eval_interval == 0 or done == stop:
-            val_loss = evaluate(fwd, data, cfg, device, autocast)
-            t_last = time.perf_counter()  # keep evaluation out of the throughput
-        fr = flip_rate(raw)["total"]
-        if rank == 0:
-            metrics.log({"step": done, "tokens": done * tokens_per_step, "lr": lr, "train_loss": train_loss,
-                         "val_loss": val_loss, "flip_rate": fr, "tokens_per_s": tok_s,
-                         "elapsed_s": now - t_start})
-            bar.set_postfix(loss=f"{train_loss:.3f}", tok_s=f"{tok_s:,.0f}", flip=f"{fr:.1e}", refresh=False)
-        # checkpoint
-        if done % cfg.ckpt_interval == 0 or done == stop:
-            _checkpoint(out, cfg, raw, opt, sched, done, data_gen, rank, world)
+    try:
+        with stop_request:
+            for step in range(start, stop):
+                # micro-batches: gradients add up; DDP syncs them on the last one only
+                for micro in range(accum):
+                    x, y = data.batch("train", cfg.batch_size, cfg.seq_len, data_gen, device)
+                    sync = micro == accum - 1 or not isinstance(model, torch.nn.parallel.DistributedDataParallel)
+                    with (contextlib.nullcontext() if sync else model.no_sync()), autocast:
+                        loss = fwd(x, y)[1] / accum
+                    loss.backward()
+                    loss_acc += loss.detach()
+                # clip, step (the attach() hook advances the sparse layers here), schedule
+                if cfg.grad_clip:
+                    torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.grad_clip)
+                lr = sched.get_last_lr()[0]
+                opt.step()
+                sched.step()
+                opt.zero_grad(set_to_none=True)
+                done, window_steps = step + 1, window_steps + 1
+                progress.update()
+                evaluating = done % cfg.eval_interval == 0 or done == stop
+                saving = done % cfg.ckpt_interval == 0 or done == stop
+                boundary = done % cfg.log_interval == 0 or evaluating or saving
+                stopping = stop_request.agreed(boundary, world, device)
+                if not (boundary or stopping):
+                    continue  # no host sync between log lines: the GPU runs ahead of the Python loop
+                # log: the mean train loss and the throughput since the last log line (one host sync)
+                if world > 1:
+                    dist.all_reduce(loss_acc)
+                    loss_acc /= world
+                train_loss = loss_acc.item() / window_steps
+                loss_acc.zero_()
+                now = time.perf_counter()
+                row = {"step": done, "tokens": done * tokens_per_step, "lr": lr, "train_loss": train_loss,
+                       "val_loss": evaluate(fwd, data, cfg, device, autocast) if evaluating else None,
+                       "flip_rate": flip_rate(raw)["total"],
+                       "tokens_per_s": tokens_per_step * window_steps / max(now - t_window, 1e-9),
+                       "elapsed_s": now - t_start}
+                if rank == 0:
+                    metrics.log(row)
+                    progress.log(row)
+                if saving or stopping:
+                    _checkpoint(out, cfg, raw, opt, sched, done, data_gen, rank, world, time.perf_counter() - t_start)
+                if stopping:
+                    raise Interrupted(done, out / CKPT)
+                t_window, window_steps = time.perf_counter(), 0  # evaluation and checkpoints stay out of it
+    finally:
+        progress.close()
+        if metrics is not None:
+            metrics.close()
 
     # ---- wrap up ----
-    bar.close()
-    if metrics is not None:
-        metrics.close()
     summary = write_summary(out, cfg) if rank == 0 else {}
     if world > 1:
         dist.barrier()
     return summary
+
+
+def _check_resumable(ckpt: dict[str, Any], cfg: TrainConfig, world: int, out: Path) -> None:
+    """Raise TrainError if the checkpoint can't go on as ``cfg`` asks."""
+    step = ckpt["step"]
+    if len(ckpt["rng"]) != world:
+        raise TrainError(f"the checkpoint in {out} was written by {len(ckpt['rng'])} process(es); resume it "
+                         f"with as many (this is {world})")
+    if cfg.stop_at is not None and step >= cfg.stop_at:
+        raise TrainError(f"--stop-at {cfg.stop_at} is not after the checkpoint's step {step}")
+    if step >= cfg.steps:
+        raise TrainError(f"the run in {out} has done all its {cfg.steps} steps; to train it further, "
+                         "give a larger --steps with --reschedule")
 
 
 def _check_replicas(raw: torch.nn.Module, world: int) -> None:
@@ -235,7 +261,8 @@ def _check_replicas(raw: torch.nn.Module, world: int) -> None:
         raise TrainError(f"recipe state of rank(s) {bad} differs from rank 0's: masks diverged across replicas")
 
 
-def _checkpoint(out: Path, cfg: TrainConfig, raw, opt, sched, step: int, data_gen, rank: int, world: int) -> None:
+def _checkpoint(out: Path, cfg: TrainConfig, raw, opt, sched, step: int, data_gen, rank: int, world: int,
+                elapsed_s: float) -> None:
     """Every rank takes part (replica check, FSDP gathers, RNG states); rank 0 writes."""
     if world > 1:
         _check_replicas(raw, world)
@@ -245,6 +272,7 @@ def _checkpoint(out: Path, cfg: TrainConfig, raw, opt, sched, step: int, data_ge
         rng = [None] * world
         dist.all_gather_object(rng, rng_state(data_gen))
     if rank == 0:
-        save_checkpoint(out / CKPT, {"identity": cfg.identity(), "config": cfg.to_dict(), "step": step,
+        save_checkpoint(out / CKPT, {"config": cfg.to_dict(), "step": step,
                                      "vocab_size": raw.vocab_size, "model": model_sd, "optimizer": opt_sd,
-                                     "scheduler": sched.state_dict(), "rng": rng, "twofour_version": __version__})
+                                     "scheduler": sched.state_dict(), "rng": rng, "elapsed_s": elapsed_s,
+                                     "twofour_version": __version__})
