@@ -150,21 +150,21 @@ def _ffn(t: int, d: int, h: int, quick: bool, recipe: Recipe) -> float:
 
 
 def gpt_train_step(preset: str, batch: int, recipe: Recipe, *, transposed_output: bool = True,
-                   advance: bool = True) -> tuple[nn.Module, Callable[[], None]]:
-    """A GPT ``preset`` (vocabulary 50304, sequence 1024) on the GPU with ``recipe`` on its FFN
+                   advance: bool = True, vocab_size: int = 50304) -> tuple[nn.Module, Callable[[], None]]:
+    """A GPT ``preset`` (vocabulary ``vocab_size``, sequence 1024) on the GPU with ``recipe`` on its FFN
     linears (fc1 with ``transposed_output``), fused AdamW and, with ``advance``, ``attach()``;
     returns the model and a function that runs one training step on a fixed random batch."""
     from .model import FFN_IN_PATTERNS, FFN_PATTERNS, GPT  # noqa: PLC0415
     from .sparsify import attach, sparsify  # noqa: PLC0415
 
     torch.manual_seed(0)
-    model = GPT.from_preset(preset, block_size=1024, vocab_size=50304).cuda()
+    model = GPT.from_preset(preset, block_size=1024, vocab_size=vocab_size).cuda()
     if recipe.sparse:
         sparsify(model, recipe, include=FFN_PATTERNS, transposed_output=FFN_IN_PATTERNS if transposed_output else ())
     opt = torch.optim.AdamW(model.parameters(), lr=1e-4, fused=True)
     if advance:
         attach(model, opt)
-    idx = torch.randint(0, 50304, (batch, 1024), device="cuda")
+    idx = torch.randint(0, vocab_size, (batch, 1024), device="cuda")
 
     def step():
         with torch.autocast("cuda", dtype=torch.bfloat16):

@@ -1,6 +1,7 @@
 """The fast path's operations (plain calls in eager mode, torch custom ops, one opaque node each,
-under torch's tracers; SparseLinear itself still runs its reference math under ``torch.compile``),
-and the dispatch that picks, per GEMM and shape, dense or 2:4 sparse by measuring both once.
+under torch's tracers, so that ``torch.compile`` keeps them; ``twofour.fastpath`` builds the
+layer's compiled op on them), and the dispatch that picks, per GEMM and shape, dense or 2:4
+sparse by measuring both once.
 
 ``spmm(a, b, m, d_col, bias)``: D (m x n) = A @ B (+ bias[:, None], in cuSPARSELt's epilogue)
 with A compressed 2:4 (cuSPARSELt layout) and B a (k, n) tensor in row- or column-major order
