@@ -1,4 +1,4 @@
-"""Train a tiny GPT with S-STE on a slice of Python's own standard library, on the CPU, in seconds.
+"""Train a tiny GPT with S-STE on a slice of Python's own standard library, on the CPU (about a minute on 2 cores).
 
     python examples/quickstart.py
 """
