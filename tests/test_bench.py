@@ -1,20 +1,8 @@
 """twofour.bench.train_throughput on the CPU: real ``twofour train`` subprocesses on the tiny preset."""
 
-from pathlib import Path
-
 import pytest
-import torch
 
 from twofour.bench import throughput_table, train_throughput
-
-
-@pytest.fixture(scope="module")
-def corpus(tmp_path_factory):
-    """A small text file, so each run doesn't read the whole standard library."""
-    path = tmp_path_factory.mktemp("data") / "corpus.txt"
-    src = Path(torch.__file__).parent / "nn" / "modules"
-    path.write_bytes(b"".join(p.read_bytes() for p in sorted(src.glob("*.py"))[:8]))
-    return str(path)
 
 
 def cpu_args(corpus):

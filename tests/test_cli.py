@@ -209,7 +209,7 @@ def test_resume_takes_the_runs_settings(tmp_path, corpus, capsys):
     assert "--batch-size 8 contradicts" in error_of(["train", "--out", str(out), "--resume", "--batch-size", "8"],
                                                     capsys)
     assert "--data" in error_of(["train", "--out", str(out), "--resume", "--data", str(tmp_path)], capsys)
-    assert "all its 8 steps" in error_of(["train", "--out", str(out), "--resume"], capsys)
+    assert "done 8 of 8 steps" in error_of(["train", "--out", str(out), "--resume"], capsys)
     assert main(["train", "--out", str(out), "--resume", "--steps", "12", "--reschedule", "--no-progress"]) == 0
     assert losses(out)[-1][0] == 12 and json.loads((out / "config.json").read_text())["steps"] == 12
     # a relative --data names the same file from wherever the run is resumed
@@ -227,6 +227,7 @@ def test_every_option_is_checked(tmp_path, corpus, capsys):
                              ("--lr", "nan", "--lr"), ("--stop-at", "99", "--stop-at")]:
         assert says in error_of([*base, opt, value], capsys), opt
     assert "--seeds" in error_of(["compare", *SMALL, "--data", corpus, "--seeds", "1,x"], capsys)
+    assert "--resume" in error_of([*base, "--reschedule"], capsys)
     assert not (tmp_path / "x").exists()  # nothing written for a run that can't start
 
 
@@ -267,3 +268,53 @@ def test_overwrite_export_resume_details(tmp_path, corpus):
     assert (out / "model.safetensors").stat().st_mode & 0o777 == 0o666 & ~umask
     assert main([*args, "--overwrite"]) == 0
     assert not (out / "model.safetensors").exists() and not (out / "model_config.json").exists()
+
+
+def test_logged_flip_rate_is_the_windows_mean(tmp_path, corpus):
+    """A row logged every 5 steps carries the mean flip rate of its 5 steps (masks refreshed every
+    2 steps, so single steps alternate between flips and none)."""
+    args = ["train", *SMALL[:-3], "--data", corpus, "--recipe", "t-sr-ste", "--opt", "mask_interval=2",
+            "--eval-interval", "5", "--steps", "10", "--no-progress"]
+    assert main([*args, "--out", str(tmp_path / "every"), "--log-interval", "1"]) == 0
+    assert main([*args, "--out", str(tmp_path / "five"), "--log-interval", "5"]) == 0
+    with open(tmp_path / "every" / "metrics.csv") as fh:
+        per_step = [float(r["flip_rate"]) for r in csv.DictReader(fh)]
+    with open(tmp_path / "five" / "metrics.csv") as fh:
+        windows = [float(r["flip_rate"]) for r in csv.DictReader(fh)]
+    assert per_step[0] == 0 and per_step[1] > 0  # no refresh at step 1, one at step 2
+    assert windows == pytest.approx([sum(per_step[:5]) / 5, sum(per_step[5:]) / 5])
+
+
+def test_reschedule_applies_from_the_first_resumed_step(tmp_path, corpus):
+    from twofour.config import TrainConfig, lr_at
+
+    out = tmp_path / "run"
+    assert main(["train", *SMALL, "--data", corpus, "--out", str(out), "--stop-at", "4", "--warmup", "2"]) == 0
+    assert main(["train", "--out", str(out), "--resume", "--steps", "20", "--reschedule", "--no-compile"]) == 0
+    with open(out / "metrics.csv") as fh:
+        lr = {int(r["step"]): float(r["lr"]) for r in csv.DictReader(fh)}
+    cfg = TrainConfig(model="tiny", steps=20, warmup=2)
+    assert lr[5] == pytest.approx(lr_at(cfg, 4)) and lr[20] == pytest.approx(lr_at(cfg, 19))
+
+
+def test_a_finished_checkpoint_without_summary_completes(tmp_path, corpus):
+    """Interrupted while writing the summary (after the last checkpoint): --resume finishes it."""
+    out = tmp_path / "run"
+    assert main(["train", *SMALL, "--data", corpus, "--out", str(out), "--recipe", "ste"]) == 0
+    (out / "summary.json").unlink()
+    assert main(["train", "--out", str(out), "--resume", "--no-progress"]) == 0
+    assert json.loads((out / "summary.json").read_text())["steps"] == 8
+
+
+def test_compare_restarts_a_run_that_died_before_its_first_checkpoint(tmp_path, corpus, capsys):
+    out = tmp_path / "cmp"
+    args = ["compare", *SMALL, "--data", corpus, "--out", str(out), "--recipes", "dense,ste"]
+    assert main(args) == 0
+    dense = (out / "dense-s1337" / "ckpt.pt").stat().st_mtime_ns
+    for name in ("ckpt.pt", "summary.json"):  # killed hard: metrics and config, no checkpoint
+        (out / "ste-s1337" / name).unlink()
+    assert main(args) == 0
+    assert (out / "dense-s1337" / "ckpt.pt").stat().st_mtime_ns == dense
+    assert json.loads((out / "ste-s1337" / "summary.json").read_text())["steps"] == 8
+    err = error_of([*args[:-2], "--recipes", "dense", "--weight-decay", "0.2"], capsys)
+    assert "other settings" in err and "--overwrite" in err

@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
+import os
 import sys
 from pathlib import Path
 from typing import Any
@@ -66,10 +67,12 @@ def _run_args(p: argparse.ArgumentParser, default_out: str) -> None:
     g.add_argument("--grad-clip", type=float, default=d.grad_clip,
                    help="gradient norm clipping; 0 turns it off (default %(default)s)")
     g.add_argument("--no-bf16", dest="bf16", action="store_false", help="no bf16 autocast on the GPU")
-    g.add_argument("--compile", action="store_true", help="torch.compile the model")
+    g.add_argument("--compile", action=argparse.BooleanOptionalAction, default=d.compile,
+                   help="torch.compile the model (default: off)")
     g.add_argument("--seed", type=int, default=d.seed, help="model init and data order (default %(default)s)")
     g.add_argument("--device", default=d.device, help="auto, cpu, cuda (default %(default)s)")
-    g.add_argument("--fsdp", action="store_true", help="under torchrun: FSDP2 instead of DDP")
+    g.add_argument("--fsdp", action=argparse.BooleanOptionalAction, default=d.fsdp,
+                   help="under torchrun: FSDP2 instead of DDP (default: DDP)")
     g = p.add_argument_group("logging and checkpoints")
     g.add_argument("--eval-interval", type=int, default=d.eval_interval,
                    help="steps between validation losses (default %(default)s)")
@@ -177,6 +180,7 @@ regimes (--regime) give the defaults of the options marked 'regime'; an option g
 
 
 def build_parser() -> argparse.ArgumentParser:
+    """The ``twofour`` parser; ``parser.commands`` maps each command to its subparser."""
     p = argparse.ArgumentParser(prog="twofour", description="Pre-train transformers with 2:4 sparse weights.",
                                 allow_abbrev=False)
     sub = p.add_subparsers(dest="command", required=True)
@@ -187,7 +191,7 @@ def build_parser() -> argparse.ArgumentParser:
     t.add_argument("--resume", action="store_true", help="continue the run in --out from its checkpoint, with its "
                    "settings (options given must agree with them)")
     t.add_argument("--reschedule", action="store_true", help="with --resume: allow another --steps, recomputing the "
-                   "learning-rate schedule over it")
+                   "learning-rate schedule over it (a warmup given as a share of the steps changes too)")
     t.add_argument("--stop-at", type=int, default=None, help="stop after this step (the schedule still spans --steps)")
     t.set_defaults(func=_cmd_train)
     c = sub.add_parser("compare", help="train several recipes on the same data and budget; table and plot",
@@ -223,6 +227,9 @@ def _interrupted(args: argparse.Namespace, e: KeyboardInterrupt) -> str:
     """What an interrupt left behind, and how to go on."""
     from .console import Interrupted  # noqa: PLC0415
 
+    if args.command not in ("train", "compare"):
+        return "interrupted"
+
     again = ("run the same command again to continue (finished runs are kept, this one resumes)"
              if args.command == "compare" else f"`twofour train --out {args.out} --resume` continues")
     if isinstance(e, Interrupted):
@@ -249,7 +256,8 @@ def main(argv: list[str] | None = None) -> int:
         print(f"twofour {args.command}: error: {e}", file=sys.stderr)
         return 2
     except KeyboardInterrupt as e:
-        print(f"twofour {args.command}: {_interrupted(args, e)}", file=sys.stderr)
+        if int(os.environ.get("RANK", "0")) == 0:  # under torchrun, one message
+            print(f"twofour {args.command}: {_interrupted(args, e)}", file=sys.stderr)
         return 130
     finally:  # under torchrun: leave NCCL/gloo cleanly
         import torch.distributed as dist  # noqa: PLC0415

@@ -11,10 +11,10 @@ from typing import Any
 
 import numpy as np
 
-from .config import ADJUSTABLE_OPTIONS, LAUNCH_OPTIONS, TrainConfig
+from .config import LAUNCH_OPTIONS, TrainConfig, TrainError
 from .data import load_data
 from .recipes import RECIPES, recipe_options
-from .runs import CKPT, pyplot, read_config, read_metrics, read_summary
+from .runs import CKPT, METRICS, pyplot, read_config, read_metrics, read_summary
 from .train import train
 
 __all__ = ["compare", "results_table", "recipe_stats", "plot_compare"]
@@ -36,14 +36,10 @@ def compare(recipes: list[str], base: TrainConfig, seeds: list[int] | None = Non
             cfg = dataclasses.replace(base, recipe=recipe, seed=seed, out_dir=str(root / f"{recipe}-s{seed}"),
                                       recipe_options=options)
             cfg.validate()
-            same = not base.overwrite and _same_run(read_config(cfg.out_dir), cfg)
-            done = read_summary(cfg.out_dir)
-            if same and done is not None and done["steps"] == cfg.steps:  # finished (not stopped early)
-                summaries.append(done)
-                continue
-            if same and (Path(cfg.out_dir) / CKPT).exists():
-                cfg = dataclasses.replace(cfg, resume=True)  # interrupted: go on from its checkpoint
-            summaries.append(train(cfg, data))
+            if _finished(cfg, base.overwrite):
+                summaries.append(read_summary(cfg.out_dir))
+            else:
+                summaries.append(train(_continue(cfg, base.overwrite), data))
     root.mkdir(parents=True, exist_ok=True)
     summaries = _all_runs(root, summaries[0])
     (root / "compare.md").write_text(results_table(summaries))
@@ -51,11 +47,34 @@ def compare(recipes: list[str], base: TrainConfig, seeds: list[int] | None = Non
     return summaries
 
 
+def _finished(cfg: TrainConfig, overwrite: bool) -> bool:
+    """Whether ``cfg``'s folder holds this very run, finished (all its steps, not stopped early)."""
+    done = read_summary(cfg.out_dir)
+    return (not overwrite and done is not None and done["steps"] == cfg.steps
+            and _same_run(read_config(cfg.out_dir), cfg))
+
+
+def _continue(cfg: TrainConfig, overwrite: bool) -> TrainConfig:
+    """How to train a run that isn't finished: resumed from its checkpoint if it was interrupted,
+    started over if it died before its first checkpoint; a folder holding another run is
+    refused unless ``overwrite``."""
+    out = Path(cfg.out_dir)
+    if overwrite or not any((out / name).exists() for name in (CKPT, METRICS)):
+        return cfg
+    if not _same_run(read_config(out), cfg):
+        raise TrainError(f"{out} holds a run with other settings; choose another --out, or --overwrite to "
+                         "retrain every run of the comparison")
+    if (out / CKPT).exists():
+        return dataclasses.replace(cfg, resume=True)
+    return dataclasses.replace(cfg, overwrite=True)  # died before its first checkpoint: nothing to keep
+
+
 def _same_run(config: dict[str, Any] | None, cfg: TrainConfig) -> bool:
-    """Whether a finished run's config (its config.json) is ``cfg``, up to how it was launched."""
+    """Whether a run's config (its config.json) is ``cfg``, up to how it was launched and how
+    often it logs, evaluates and checkpoints (device, compile and FSDP count: they change speed)."""
     if config is None:
         return False
-    launch = LAUNCH_OPTIONS | ADJUSTABLE_OPTIONS
+    launch = LAUNCH_OPTIONS | {"log_interval", "eval_interval", "ckpt_interval"}
     want = {k: v for k, v in json.loads(json.dumps(cfg.to_dict())).items() if k not in launch}
     have = {k: v for k, v in config.items() if k not in launch}
     return want == have

@@ -104,6 +104,7 @@ class TrainConfig:
         return cfg
 
     def to_dict(self) -> dict[str, Any]:
+        """Plain data (JSON), what config.json and checkpoints hold."""
         return dataclasses.asdict(self)
 
     def recipe_object(self) -> Recipe:
@@ -153,9 +154,12 @@ class TrainConfig:
             raise TrainError(f"unknown --device {self.device!r}; use auto, cpu, cuda or cuda:N")
         if self.resume and self.overwrite:
             raise TrainError("--resume and --overwrite contradict each other: pick one")
+        if self.reschedule and not self.resume:
+            raise TrainError("--reschedule only applies to a resumed run (with --resume)")
 
     @property
     def peak_lr(self) -> float:
+        """The peak learning rate: ``lr`` if given, else the regime's, else the preset's."""
         if self.lr is not None:
             return self.lr
         regime = REGIMES[self.regime]
@@ -180,7 +184,6 @@ class TrainConfig:
             return self.grad_accum
         target = REGIMES[self.regime].tokens_per_step
         return 1 if target is None else max(1, math.ceil(target / (self.batch_size * self.seq_len * world)))
-
 
 
 _DEVICE = re.compile(r"auto|cpu|cuda(:\d+)?")

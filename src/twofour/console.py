@@ -10,6 +10,7 @@ from __future__ import annotations
 import signal
 import sys
 import threading
+import time
 from pathlib import Path
 from typing import Any, TextIO
 
@@ -46,7 +47,7 @@ class Progress:
         stream = stream or sys.stderr
         self.active, self.total = active, total
         self.bar = None
-        if active and bar and stream.isatty():
+        if active and bar and stream.isatty() and sys.stdout.isatty():  # plain lines go to stdout
             self.bar = tqdm(total=total, initial=start, desc=desc, file=stream, dynamic_ncols=True)
         elif active:
             print(f"{desc}: steps {start + 1}-{total}", flush=True)
@@ -69,6 +70,7 @@ class Progress:
             self.bar.write(format_row(row, self.total))
 
     def close(self) -> None:
+        """End the bar (a no-op for plain lines); safe to call twice."""
         if self.bar is not None:
             self.bar.close()
             self.bar = None
@@ -77,13 +79,17 @@ class Progress:
 class StopRequest:
     """While active (a ``with`` block in the main thread), the first SIGINT or SIGTERM only sets a
     flag: the loop finishes its step, writes a checkpoint and raises :class:`Interrupted`. A second
-    signal raises KeyboardInterrupt at once (checkpoints are atomic, so the last one stays intact)."""
+    signal raises KeyboardInterrupt at once (checkpoints are atomic, so the last one stays intact),
+    unless it comes within ``GRACE_S`` of the first: torchrun passes a terminal's Ctrl-C on to
+    workers that got it already, and that echo must not cancel the checkpoint."""
 
     SIGNALS = (signal.SIGINT, signal.SIGTERM)
+    GRACE_S = 1.0
 
     def __init__(self, verbose: bool = True):
         self.verbose = verbose
         self.requested = False
+        self._first = 0.0
         self._previous: dict[int, Any] = {}
 
     def __enter__(self) -> StopRequest:
@@ -101,8 +107,10 @@ class StopRequest:
 
     def _handle(self, signum: int, frame: object) -> None:
         if self.requested:
+            if time.monotonic() - self._first < self.GRACE_S:
+                return
             raise KeyboardInterrupt
-        self.requested = True
+        self.requested, self._first = True, time.monotonic()
         if self.verbose:
             print(f"\n{signal.Signals(signum).name}: finishing this step, then a checkpoint and stop "
                   "(press Ctrl-C again to stop at once)", file=sys.stderr, flush=True)

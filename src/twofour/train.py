@@ -24,7 +24,7 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-from . import __version__, attach, flip_rate, sparse_layers, sparsify
+from . import __version__, attach, flip_count, sparse_layers, sparsify
 from .config import TrainConfig, TrainError, lr_at
 from .console import Interrupted, Progress, StopRequest
 from .data import TokenData, load_data
@@ -146,6 +146,8 @@ def train(cfg: TrainConfig, data: TokenData | None = None) -> dict[str, Any]:
         load_state_dicts(raw, opt, ckpt["model"], ckpt["optimizer"], fsdp)
         sched.load_state_dict(ckpt["scheduler"])
         start = ckpt["step"]
+        sched.last_epoch = start - 1
+        sched.step()  # this step's lr from cfg's schedule (a new one under --reschedule)
         set_rng_state(ckpt["rng"][rank], data_gen)
     attach(raw, opt)  # masks, refreshes and phases advance once per optimizer step
     if world > 1 and not cfg.fsdp:
@@ -166,6 +168,8 @@ def train(cfg: TrainConfig, data: TokenData | None = None) -> dict[str, Any]:
     t_start = time.perf_counter() - (ckpt.get("elapsed_s", 0.0) if ckpt else 0.0)
     t_window, window_steps = time.perf_counter(), 0
     loss_acc = torch.zeros((), device=device)
+    flips = torch.zeros((), device=device, dtype=torch.long)
+    mask_size = max(1, sum(layer.weight.numel() for _, layer in sparse_layers(raw) if layer.recipe.sparse))
     stop_request = StopRequest(rank == 0)
 
     # ---- the loop: one optimizer step per iteration ----
@@ -192,7 +196,8 @@ def train(cfg: TrainConfig, data: TokenData | None = None) -> dict[str, Any]:
                 evaluating = done % cfg.eval_interval == 0 or done == stop
                 saving = done % cfg.ckpt_interval == 0 or done == stop
                 boundary = done % cfg.log_interval == 0 or evaluating or saving
-                stopping = stop_request.agreed(boundary, world, device)
+                flips += flip_count(raw)  # on the device: the window's mean flip rate, no host sync
+                stopping = stop_request.agreed(boundary, world, device) and done < stop  # the last step ends
                 if not (boundary or stopping):
                     continue  # no host sync between log lines: the GPU runs ahead of the Python loop
                 # log: the mean train loss and the throughput since the last log line (one host sync)
@@ -204,7 +209,7 @@ def train(cfg: TrainConfig, data: TokenData | None = None) -> dict[str, Any]:
                 now = time.perf_counter()
                 row = {"step": done, "tokens": done * tokens_per_step, "lr": lr, "train_loss": train_loss,
                        "val_loss": evaluate(fwd, data, cfg, device, autocast) if evaluating else None,
-                       "flip_rate": flip_rate(raw)["total"],
+                       "flip_rate": flips.item() / window_steps / mask_size,
                        "tokens_per_s": tokens_per_step * window_steps / max(now - t_window, 1e-9),
                        "elapsed_s": now - t_start}
                 if rank == 0:
@@ -214,6 +219,7 @@ def train(cfg: TrainConfig, data: TokenData | None = None) -> dict[str, Any]:
                     _checkpoint(out, cfg, raw, opt, sched, done, data_gen, rank, world, time.perf_counter() - t_start)
                 if stopping:
                     raise Interrupted(done, out / CKPT)
+                flips.zero_()
                 t_window, window_steps = time.perf_counter(), 0  # evaluation and checkpoints stay out of it
     finally:
         progress.close()
@@ -235,9 +241,9 @@ def _check_resumable(ckpt: dict[str, Any], cfg: TrainConfig, world: int, out: Pa
                          f"with as many (this is {world})")
     if cfg.stop_at is not None and step >= cfg.stop_at:
         raise TrainError(f"--stop-at {cfg.stop_at} is not after the checkpoint's step {step}")
-    if step >= cfg.steps:
-        raise TrainError(f"the run in {out} has done all its {cfg.steps} steps; to train it further, "
-                         "give a larger --steps with --reschedule")
+    if step > cfg.steps or (step == cfg.steps and (out / "summary.json").exists()):
+        raise TrainError(f"the run in {out} has done {step} of {cfg.steps} steps; to train it further, "
+                         f"resume with --steps larger than {step} and --reschedule")
 
 
 def _check_replicas(raw: torch.nn.Module, world: int) -> None:
