@@ -2,6 +2,9 @@
 
 import os
 import pickle
+import subprocess
+import sys
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -184,3 +187,27 @@ def test_local_hugging_face_dataset(tmp_path):
     assert main([*SMALL, "--data", f"hf:{tmp_path / 'ds'}", "--out", str(tmp_path / "run")]) == 0
     with pytest.raises(DataError, match="never downloads"):
         load_data("hf:no-such-user/no-such-dataset-twofour")
+
+
+def test_make_corpus_keeps_one_copy_of_each_source(tmp_path):
+    """benchmarks/make_corpus.py: every distinct UTF-8 .py file once (no file in both splits),
+    empty and undecodable ones left out, and a size check that fails loudly."""
+    a, b = tmp_path / "a", tmp_path / "b" / "pkg"
+    b.mkdir(parents=True)
+    a.mkdir()
+    (a / "x.py").write_text("print('x')\n")
+    (b / "x_copy.py").write_text("print('x')\n")  # the same content under another name
+    (b / "y.py").write_text("def y():\n    return 1\n")
+    (b / "empty.py").write_text("  \n")
+    (b / "latin1.py").write_bytes(b"s = '\xe9'\n")
+    (b / "notes.txt").write_text("not python")
+    script = Path(__file__).parents[1] / "benchmarks" / "make_corpus.py"
+    out = tmp_path / "corpus"
+    res = subprocess.run([sys.executable, str(script), str(out), "--roots", str(a), str(tmp_path / "b")],
+                         capture_output=True, text=True)
+    assert res.returncode == 0, res.stderr
+    assert sorted(p.read_text() for p in out.iterdir()) == ["def y():\n    return 1\n", "print('x')\n"]
+    assert "1 duplicates dropped" in res.stdout
+    res = subprocess.run([sys.executable, str(script), str(tmp_path / "c"), "--roots", str(a), "--min-bytes", "1e6"],
+                         capture_output=True, text=True)
+    assert res.returncode == 1 and "fewer than" in res.stderr

@@ -165,7 +165,7 @@ def _cmd_bench(a: argparse.Namespace) -> int:
 REGIME_HELP = """\
 regimes (--regime) give the defaults of the options marked 'regime'; an option given explicitly wins:
                    ours (default)                    authors (S-STE paper's GPT-2 124M settings)
-  peak lr          the preset's (tiny 1e-3,          1.5e-4
+  peak lr          the preset's (tiny, gpt-10m 1e-3, 1.5e-4
                    gpt2-124m 6e-4, -350m 3e-4,
                    -774m 2.5e-4, -1.5b 2e-4)
   cosine floor     0.1 x peak                        1e-5, i.e. peak / 15

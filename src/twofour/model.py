@@ -39,6 +39,7 @@ class GPTConfig:
 
 PRESETS: dict[str, dict[str, int]] = {
     "tiny": dict(n_layer=4, n_head=4, n_embd=128),
+    "gpt-10m": dict(n_layer=6, n_head=6, n_embd=384),  # about 10.6M weights in its blocks
     "gpt2-124m": dict(n_layer=12, n_head=12, n_embd=768),
     "gpt2-350m": dict(n_layer=24, n_head=16, n_embd=1024),
     "gpt2-774m": dict(n_layer=36, n_head=20, n_embd=1280),
