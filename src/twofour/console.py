@@ -39,9 +39,9 @@ def format_row(row: dict[str, Any], total: int) -> str:
 
 
 class Progress:
-    """A progress bar when ``stream`` is a terminal and ``bar`` is on; otherwise (output to a file
-    or a pipe, or ``--no-progress``) one plain line per logged step on stdout. Silent unless
-    ``active`` (ranks other than 0)."""
+    """A progress bar (on ``stream``, stderr by default) when it and stdout are terminals and
+    ``bar`` is on; otherwise (output to a file or a pipe, or ``--no-progress``) one plain line per
+    logged step on stdout. Silent unless ``active`` (ranks other than 0)."""
 
     def __init__(self, active: bool, bar: bool, desc: str, start: int, total: int, stream: TextIO | None = None):
         stream = stream or sys.stderr
