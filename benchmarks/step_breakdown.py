@@ -3,8 +3,8 @@
     PYTHONPATH=src python benchmarks/step_breakdown.py [--presets gpt2-124m:32,gpt2-774m:16]
         [--vocab-size 256] [--variants dense,s-ste,s-ste-gemm-dense]
 
-For each preset (micro-batch after the colon) and variant: the step's time (median of CUDA-event
-timings over 10 steps), the device time of its kernels (summed from torch.profiler over 2 steps;
+For each preset (micro-batch after the colon) and variant: the step's time (median of 10 steps,
+each timed on its own as the dispatch times its candidates, ``ops.median_ms``), the device time of its kernels (summed from torch.profiler over 2 steps;
 below the step time when the GPU waits for the host), and the host's time to issue a step. Then
 each kind of kernel's device time per step, against dense: where the 2:4 GEMMs save and what
 the pruning, compression, MVUE and mask refresh cost. ``s-ste-gemm-dense`` runs the fast path
@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import argparse
 import re
-import statistics
 
 import torch
 from layer_profile import host_ms  # benchmarks/ is the script's folder
@@ -25,6 +24,7 @@ from torch.profiler import ProfilerActivity, profile
 
 from twofour import make_recipe, settings
 from twofour.bench import gpt_train_step
+from twofour.kernels import ops
 
 #: (kind, pattern on the kernel's name), first match wins
 KINDS = [
@@ -42,18 +42,6 @@ def kind_of(name: str) -> str:
         if re.search(pat, name, re.I):
             return kind
     return "other elementwise and reductions"
-
-
-def step_ms(step, n: int = 10) -> float:
-    times = []
-    for _ in range(n):
-        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        a.record()
-        step()
-        b.record()
-        torch.cuda.synchronize()
-        times.append(a.elapsed_time(b))
-    return statistics.median(times)
 
 
 def kernel_ms(step, steps: int = 2) -> tuple[dict[str, float], dict[str, float]]:
@@ -91,7 +79,7 @@ def main() -> None:
                 model, step = gpt_train_step(preset, int(batch), recipe, vocab_size=args.vocab_size)
                 for _ in range(3):
                     step()
-                results[variant] = (step_ms(step), host_ms(step, 5), *kernel_ms(step))
+                results[variant] = (ops.median_ms(step, 10), host_ms(step, 5), *kernel_ms(step))
             del model, step
             torch.cuda.empty_cache()
         print(f"\n### {preset}, micro-batch {batch} x 1024, vocabulary {args.vocab_size}\n")

@@ -10,16 +10,7 @@ from . import pruners, pruning, settings
 from .layer import SparseLinear
 from .optim import STEPAdamW
 from .recipes import DEFAULT_RECIPE, RECIPES, Recipe, make_recipe
-from .sparsify import (
-    DEFAULT_EXCLUDE,
-    add_masked_decay,
-    advance,
-    attach,
-    flip_count,
-    flip_rate,
-    sparse_layers,
-    sparsify,
-)
+from .sparsify import DEFAULT_EXCLUDE, add_masked_decay, advance, attach, flip_rate, sparse_layers, sparsify
 
 __version__ = "0.1.0"
 
@@ -37,7 +28,6 @@ __all__ = [
     "attach",
     "advance",
     "add_masked_decay",
-    "flip_count",
     "flip_rate",
     "sparse_layers",
     "DEFAULT_EXCLUDE",

@@ -11,7 +11,6 @@ from __future__ import annotations
 import argparse
 import contextlib
 import gc
-import json
 import platform
 import re
 import shlex
@@ -29,7 +28,7 @@ from . import SparseLinear, __version__
 from .kernels import cusparselt, ops
 from .pruning import transposable_mask_24
 from .recipes import Recipe, make_recipe
-from .runs import CKPT
+from .runs import CKPT, read_summary
 
 __all__ = ["run_bench", "fwd_bwd_step", "gpt_train_step", "train_throughput", "throughput_table"]
 
@@ -229,10 +228,10 @@ def _train_once(cmd: list[str], out: Path) -> float:
     if res.returncode != 0:
         tail = "\n".join(res.stderr.rstrip().splitlines()[-20:])
         raise RuntimeError(f"twofour train failed (exit status {res.returncode}): {shlex.join(cmd)}\n{tail}")
-    summary = out / "summary.json"
-    if not summary.exists():
-        raise RuntimeError(f"twofour train wrote no {summary}: {shlex.join(cmd)}")
-    tok_s = json.loads(summary.read_text())["tokens_per_s"]
+    summary = read_summary(out)
+    if summary is None:
+        raise RuntimeError(f"twofour train wrote no summary in {out}: {shlex.join(cmd)}")
+    tok_s = summary["tokens_per_s"]
     (out / CKPT).unlink(missing_ok=True)  # a bench needs no checkpoint, and a 774M one is ~9 GB
     return float(tok_s)
 

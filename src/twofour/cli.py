@@ -113,10 +113,7 @@ def _cmd_train(a: argparse.Namespace) -> int:
 
     cfg = _config(a, a.recipe)
     if a.resume:  # the run's own settings, from its checkpoint; options given must agree with them
-        path = Path(a.out) / CKPT
-        if not path.exists():
-            raise ValueError(f"--resume: no checkpoint {path} to resume from")
-        cfg = resumed_config(read_checkpoint(path)["config"], cfg, _given(a))
+        cfg = resumed_config(read_checkpoint(Path(a.out) / CKPT)["config"], cfg, _given(a))
         if cfg.reschedule and "steps" in _given(a):
             print(f"--reschedule: the learning-rate schedule now spans {cfg.steps} steps", file=sys.stderr)
     s = train(cfg)
@@ -226,15 +223,15 @@ def _explicit(parser: argparse.ArgumentParser, argv: list[str]) -> list[str]:
 def _interrupted(args: argparse.Namespace, e: KeyboardInterrupt) -> str:
     """What an interrupt left behind, and how to go on."""
     from .console import Interrupted  # noqa: PLC0415
+    from .runs import CKPT  # noqa: PLC0415
 
     if args.command not in ("train", "compare"):
         return "interrupted"
-
     again = ("run the same command again to continue (finished runs are kept, this one resumes)"
              if args.command == "compare" else f"`twofour train --out {args.out} --resume` continues")
     if isinstance(e, Interrupted):
         return f"interrupted; step {e.step} is saved in {e.checkpoint}: {again}"
-    if args.command == "train" and (Path(args.out) / "ckpt.pt").exists():
+    if args.command == "train" and (Path(args.out) / CKPT).exists():
         return f"interrupted; the last checkpoint in {args.out} is intact: {again}"
     if args.command == "compare":
         return f"interrupted; {again}"

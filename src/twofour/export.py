@@ -4,7 +4,7 @@ replaced by its effective 2:4 weight, so the file loads into a plain dense model
 from __future__ import annotations
 
 import json
-import os
+import stat
 from pathlib import Path
 from typing import Any
 
@@ -13,7 +13,7 @@ import torch
 from . import sparse_layers
 from .config import TrainConfig, TrainError
 from .layer import RECIPE_BUFFERS
-from .runs import read_checkpoint
+from .runs import MODEL_CONFIG, WEIGHTS, read_checkpoint
 from .train import build_model
 
 __all__ = ["export"]
@@ -43,7 +43,7 @@ def export(run: str | Path, out: str | Path | None = None) -> dict[str, Any]:
     tensors = {k: v.contiguous() for k, v in model.state_dict().items()
                if k.rpartition(".")[2] not in RECIPE_BUFFERS and k not in tied}
     path = Path(run)
-    out = Path(out) if out else (path if path.is_dir() else path.parent) / "model.safetensors"
+    out = Path(out) if out else (path if path.is_dir() else path.parent) / WEIGHTS
     try:
         from safetensors.torch import save_file  # noqa: PLC0415
 
@@ -51,10 +51,9 @@ def export(run: str | Path, out: str | Path | None = None) -> dict[str, Any]:
     except ImportError:
         out = out.with_suffix(".pt")
         torch.save(tensors, out)
-    umask = os.umask(0)
-    os.umask(umask)
-    out.chmod(0o666 & ~umask)  # as any file the run writes (safetensors creates it private, 0600)
     meta = {"preset": cfg.model, "vocab_size": model.vocab_size, "block_size": cfg.seq_len, "recipe": cfg.recipe,
             "sparse_layers": sparse, "tied_lm_head": bool(tied), "tied_weights": tied, "step": ckpt["step"]}
-    out.with_name("model_config.json").write_text(json.dumps(meta, indent=2))
+    config = out.with_name(MODEL_CONFIG)
+    config.write_text(json.dumps(meta, indent=2))
+    out.chmod(stat.S_IMODE(config.stat().st_mode))  # safetensors creates its file private (0600)
     return {"weights": str(out), **meta}

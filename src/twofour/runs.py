@@ -27,16 +27,18 @@ import torch
 
 from .config import TrainConfig, TrainError, resumed_config
 
-__all__ = ["CKPT", "METRICS", "FIELDS", "prepare_run_dir", "save_checkpoint", "read_checkpoint",
-           "load_checkpoint", "rng_state", "set_rng_state", "full_state_dicts", "load_state_dicts", "MetricsLog",
-           "read_metrics", "read_config", "read_summary", "pyplot", "plot_run", "write_summary"]
+__all__ = ["CKPT", "METRICS", "FIELDS", "WEIGHTS", "MODEL_CONFIG", "prepare_run_dir", "save_checkpoint",
+           "read_checkpoint", "load_checkpoint", "rng_state", "set_rng_state", "full_state_dicts", "load_state_dicts",
+           "MetricsLog", "read_metrics", "read_config", "read_summary", "pyplot", "plot_run", "write_summary"]
 
 CKPT = "ckpt.pt"
 METRICS = "metrics.csv"
 FIELDS = ["step", "tokens", "lr", "train_loss", "val_loss", "flip_rate", "tokens_per_s", "elapsed_s"]
+#: ``twofour export``'s files: the weights (``.pt`` without safetensors) and the model's settings.
+WEIGHTS, MODEL_CONFIG = "model.safetensors", "model_config.json"
 #: What a run (and ``twofour export`` of it) leaves in its folder: removed by ``--overwrite``.
-_OUTPUTS = (CKPT, CKPT + ".tmp", METRICS, "curves.png", "summary.json", "config.json", "model.safetensors", "model.pt",
-            "model_config.json")
+_OUTPUTS = (CKPT, CKPT + ".tmp", METRICS, "curves.png", "summary.json", "config.json", WEIGHTS,
+            str(Path(WEIGHTS).with_suffix(".pt")), MODEL_CONFIG)
 
 
 def prepare_run_dir(cfg: TrainConfig) -> Path:

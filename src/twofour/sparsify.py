@@ -15,8 +15,7 @@ from .layer import SparseLinear
 from .optim import STEPAdamW
 from .recipes import DEFAULT_RECIPE, Recipe, make_recipe
 
-__all__ = ["sparsify", "attach", "advance", "add_masked_decay", "flip_count", "flip_rate", "sparse_layers",
-           "DEFAULT_EXCLUDE"]
+__all__ = ["sparsify", "attach", "advance", "add_masked_decay", "flip_rate", "sparse_layers", "DEFAULT_EXCLUDE"]
 
 log = logging.getLogger("twofour")
 
@@ -149,16 +148,6 @@ def attach(model: nn.Module, optimizer: torch.optim.Optimizer) -> _Attached:
         pre = optimizer.register_step_pre_hook(lambda opt, args, kwargs: add_masked_decay(model))
     post = optimizer.register_step_post_hook(lambda opt, args, kwargs: advance(model, opt))
     return _Attached(*(h for h in (pre, post) if h is not None))
-
-
-def flip_count(model: nn.Module) -> torch.Tensor:
-    """Mask positions that changed at the last optimizer step, summed over the sparse layers, as
-    a tensor on their device: no host sync, so a loop can add it up every step and read it
-    when it logs."""
-    flips = [m.flips for _, m in sparse_layers(model) if m.recipe.sparse]
-    if not flips:
-        return torch.zeros((), dtype=torch.long)
-    return torch.stack([f.to(flips[0].device) for f in flips]).sum()
 
 
 def flip_rate(model: nn.Module) -> dict[str, float]:

@@ -24,7 +24,7 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-from . import __version__, attach, flip_count, sparse_layers, sparsify
+from . import __version__, attach, sparse_layers, sparsify
 from .config import TrainConfig, TrainError, lr_at
 from .console import Interrupted, Progress, StopRequest
 from .data import TokenData, load_data
@@ -38,6 +38,7 @@ from .runs import (
     load_checkpoint,
     load_state_dicts,
     prepare_run_dir,
+    read_summary,
     rng_state,
     save_checkpoint,
     set_rng_state,
@@ -168,8 +169,10 @@ def train(cfg: TrainConfig, data: TokenData | None = None) -> dict[str, Any]:
     t_start = time.perf_counter() - (ckpt.get("elapsed_s", 0.0) if ckpt else 0.0)
     t_window, window_steps = time.perf_counter(), 0
     loss_acc = torch.zeros((), device=device)
+    # each sparse layer's flip counter (a buffer updated in place by advance()), gathered once
+    counters = [layer for _, layer in sparse_layers(raw) if layer.recipe.sparse]
     flips = torch.zeros((), device=device, dtype=torch.long)
-    mask_size = max(1, sum(layer.weight.numel() for _, layer in sparse_layers(raw) if layer.recipe.sparse))
+    mask_size = max(1, sum(layer.weight.numel() for layer in counters))
     stop_request = StopRequest(rank == 0)
 
     # ---- the loop: one optimizer step per iteration ----
@@ -196,7 +199,8 @@ def train(cfg: TrainConfig, data: TokenData | None = None) -> dict[str, Any]:
                 evaluating = done % cfg.eval_interval == 0 or done == stop
                 saving = done % cfg.ckpt_interval == 0 or done == stop
                 boundary = done % cfg.log_interval == 0 or evaluating or saving
-                flips += flip_count(raw)  # on the device: the window's mean flip rate, no host sync
+                if counters:  # summed on the device for the window's mean flip rate: no host sync
+                    flips += torch.stack([layer.flips for layer in counters]).sum()
                 stopping = stop_request.agreed(boundary, world, device) and done < stop  # the last step ends
                 if not (boundary or stopping):
                     continue  # no host sync between log lines: the GPU runs ahead of the Python loop
@@ -241,7 +245,7 @@ def _check_resumable(ckpt: dict[str, Any], cfg: TrainConfig, world: int, out: Pa
                          f"with as many (this is {world})")
     if cfg.stop_at is not None and step >= cfg.stop_at:
         raise TrainError(f"--stop-at {cfg.stop_at} is not after the checkpoint's step {step}")
-    if step > cfg.steps or (step == cfg.steps and (out / "summary.json").exists()):
+    if step > cfg.steps or (step == cfg.steps and read_summary(out) is not None):
         raise TrainError(f"the run in {out} has done {step} of {cfg.steps} steps; to train it further, "
                          f"resume with --steps larger than {step} and --reschedule")
 
