@@ -4,8 +4,9 @@
         [--vocab-size 256] [--variants dense,s-ste,s-ste-gemm-dense]
 
 For each preset (micro-batch after the colon) and variant: the step's time (median of 10 steps,
-each timed on its own as the dispatch times its candidates, ``ops.median_ms``), the device time of its kernels (summed from torch.profiler over 2 steps;
-below the step time when the GPU waits for the host), and the host's time to issue a step. Then
+each timed on its own as the dispatch times its candidates, ``ops.median_ms``), the device time
+of its kernels (summed from torch.profiler over 2 steps; below the step time when the GPU waits
+for the host), and the host's time to issue a step. Then
 each kind of kernel's device time per step, against dense: where the 2:4 GEMMs save and what
 the pruning, compression, MVUE and mask refresh cost. ``s-ste-gemm-dense`` runs the fast path
 with every GEMM dense (``settings.override(gemm="dense")``): the sparse step's overhead alone.

@@ -86,6 +86,37 @@ def test_compare_table_and_plot(tmp_path, corpus, capsys):
     assert (out / "dense-s1" / "ckpt.pt").stat().st_mtime == mtime
 
 
+def test_compare_reports_finished_runs_without_their_data_or_checkpoints(tmp_path, corpus):
+    """The table of finished runs needs only their folders' summaries and metrics (runs trained
+    elsewhere and copied without checkpoints), not the corpus."""
+    data, out = tmp_path / "corpus.txt", tmp_path / "cmp"
+    data.write_bytes(Path(corpus).read_bytes())
+    args = ["compare", *SMALL, "--data", str(data), "--out", str(out), "--recipes", "dense,ste", "--seeds", "1"]
+    assert main(args) == 0
+    data.unlink()
+    for name in ("dense-s1/ckpt.pt", "ste-s1/ckpt.pt", "compare.md"):
+        (out / name).unlink()
+    assert main(args) == 0
+    table = (out / "compare.md").read_text()
+    assert "| dense | 1 |" in table and "| ste | 1 |" in table
+
+
+def test_compare_keeps_a_recipe_variant_apart(tmp_path, corpus):
+    """A recipe run with other options (``--opt mvue=false``) gets its own folder, rows and paired gap."""
+    out = tmp_path / "cmp"
+    base = ["compare", *SMALL, "--data", corpus, "--out", str(out), "--seeds", "1"]
+    assert main([*base, "--recipes", "dense,s-ste"]) == 0
+    assert main([*base, "--recipes", "s-ste", "--opt", "mvue=false"]) == 0
+    assert {p.name for p in out.iterdir() if p.is_dir()} == {"dense-s1", "s-ste-s1", "s-ste-mvue=false-s1"}
+    rows = {ln.split("|")[1].strip() for ln in (out / "compare.md").read_text().splitlines()
+            if ln.startswith("| ") and "| 1 |" in ln}
+    assert rows == {"dense", "s-ste", "s-ste mvue=false"}
+    val = {p.name: json.loads((p / "summary.json").read_text())["final_val_loss"] for p in out.iterdir() if p.is_dir()}
+    table = (out / "compare.md").read_text()
+    assert f"| s-ste mvue=false | 1 | {val['s-ste-mvue=false-s1']:.4f} | " \
+           f"{val['s-ste-mvue=false-s1'] - val['dense-s1']:+.4f} |" in table
+
+
 def test_authors_regime_by_name(tmp_path, corpus, capsys):
     """--regime authors: peak lr 1.5e-4, floor 1e-5, warmup 10% of a short run, SR-STE decay 6e-5."""
     out = tmp_path / "authors"

@@ -17,28 +17,41 @@ from .recipes import RECIPES, recipe_options
 from .runs import CKPT, METRICS, pyplot, read_config, read_metrics, read_summary
 from .train import train
 
-__all__ = ["compare", "results_table", "recipe_stats", "plot_compare"]
+__all__ = ["compare", "results_table", "recipe_stats", "plot_compare", "run_label"]
+
+
+def run_label(recipe: str, options: dict[str, Any] | None = None) -> str:
+    """How a run's recipe is named in tables, plots and folder names: the recipe, then the
+    options it was given (``s-ste mvue=false``), so variants of one recipe stay apart."""
+    return " ".join([recipe, *(f"{k}={json.dumps(v)}" for k, v in sorted((options or {}).items()))])
+
+
+def _label(summary: dict[str, Any]) -> str:
+    return run_label(summary["recipe"], summary.get("recipe_options"))
 
 
 def compare(recipes: list[str], base: TrainConfig, seeds: list[int] | None = None) -> list[dict[str, Any]]:
-    """Train ``base`` once per (recipe, seed) under ``base.out_dir``/RECIPE-sSEED; runs already
+    """Train ``base`` once per (recipe, seed) under ``base.out_dir``/RECIPE-sSEED (the recipe's
+    options in the name when it is given any: ``s-ste-mvue=false-s1``); runs already
     finished there (a ``summary.json`` with the same config) are reused, not retrained, and an
     interrupted one (a checkpoint, no summary) is resumed, unless ``base.overwrite``. The table
     and plot cover every finished run in the folder with the same model and token budget."""
     seeds = seeds or [base.seed]
     root = Path(base.out_dir)
-    data = load_data(base.data, base.vocab_size)  # read once, shared by every run
+    data = None  # read once, when the first run needs training, and shared by every run
     summaries = []
     for recipe in recipes:
         for seed in seeds:
             # a recipe that takes no options (dense) runs without the others' --opt
             options = base.recipe_options if recipe_options(recipe) else {}
-            cfg = dataclasses.replace(base, recipe=recipe, seed=seed, out_dir=str(root / f"{recipe}-s{seed}"),
+            folder = run_label(recipe, options).replace(" ", "-") + f"-s{seed}"  # s-ste-mvue=false-s1
+            cfg = dataclasses.replace(base, recipe=recipe, seed=seed, out_dir=str(root / folder),
                                       recipe_options=options)
             cfg.validate()
             if _finished(cfg, base.overwrite):
                 summaries.append(read_summary(cfg.out_dir))
             else:
+                data = data if data is not None else load_data(base.data, base.vocab_size)
                 summaries.append(train(_continue(cfg, base.overwrite), data))
     root.mkdir(parents=True, exist_ok=True)
     summaries = _all_runs(root, summaries[0])
@@ -89,7 +102,7 @@ def _all_runs(root: Path, like: dict[str, Any]) -> list[dict[str, Any]]:
     runs = [read_summary(p.parent) for p in root.glob("*/summary.json")]
     runs = [r for r in runs if key(r) == key(like)]
     order = {name: i for i, name in enumerate(RECIPES)}
-    return sorted(runs, key=lambda r: (order.get(r["recipe"], len(order)), r["seed"]))
+    return sorted(runs, key=lambda r: (order.get(r["recipe"], len(order)), _label(r), r["seed"]))
 
 
 def _mean_std(values: list[float]) -> tuple[float, float | None]:
@@ -98,14 +111,14 @@ def _mean_std(values: list[float]) -> tuple[float, float | None]:
 
 
 def recipe_stats(summaries: list[dict[str, Any]]) -> list[dict[str, Any]]:
-    """Per recipe, over its seeds: the final val loss (mean, std) and the paired gap to dense:
-    recipe - dense of the same seed for every seed both ran, then the gaps' mean and std
-    (absolute, and relative to that seed's dense loss)."""
+    """Per recipe (with its options, :func:`run_label`), over its seeds: the final val loss (mean,
+    std) and the paired gap to dense: recipe - dense of the same seed for every seed both ran,
+    then the gaps' mean and std (absolute, and relative to that seed's dense loss)."""
     by_recipe: dict[str, dict[int, float]] = {}
     for s in summaries:
         if s["final_val_loss"] is not None:
-            by_recipe.setdefault(s["recipe"], {})[s["seed"]] = s["final_val_loss"]
-    dense = by_recipe.get("dense", {})
+            by_recipe.setdefault(_label(s), {})[s["seed"]] = s["final_val_loss"]
+    dense = by_recipe.get(run_label("dense"), {})
     stats = []
     for recipe, losses in by_recipe.items():
         mean, std = _mean_std(list(losses.values()))
@@ -129,7 +142,7 @@ def _pm(mean: float | None, std: float | None, fmt: str) -> str:
 def results_table(summaries: list[dict[str, Any]]) -> str:
     """Markdown: one row per run (final val loss, gap to the same seed's dense, flip rates,
     tokens/s, wall time), then one row per recipe: mean ± std over seeds and the paired gap."""
-    dense = {s["seed"]: s["final_val_loss"] for s in summaries if s["recipe"] == "dense"}
+    dense = {s["seed"]: s["final_val_loss"] for s in summaries if _label(s) == run_label("dense")}
     s0 = summaries[0]
     lines = [f"model `{s0['model']}`, regime `{s0.get('regime', 'ours')}`, {s0['steps']} steps, "
              f"{s0['tokens']:,} tokens per run", "",
@@ -140,7 +153,7 @@ def results_table(summaries: list[dict[str, Any]]) -> str:
         ref = dense.get(s["seed"])
         gap = f"{s['final_val_loss'] - ref:+.4f}" if ref is not None and s["final_val_loss"] is not None else "n/a"
         val = f"{s['final_val_loss']:.4f}" if s["final_val_loss"] is not None else "n/a"
-        lines.append(f"| {s['recipe']} | {s['seed']} | {val} | {gap} | {s['mean_flip_rate']:.2e} "
+        lines.append(f"| {_label(s)} | {s['seed']} | {val} | {gap} | {s['mean_flip_rate']:.2e} "
                      f"| {s['final_flip_rate']:.2e} | {s['tokens_per_s']:,.0f} | {s['wall_s']:.0f} |")
     lines += ["", "Per recipe over seeds: mean ± sample standard deviation (n - 1). Paired gap: recipe - dense "
               "of the same seed, for each seed both ran, then mean ± std of those gaps; relative: the gaps "
@@ -176,7 +189,7 @@ def plot_compare(root: Path, summaries: list[dict[str, Any]]) -> Path | None:
         k = max(1, len(losses) // 50)  # smooth the noisy per-step loss for the eye
         smooth = np.convolve(losses, np.ones(k) / k, mode="valid")
         m["train_smooth"] = list(zip(steps[k - 1:], smooth))
-        runs.setdefault(s["recipe"], []).append(m)
+        runs.setdefault(_label(s), []).append(m)
     fig, axes = plt.subplots(1, 3, figsize=(16, 4.5))
     panels = (("val_loss", "validation loss", "o-"), ("train_smooth", "train loss (smoothed)", "-"),
               ("flip_rate", "mask flip rate", "-"))
