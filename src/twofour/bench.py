@@ -172,15 +172,15 @@ def _swiglu_kernels(t: int, h: int, bw: float, quick: bool) -> dict[str, tuple[f
     copy bandwidth, and the time of torch's unfused eager ops for the same work over the fused
     call's (both eager)."""
     res = {}
-    for order in ("row-major", "z^T (column-major)"):
-        if order == "row-major":
+    for order in ("z row-major", "z^T stored (z column-major)"):
+        if order == "z row-major":
             z = torch.randn(t, 2 * h, device="cuda", dtype=torch.bfloat16)
             dh = torch.randn(t, h, device="cuda", dtype=torch.bfloat16)
         else:
             z = torch.randn(2 * h, t, device="cuda", dtype=torch.bfloat16).t()
             dh = torch.randn(h, t, device="cuda", dtype=torch.bfloat16).t()
         for name, row in _swiglu_kernel_rows(z, dh, bw, quick).items():
-            res[f"{name}, z {order}"] = row
+            res[f"{name}, {order}"] = row
     return res
 
 
