@@ -43,7 +43,8 @@ DENSE, S_STE, T_SR_STE = make_recipe("dense"), make_recipe("s-ste"), make_recipe
 TRAIN_QUICK = ([("gpt2-124m", 32)], ("dense", "s-ste"))
 TRAIN_FULL = ([("gpt2-124m", 32), ("gpt2-774m", 16)], ("dense", "ste", "s-ste"))
 #: micro-batch per preset when train_throughput isn't given one (seq 1024 in bf16 on an 80 GB GPU)
-TRAIN_BATCH = {"tiny": 16, "gpt2-124m": 32, "gpt2-350m": 16, "gpt2-774m": 16, "gpt2-1.5b": 8}
+TRAIN_BATCH = {"tiny": 16, "gpt2-124m": 32, "gpt2-350m": 16, "gpt2-774m": 16, "gpt2-1.5b": 8, "llama-tiny": 16,
+               "llama-125m": 32, "llama-350m": 16, "llama-1b": 8}
 
 
 def _bench(fn, quick: bool) -> float:
