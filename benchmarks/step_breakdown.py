@@ -24,14 +24,14 @@ from torch.autograd import DeviceType
 from torch.profiler import ProfilerActivity, profile
 
 from twofour import make_recipe, settings
-from twofour.bench import gpt_train_step
+from twofour.bench import preset_train_step
 from twofour.kernels import ops
 
 #: (kind, pattern on the kernel's name), first match wins
 KINDS = [
     ("attention", r"flash|fmha|attention|sdpa|cudnn"),
     ("2:4 GEMM (cuSPARSELt)", r"sparse|_sp_|spmma|cusparselt"),
-    ("twofour Triton (prune/compress/MVUE/refresh)", r"_compress_kernel|_refresh_kernel"),
+    ("twofour Triton (prune/compress/MVUE/refresh, SwiGLU)", r"_compress_kernel|_refresh_kernel|_swiglu_"),
     ("dense GEMM", r"gemm|nvjet|cutlass|xmma|matmul"),
     ("optimizer", r"adam|multi_tensor"),
     ("copies and transposes", r"copy|transpose|cat_|contiguous"),
@@ -77,7 +77,7 @@ def main() -> None:
         for variant in args.variants.split(","):
             recipe = make_recipe(variant.removesuffix("-gemm-dense"))
             with settings.override(gemm="dense" if variant.endswith("gemm-dense") else "auto"):
-                model, step = gpt_train_step(preset, int(batch), recipe, vocab_size=args.vocab_size)
+                model, step = preset_train_step(preset, int(batch), recipe, vocab_size=args.vocab_size)
                 for _ in range(3):
                     step()
                 results[variant] = (ops.median_ms(step, 10), host_ms(step, 5), *kernel_ms(step))

@@ -18,7 +18,7 @@ from torch.profiler import ProfilerActivity, profile
 from triton.testing import do_bench
 
 from twofour import make_recipe, settings
-from twofour.bench import gpt_train_step
+from twofour.bench import preset_train_step
 from twofour.kernels import ops
 from twofour.sparsify import advance
 
@@ -38,7 +38,7 @@ def main() -> None:
     for variant in args.variants.split(","):
         recipe = make_recipe("dense" if variant == "dense" else "s-ste")  # s-ste's defaults (MVUE dW on)
         with settings.override(gemm="dense" if variant.endswith("gemm-dense") else "auto"):
-            model, step = gpt_train_step(args.preset, args.batch, recipe, advance=variant != "s-ste-no-advance",
+            model, step = preset_train_step(args.preset, args.batch, recipe, advance=variant != "s-ste-no-advance",
                                          transposed_output=variant != "s-ste-row-out")
             for _ in range(3):
                 step()

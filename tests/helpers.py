@@ -1,15 +1,21 @@
-"""Small shared pieces for the tests: a tiny GPT and a few optimizer steps on random tokens."""
+"""Small shared pieces for the tests: a tiny GPT or Llama and a few optimizer steps on random tokens."""
 
 import torch
 
 import twofour
-from twofour.model import GPT
+from twofour.model import GPT, Llama
 
 
 def tiny_gpt(seed=0, **overrides):
     torch.manual_seed(seed)
     cfg = dict(n_layer=2, n_head=2, n_embd=32, block_size=32, vocab_size=64)
     return GPT.from_preset("tiny", **{**cfg, **overrides})
+
+
+def tiny_llama(seed=0, **overrides):
+    torch.manual_seed(seed)
+    cfg = dict(n_layer=2, n_head=2, n_embd=32, block_size=32, vocab_size=64, ffn_multiple=32)  # FFN width 96
+    return Llama.from_preset("llama-tiny", **{**cfg, **overrides})
 
 
 def make_optimizer(model, recipe, total_steps, lr=3e-3):

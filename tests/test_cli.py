@@ -2,6 +2,7 @@
 
 import csv
 import json
+import math
 import os
 import socket
 import subprocess
@@ -11,11 +12,13 @@ from pathlib import Path
 import pytest
 import torch
 
+from twofour import RECIPES, sparse_layers
 from twofour.cli import build_parser, main
 from twofour.pruning import mask_24
 
 SMALL = ["--model", "tiny", "--steps", "8", "--batch-size", "4", "--seq-len", "32", "--eval-interval", "4",
          "--eval-iters", "2", "--log-interval", "1", "--no-progress"]
+LLAMA = ["--model", "llama-tiny", *SMALL[2:]]
 
 
 def losses(run):
@@ -57,6 +60,48 @@ def test_gradient_accumulation_and_recipe_options(tmp_path, corpus):
     ck = torch.load(out / "ckpt.pt", weights_only=True)
     assert ck["config"]["recipe_options"] == {"decay": 6e-5}
     assert int(ck["model"]["h.0.attn.qkv.step"]) == 8  # one advance per optimizer step, not per micro-batch
+
+
+@pytest.mark.parametrize("recipe", RECIPES)
+def test_train_llama_with_every_recipe(tmp_path, corpus, recipe):
+    """twofour train --model llama-tiny: finite losses; the checkpoint's FFN (fused gate|up and
+    down) and attention linears are 2:4 wherever the recipe is in its sparse phase."""
+    from twofour.config import TrainConfig
+    from twofour.train import build_model
+
+    out = tmp_path / recipe
+    opts = ["--opt", "dense_finetune=0"] if recipe == "t-sr-ste" else []  # 3 steps: else it ends dense
+    assert main(["train", *LLAMA, "--steps", "3", "--eval-interval", "3", "--data", corpus, "--out", str(out),
+                 "--recipe", recipe, "--sparse-attention", *opts]) == 0
+    s = json.loads((out / "summary.json").read_text())
+    assert s["model"] == "llama-tiny" and math.isfinite(s["final_train_loss"]) and math.isfinite(s["final_val_loss"])
+    ck = torch.load(out / "ckpt.pt", weights_only=True)
+    cfg = TrainConfig.from_dict(ck["config"])
+    model = build_model(cfg, cfg.recipe_object(), ck["vocab_size"])
+    model.load_state_dict(ck["model"])
+    layers = dict(sparse_layers(model))
+    assert set(layers) == {f"h.{i}.{m}" for i in range(4) for m in ("attn.qkv", "attn.proj", "mlp.gate_up",
+                                                                      "mlp.down")}
+    for layer in layers.values():
+        if layer.recipe.sparse and not layer.is_dense_phase:
+            assert ((layer.effective_weight().reshape(-1, 4) != 0).sum(1) <= 2).all()
+    assert all(layer.is_dense_phase == (recipe == "dense") for layer in layers.values())  # STEP switches by step 2
+    if recipe == "ste":  # the export holds the 2:4 weights and the untied head
+        assert main(["export", str(out)]) == 0
+        from safetensors.torch import load_file
+
+        w = load_file(str(out / "model.safetensors"))
+        assert ((w["h.0.mlp.gate_up.weight"].reshape(-1, 4) != 0).sum(1) <= 2).all() and "lm_head.weight" in w
+        assert json.loads((out / "model_config.json").read_text())["sparse_layers"] == 16
+
+
+def test_compare_llama(tmp_path, corpus):
+    out = tmp_path / "cmp"
+    assert main(["compare", *LLAMA, "--steps", "3", "--eval-interval", "3", "--data", corpus, "--out", str(out),
+                 "--recipes", "dense,s-ste"]) == 0
+    table = (out / "compare.md").read_text()
+    assert "| dense | 1337 |" in table and "| s-ste | 1337 |" in table
+    assert json.loads((out / "s-ste-s1337" / "config.json").read_text())["model"] == "llama-tiny"
 
 
 def test_compare_table_and_plot(tmp_path, corpus, capsys):
@@ -206,15 +251,17 @@ def test_checkpoints_load_safely(tmp_path, corpus, capsys):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("fsdp", [False, True], ids=["ddp", "fsdp2"])
-def test_torchrun_two_processes(tmp_path, corpus, fsdp):
+@pytest.mark.parametrize(("model", "fsdp"), [("tiny", False), ("tiny", True), ("llama-tiny", True)],
+                         ids=["ddp", "fsdp2", "llama-fsdp2"])
+def test_torchrun_two_processes(tmp_path, corpus, model, fsdp):
     """2 CPU processes over gloo: trains, only rank 0 writes, replicas stay identical (checked in-run)."""
     out = tmp_path / "ddp"
     with socket.socket() as sock:  # a free port for the rendezvous
         sock.bind(("127.0.0.1", 0))
         port = str(sock.getsockname()[1])
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-port", port,
-           "-m", "twofour", "train", *SMALL, "--data", corpus, "--out", str(out), "--ckpt-interval", "4",
+           "-m", "twofour", "train", *SMALL, "--model", model, "--data", corpus, "--out", str(out),
+           "--ckpt-interval", "4",
            "--recipe", "t-sr-ste", "--opt", "mask_interval=2"] + (["--fsdp"] if fsdp else [])
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     res = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=300)

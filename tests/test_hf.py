@@ -4,6 +4,7 @@ import pytest
 import torch
 
 import twofour
+from twofour.model import ATTN_PATTERNS, FFN_PATTERNS
 
 transformers = pytest.importorskip("transformers")
 
@@ -56,3 +57,44 @@ def test_llama():
     assert "lm_head" not in names and len(names) == 2 * 7  # q, k, v, o, gate, up, down per layer
     losses = _train_steps(model, 128)
     assert losses[-1] < losses[0]
+
+
+def _tiny_llama_config():
+    return transformers.LlamaConfig(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=2,
+                                    num_key_value_heads=2, vocab_size=128, max_position_embeddings=64)
+
+
+def test_llama_ffn_sparsified_trained_saved_and_loaded(tmp_path):
+    """gate/up/down (twofour's FFN patterns) become 2:4, train, and survive save_pretrained and
+    from_pretrained: with load_recipe_state the loaded model has the saved beta, masks and step
+    counters and computes the same function (recomputed ones would not)."""
+    from twofour.hf import load_recipe_state
+
+    cfg = _tiny_llama_config()
+    torch.manual_seed(0)
+    model = twofour.sparsify(transformers.LlamaForCausalLM(cfg), "s-ste", include=FFN_PATTERNS)
+    names = [n for n, _ in twofour.sparse_layers(model)]
+    assert set(names) == {f"model.layers.{i}.mlp.{m}" for i in range(2) for m in ("gate_proj", "up_proj", "down_proj")}
+    losses = _train_steps(model, 128)
+    assert losses[-1] < losses[0]
+    model.save_pretrained(tmp_path)
+    loaded = twofour.sparsify(transformers.LlamaForCausalLM.from_pretrained(tmp_path), "s-ste", include=FFN_PATTERNS)
+    ids = torch.randint(0, 128, (2, 16))
+    with torch.no_grad():
+        want = model(input_ids=ids).logits
+        assert not torch.allclose(loaded(input_ids=ids).logits, want, atol=1e-5)  # fresh beta and masks
+        assert load_recipe_state(loaded, tmp_path) == names
+        torch.testing.assert_close(loaded(input_ids=ids).logits, want)
+    for (_, a), (_, b) in zip(twofour.sparse_layers(model), twofour.sparse_layers(loaded)):
+        assert torch.equal(a.mask, b.mask) and torch.equal(a.beta, b.beta) and int(a.step) == int(b.step) == 5
+    assert _train_steps(loaded, 128, steps=2)  # and it trains on
+    # the folder and the model must agree on which layers are sparse
+    both = twofour.sparsify(transformers.LlamaForCausalLM.from_pretrained(tmp_path), "s-ste",
+                            include=FFN_PATTERNS + ATTN_PATTERNS)
+    assert len(list(twofour.sparse_layers(both))) == 2 * 7  # q, k, v, o too, on request
+    with pytest.raises(ValueError, match="no twofour state for model.layers.0.self_attn.q_proj"):
+        load_recipe_state(both, tmp_path)
+    ffn_only = twofour.sparsify(transformers.LlamaForCausalLM.from_pretrained(tmp_path), "s-ste",
+                                include=["*.gate_proj", "*.up_proj"])
+    with pytest.raises(ValueError, match="not sparse in this model: model.layers.0.mlp.down_proj"):
+        load_recipe_state(ffn_only, tmp_path)

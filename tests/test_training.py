@@ -8,13 +8,13 @@ import torch
 import twofour
 from twofour import flip_rate, sparsify
 
-from .helpers import batches, make_optimizer, tiny_gpt
+from .helpers import batches, make_optimizer, tiny_gpt, tiny_llama
 
 STEPS = 60
 
 
-def train(recipe, steps=STEPS, accum=1, device="cpu", **opts):
-    model = tiny_gpt().to(device)
+def train(recipe, steps=STEPS, accum=1, device="cpu", make=tiny_gpt, **opts):
+    model = make().to(device)
     if recipe == "t-sr-ste":
         opts.setdefault("total_steps", steps)
     sparsify(model, recipe, **opts)
@@ -47,6 +47,27 @@ def test_recipe_lowers_the_loss(recipe, device):
     if recipe != "dense":
         for _, layer in twofour.sparse_layers(model):
             assert layer._step == STEPS
+
+
+@pytest.mark.parametrize("recipe", twofour.RECIPES)
+def test_llama_trains_with_every_recipe(recipe):
+    """The Llama-style model (RMSNorm, rotary positions, SwiGLU FFN with one fused gate|up
+    linear) learns with every recipe on its FFN and attention linears, which end up 2:4."""
+    from twofour.model import ATTN_PATTERNS, FFN_IN_PATTERNS, FFN_PATTERNS
+
+    opts = {"dense_finetune": 0.0} if recipe == "t-sr-ste" else {}  # end in the sparse phase
+    model, _, losses, _ = train(recipe, steps=40, make=tiny_llama, include=FFN_PATTERNS + ATTN_PATTERNS,
+                                transposed_output=FFN_IN_PATTERNS, **opts)
+    first, last = sum(losses[:5]) / 5, sum(losses[-5:]) / 5
+    assert last < 0.6 * first, (recipe, first, last)
+    layers = dict(twofour.sparse_layers(model))
+    assert set(layers) == {f"h.{i}.{m}" for i in range(2) for m in ("attn.qkv", "attn.proj", "mlp.gate_up",
+                                                                      "mlp.down")}
+    assert layers["h.0.mlp.gate_up"].transposed_output and not layers["h.0.mlp.down"].transposed_output
+    for layer in layers.values():
+        assert layer.is_dense_phase == (recipe == "dense")
+        if recipe != "dense":
+            assert ((layer.effective_weight().reshape(-1, 4) != 0).sum(1) <= 2).all()
 
 
 def test_step_counters_advance_once_per_optimizer_step_under_accumulation():

@@ -30,18 +30,21 @@ from .pruning import transposable_mask_24
 from .recipes import Recipe, make_recipe
 from .runs import CKPT, read_summary
 
-__all__ = ["run_bench", "fwd_bwd_step", "gpt_train_step", "train_throughput", "throughput_table"]
+__all__ = ["run_bench", "fwd_bwd_step", "preset_train_step", "train_throughput", "throughput_table"]
 
 # (name, d_model, d_ffn, tokens) of a transformer's FFN pair; tokens = seq 1024 x micro-batch
 SHAPES = [("gpt2-124m", 768, 3072, 32768), ("gpt2-350m", 1024, 4096, 32768), ("gpt2-774m", 1280, 5120, 32768),
           ("gpt2-1.5b", 1600, 6400, 32768), ("llama-7b-ffn", 4096, 11008, 16384)]
+#: (name, preset) of the SwiGLU FFN blocks benched at 16384 tokens (seq 1024 x 16): d -> 2 x H -> d
+SWIGLU_SHAPES = [("llama-1b", "llama-1b", 16384), ("llama-7b-ffn", "llama-7b", 16384)]
 LAYER_RECIPES = [make_recipe(name) for name in ("ste", "sr-ste", "s-ste", "t-sr-ste")]
 DENSE, S_STE, T_SR_STE = make_recipe("dense"), make_recipe("s-ste"), make_recipe("t-sr-ste")
 # twofour train section: (model, micro-batch) at seq 1024 and the recipes, quick and full
 TRAIN_QUICK = ([("gpt2-124m", 32)], ("dense", "s-ste"))
 TRAIN_FULL = ([("gpt2-124m", 32), ("gpt2-774m", 16)], ("dense", "ste", "s-ste"))
 #: micro-batch per preset when train_throughput isn't given one (seq 1024 in bf16 on an 80 GB GPU)
-TRAIN_BATCH = {"tiny": 16, "gpt2-124m": 32, "gpt2-350m": 16, "gpt2-774m": 16, "gpt2-1.5b": 8}
+TRAIN_BATCH = {"tiny": 16, "gpt2-124m": 32, "gpt2-350m": 16, "gpt2-774m": 16, "gpt2-1.5b": 8, "llama-tiny": 16,
+               "llama-125m": 32, "llama-350m": 16, "llama-1b": 8}
 
 
 def _bench(fn, quick: bool) -> float:
@@ -148,16 +151,72 @@ def _ffn(t: int, d: int, h: int, quick: bool, recipe: Recipe) -> float:
     return _fwd_bwd(dense, x, g, quick) / _fwd_bwd(sparse, x, g, quick)
 
 
-def gpt_train_step(preset: str, batch: int, recipe: Recipe, *, transposed_output: bool = True,
-                   advance: bool = True, vocab_size: int = 50304) -> tuple[nn.Module, Callable[[], None]]:
-    """A GPT ``preset`` (vocabulary ``vocab_size``, sequence 1024) on the GPU with ``recipe`` on its FFN
-    linears (fc1 with ``transposed_output``), fused AdamW and, with ``advance``, ``attach()``;
-    returns the model and a function that runs one training step on a fixed random batch."""
-    from .model import FFN_IN_PATTERNS, FFN_PATTERNS, GPT  # noqa: PLC0415
+def _swiglu_ffn(t: int, d: int, h: int, quick: bool, recipe: Recipe) -> tuple[float, float]:
+    """Llama's FFN block (:class:`twofour.model.GatedMLP`: gate|up -> fused SwiGLU -> down),
+    dense and with ``recipe`` on both linears in the layout plan (gate|up may leave z^T, which
+    the activation and down read in place): (dense ms, dense time / sparse time)."""
+    from .model import GatedMLP  # noqa: PLC0415
+    from .sparsify import sparsify  # noqa: PLC0415
+
+    x = torch.randn(t, d, device="cuda", requires_grad=True)
+    g = torch.randn(t, d, device="cuda", dtype=torch.bfloat16)
+    dense = GatedMLP(d, h).cuda()
+    sparse = sparsify(GatedMLP(d, h).cuda(), recipe, include=("gate_up", "down"), transposed_output=("gate_up",))
+    _fwd_bwd(sparse, x, g, True)  # measure the dispatch choices first
+    td = _fwd_bwd(dense, x, g, quick)
+    return td, td / _fwd_bwd(sparse, x, g, quick)
+
+
+def _swiglu_kernels(t: int, h: int, bw: float, quick: bool) -> dict[str, tuple[float, float, float]]:
+    """The fused SwiGLU kernels on a (t, 2h) bf16 gate|up output stored row-major and as z^T:
+    GB/s (the bytes each must read and write once; kernel time by CUDA graph replay), fraction of
+    copy bandwidth, and the time of torch's unfused eager ops for the same work over the fused
+    call's (both eager)."""
+    res = {}
+    for order in ("z row-major", "z^T stored (z column-major)"):
+        if order == "z row-major":
+            z = torch.randn(t, 2 * h, device="cuda", dtype=torch.bfloat16)
+            dh = torch.randn(t, h, device="cuda", dtype=torch.bfloat16)
+        else:
+            z = torch.randn(2 * h, t, device="cuda", dtype=torch.bfloat16).t()
+            dh = torch.randn(h, t, device="cuda", dtype=torch.bfloat16).t()
+        for name, row in _swiglu_kernel_rows(z, dh, bw, quick).items():
+            res[f"{name}, {order}"] = row
+    return res
+
+
+def _swiglu_kernel_rows(z: torch.Tensor, dh: torch.Tensor, bw: float, quick: bool) -> dict[str, tuple]:
+    from triton.testing import do_bench_cudagraph  # noqa: PLC0415
+
+    from .kernels.swiglu import swiglu_backward, swiglu_forward  # noqa: PLC0415
+
+    silu = torch.nn.functional.silu
+    t, h = dh.shape
+    zr = z.detach().requires_grad_()
+    yr = silu(zr[:, 0::2]) * zr[:, 1::2]
+    cases = {"forward": (lambda: swiglu_forward(z), 6 * t * h, lambda: silu(z[:, 0::2]) * z[:, 1::2]),
+             "backward": (lambda: swiglu_backward(z, dh), 10 * t * h,
+                          lambda: torch.autograd.grad(yr, zr, dh, retain_graph=True))}
+    res = {}
+    for name, (fn, nbytes, unfused) in cases.items():
+        fn()  # autotune outside the graph
+        gbs = nbytes / do_bench_cudagraph(fn, rep=50 if quick else 200) / 1e6
+        res[name] = (gbs, gbs / bw, _bench(unfused, quick) / _bench(fn, quick))
+    return res
+
+
+def preset_train_step(preset: str, batch: int, recipe: Recipe, *, transposed_output: bool = True,
+                      advance: bool = True, vocab_size: int = 50304) -> tuple[nn.Module, Callable[[], None]]:
+    """A model ``preset`` (GPT or Llama; vocabulary ``vocab_size``, sequence 1024) on the GPU with
+    ``recipe`` on its FFN linears (the first, fc or gate|up, with ``transposed_output``), fused
+    AdamW and, with ``advance``, ``attach()``; returns the model and a function that runs one
+    training step on a fixed random batch."""
+    from .model import FFN_IN_PATTERNS, FFN_PATTERNS, PRESETS  # noqa: PLC0415
     from .sparsify import attach, sparsify  # noqa: PLC0415
 
     torch.manual_seed(0)
-    model = GPT.from_preset(preset, block_size=1024, vocab_size=vocab_size).cuda()
+    with torch.device("cuda"):  # initialized on the GPU: a 1B model's init on the CPU takes a while
+        model = PRESETS[preset].build(block_size=1024, vocab_size=vocab_size)
     if recipe.sparse:
         sparsify(model, recipe, include=FFN_PATTERNS, transposed_output=FFN_IN_PATTERNS if transposed_output else ())
     opt = torch.optim.AdamW(model.parameters(), lr=1e-4, fused=True)
@@ -175,8 +234,8 @@ def gpt_train_step(preset: str, batch: int, recipe: Recipe, *, transposed_output
     return model, step
 
 
-def _step_time(preset: str, batch: int, recipe: Recipe) -> float:
-    step = gpt_train_step(preset, batch, recipe)[1]
+def _step_time(preset: str, batch: int, recipe: Recipe, vocab_size: int) -> float:
+    step = preset_train_step(preset, batch, recipe, vocab_size=vocab_size)[1]
     for _ in range(3):
         step()
     return _median_ms(step, 12)
@@ -194,19 +253,19 @@ def _median_ms(fn, n: int) -> float:
     return statistics.median(start.elapsed_time(end) for start, end in events)
 
 
-def _train_step(preset: str, batches: tuple[int, ...]) -> tuple[float, float, int]:
-    """A whole GPT training step (forward, backward, AdamW): dense vs s-ste on the FFN linears, at
+def _train_step(preset: str, batches: tuple[int, ...], vocab_size: int) -> tuple[float, float, int]:
+    """A whole training step (forward, backward, AdamW): dense vs s-ste on the FFN linears, at
     the largest of ``batches`` whose dense step fits in the GPU's memory: (ratio, dense ms, batch)."""
     for batch in batches:
         try:
-            dense = _step_time(preset, batch, DENSE)
+            dense = _step_time(preset, batch, DENSE, vocab_size)
         except torch.OutOfMemoryError:
             dense = None
         gc.collect()  # the failed attempt's model, once its traceback is gone
         torch.cuda.empty_cache()
         if dense is None:
             continue
-        sparse = _step_time(preset, batch, S_STE)
+        sparse = _step_time(preset, batch, S_STE, vocab_size)
         torch.cuda.empty_cache()
         return dense / sparse, dense, batch
     raise RuntimeError(f"twofour bench: no micro-batch of {batches} fits {preset} on this GPU")
@@ -357,13 +416,36 @@ def run_bench(args: argparse.Namespace) -> str:
         s_ste, t_sr = _ffn(t, d, h, quick, S_STE), _ffn(t, d, h, quick, T_SR_STE)
         lines.append(f"| {name} | {t} | {s_ste:.2f}x | {t_sr:.2f}x |")
         print(lines[-1], flush=True)
-    lines += ["", "### Full GPT training step (bf16 autocast, fused AdamW; s-ste on the FFN linears)", "",
-              "fc1 with `transposed_output`, `attach()`'s mask refresh included; the largest micro-batch of "
-              "64/32/16 (124M) or 32/16/8 (774M) whose dense step fits in the GPU's memory; median of 12 steps.", "",
+    from .model import PRESETS  # noqa: PLC0415
+
+    lines += ["", "### SwiGLU FFN block (gate|up -> fused SwiGLU -> down, no biases), forward + backward", "",
+              "Llama's FFN: gate and up as one linear with interleaved rows (its output may stay z^T), the fused "
+              "activation reading it in place, down reading h in that order; dense: nn.Linear with the same fused "
+              "activation.", "", "| shape | tokens x d -> 2 x H -> d | dense ms | s-ste | t-sr-ste |",
+              "|---|---|---|---|---|"]
+    for name, preset, t in SWIGLU_SHAPES[-1:] if quick else SWIGLU_SHAPES:
+        d, h = PRESETS[preset].config.n_embd, PRESETS[preset].config.hidden
+        td, s_ste = _swiglu_ffn(t, d, h, quick, S_STE)
+        t_sr = _swiglu_ffn(t, d, h, quick, T_SR_STE)[1]
+        lines.append(f"| {name} | {t} x {d} -> 2 x {h} -> {d} | {td:.2f} | {s_ste:.2f}x | {t_sr:.2f}x |")
+        print(lines[-1], flush=True)
+    lines += ["", "### Fused SwiGLU activation (kernel time by CUDA graph replay)", "",
+              "| kernel | shape | GB/s | of copy bandwidth | torch's unfused eager ops / fused (time) |",
+              "|---|---|---|---|---|"]
+    name, preset, t = SWIGLU_SHAPES[-1]
+    h = PRESETS[preset].config.hidden
+    for kname, (gbs, frac, vs_torch) in _swiglu_kernels(t, h, bw, quick).items():
+        lines.append(f"| {kname} | {name} ({t} tokens, 2 x {h}) | {gbs:.0f} | {frac:.0%} | {vs_torch:.2f}x |")
+        print(lines[-1], flush=True)
+    lines += ["", "### Full training step (bf16 autocast, fused AdamW; s-ste on the FFN linears)", "",
+              "fc1 or gate|up with `transposed_output`, `attach()`'s mask refresh included; the largest "
+              "micro-batch of 64/32/16 (gpt2-124m), 32/16/8 (gpt2-774m) or 16/8/4 (llama-1b) whose dense step "
+              "fits in the GPU's memory; vocabulary 50304 (GPT-2) or 32000 (Llama); median of 12 steps.", "",
               "| model | micro-batch x seq | dense step ms | s-ste ratio |", "|---|---|---|---|"]
-    steps = [("gpt2-774m", (32, 16, 8))] if quick else [("gpt2-124m", (64, 32, 16)), ("gpt2-774m", (32, 16, 8))]
-    for preset, batches in steps:
-        ratio, td, batch = _train_step(preset, batches)
+    steps = [("gpt2-124m", (64, 32, 16), 50304), ("gpt2-774m", (32, 16, 8), 50304),
+             ("llama-1b", (16, 8, 4), 32000)]
+    for preset, batches, vocab in steps[1:] if quick else steps:
+        ratio, td, batch = _train_step(preset, batches, vocab)
         lines.append(f"| {preset} | {batch} x 1024 | {td:.1f} | {ratio:.2f}x |")
         print(lines[-1], flush=True)
     lines += ["", "Dispatch choices measured in this run (`twofour.kernels.ops.choices()`):", "", "```"]

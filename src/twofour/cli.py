@@ -164,7 +164,9 @@ regimes (--regime) give the defaults of the options marked 'regime'; an option g
                    ours (default)                    authors (S-STE paper's GPT-2 124M settings)
   peak lr          the preset's (tiny, gpt-10m 1e-3, 1.5e-4
                    gpt2-124m 6e-4, -350m 3e-4,
-                   -774m 2.5e-4, -1.5b 2e-4)
+                   -774m 2.5e-4, -1.5b 2e-4;
+                   llama-tiny 1e-3, -125m 6e-4,
+                   -350m, -1b, -7b 3e-4)
   cosine floor     0.1 x peak                        1e-5, i.e. peak / 15
   warmup           5% of --steps, at most 2000       10% of --steps, at most 3000 (the authors warm
                                                      up 3000 of 300k steps; shorter runs warm up
@@ -181,7 +183,8 @@ def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="twofour", description="Pre-train transformers with 2:4 sparse weights.",
                                 allow_abbrev=False)
     sub = p.add_subparsers(dest="command", required=True)
-    t = sub.add_parser("train", help="train a GPT with a recipe (default: tiny, s-ste, Python stdlib corpus)",
+    t = sub.add_parser("train", help="train a GPT or Llama-style model with a recipe (default: tiny, s-ste, "
+                       "Python stdlib corpus)",
                        epilog=REGIME_HELP, formatter_class=argparse.RawDescriptionHelpFormatter, allow_abbrev=False)
     t.add_argument("--recipe", default=DEFAULT_RECIPE, help=f"{', '.join(RECIPES)} (default %(default)s)")
     _run_args(t, "runs/train")

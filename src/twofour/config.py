@@ -20,10 +20,9 @@ from .recipes import DEFAULT_RECIPE, Recipe, make_recipe, recipe_options
 __all__ = ["TrainConfig", "TrainError", "DEFAULT_LR", "Regime", "REGIMES", "lr_at", "resumed_config", "option_name",
            "LAUNCH_OPTIONS", "ADJUSTABLE_OPTIONS"]
 
-#: Peak learning rate per preset (GPT-3 paper's table for the GPT-2 sizes; higher for the small ones,
-#: as nanoGPT's 10M-parameter example).
-DEFAULT_LR = {"tiny": 1e-3, "gpt-10m": 1e-3, "gpt2-124m": 6e-4, "gpt2-350m": 3e-4, "gpt2-774m": 2.5e-4,
-              "gpt2-1.5b": 2e-4}
+#: Peak learning rate per preset (each :class:`~twofour.model.Preset`'s ``lr``: GPT-3 paper's table
+#: for the GPT-2 sizes, higher for the small ones, as nanoGPT's 10M-parameter example).
+DEFAULT_LR = {name: preset.lr for name, preset in PRESETS.items()}
 
 
 @dataclass(frozen=True)

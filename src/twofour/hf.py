@@ -5,11 +5,14 @@ Needs ``transformers`` (``pip install 'twofour[hf]'``); importing ``twofour`` al
 
 from __future__ import annotations
 
+import json
 import warnings
+from pathlib import Path
 from typing import Any
 
 import torch
 
+from .layer import RECIPE_BUFFERS
 from .optim import STEPAdamW
 from .sparsify import add_masked_decay, advance, flip_rate, sparse_layers
 
@@ -18,7 +21,7 @@ try:
 except ImportError as e:  # pragma: no cover - exercised only without transformers
     raise ImportError("twofour.hf needs Hugging Face transformers: pip install 'twofour[hf]'") from e
 
-__all__ = ["TwoFourCallback"]
+__all__ = ["TwoFourCallback", "load_recipe_state"]
 
 
 def _unwrap(optimizer: Any) -> Any:
@@ -99,3 +102,57 @@ class TwoFourCallback(TrainerCallback):
         last = state.log_history[-1] if state.log_history else None
         if last is not None and last.get("step") == state.global_step and "loss" in last:
             last["flip_rate"] = fr
+
+
+def load_recipe_state(model: torch.nn.Module, folder: str | Path) -> list[str]:
+    """Restore the recipe state (S-STE's ``beta``, masks, step counters, phases) that
+    ``save_pretrained`` wrote beside the weights, into a model loaded with ``from_pretrained``
+    and sparsified again with the same recipe and patterns::
+
+        model.save_pretrained(folder)                            # weights and recipe buffers
+        model = AutoModelForCausalLM.from_pretrained(folder)     # dense masters; buffers reported unexpected
+        twofour.sparsify(model, "s-ste", include=FFN_PATTERNS)   # same recipe and patterns as saved
+        twofour.hf.load_recipe_state(model, folder)              # the saved beta and masks, not fresh ones
+
+    Without it the sparsified model would compute a new ``beta`` and masks from the loaded
+    weights (another function for S-STE). Reads ``model.safetensors`` or the shards its index
+    names; returns the names of the layers restored. Raises ValueError where the folder and the
+    model's sparse layers don't match (a layer without saved state, saved state for a layer
+    that is not sparse here)."""
+    folder = Path(folder)
+    index = folder / "model.safetensors.index.json"
+    if index.exists():
+        files = sorted(set(json.loads(index.read_text())["weight_map"].values()))
+    elif (folder / "model.safetensors").exists():
+        files = ["model.safetensors"]
+    else:
+        raise ValueError(f"{folder}: no model.safetensors (or model.safetensors.index.json) to read the recipe "
+                         "state from")
+    from safetensors import safe_open  # noqa: PLC0415  (a dependency of transformers)
+
+    saved: dict[str, torch.Tensor] = {}
+    for name in files:
+        with safe_open(str(folder / name), framework="pt") as fh:
+            for key in fh.keys():
+                if key.rpartition(".")[2] in RECIPE_BUFFERS:
+                    saved[key] = fh.get_tensor(key)
+    restored, used = [], set()
+    for name, layer in sparse_layers(model):
+        wanted = [b for b in RECIPE_BUFFERS if getattr(layer, b) is not None]
+        if not wanted:
+            continue  # a dense-recipe layer keeps no state
+        keys = {b: f"{name}.{b}" for b in wanted}
+        missing = [k for k in keys.values() if k not in saved]
+        if missing:
+            raise ValueError(f"{folder} holds no twofour state for {name} (no {', '.join(missing)}): it was saved "
+                             f"from a model without this sparse layer or with another recipe than "
+                             f"{layer.recipe.name!r}")
+        layer.load_state_dict({b: saved[k] for b, k in keys.items()}, strict=False)
+        layer.compressed.clear()  # beta or the mask changed under an unchanged weight
+        used.update(keys.values())
+        restored.append(name)
+    extra = sorted({k.rpartition(".")[0] for k in saved if k not in used})
+    if extra:
+        raise ValueError(f"{folder} holds twofour state for layers that are not sparse in this model: "
+                         f"{', '.join(extra)}; sparsify it with the recipe and patterns it was saved with")
+    return restored

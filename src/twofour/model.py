@@ -1,11 +1,18 @@
-"""A small, readable GPT (after nanoGPT) with the presets twofour trains.
+"""Two small, readable decoder-only models (after nanoGPT) and the presets twofour trains.
 
-Its FFN linears are ``mlp.fc`` and ``mlp.proj``; attention uses ``attn.qkv`` and
-``attn.proj``; the output head ``lm_head`` is tied to the token embedding.
+:class:`GPT` (GPT-2): LayerNorm, learned positions, a GELU FFN. Its FFN linears are ``mlp.fc``
+and ``mlp.proj``; attention uses ``attn.qkv`` and ``attn.proj``; the output head ``lm_head`` is
+tied to the token embedding.
+
+:class:`Llama` (Llama-style): RMSNorm, rotary positions, no biases, a gated FFN (SwiGLU,
+``down(silu(gate(x)) * up(x))``) whose gate and up are one linear ``mlp.gate_up`` with their
+output rows interleaved (:mod:`twofour.gated`), and ``mlp.down``; attention ``attn.qkv`` and
+``attn.proj`` as GPT's; the head is tied to the embedding only if the config says so.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from dataclasses import dataclass
 from typing import ClassVar
@@ -14,14 +21,21 @@ import torch
 from torch import nn
 from torch.nn import functional as F
 
-__all__ = ["GPTConfig", "GPT", "PRESETS", "FFN_PATTERNS", "FFN_IN_PATTERNS", "ATTN_PATTERNS"]
+from .gated import swiglu
 
-#: Module-name patterns of the FFN and attention linears, for ``twofour.sparsify(include=...)``.
-FFN_PATTERNS = ("*.mlp.fc", "*.mlp.proj")
-#: The FFN's first linears, whose outputs feed only GELU and the second linear: for
+__all__ = ["GPTConfig", "GPT", "LlamaConfig", "Llama", "GatedMLP", "Preset", "PRESETS", "FFN_PATTERNS",
+           "FFN_IN_PATTERNS", "ATTN_PATTERNS"]
+
+#: Module-name patterns of the FFN and attention linears, for ``twofour.sparsify(include=...)``:
+#: twofour's GPT and Llama, and Hugging Face's Llama (``gate_proj``, ``up_proj``, ``down_proj``;
+#: ``self_attn.q_proj`` ... ``o_proj``).
+FFN_PATTERNS = ("*.mlp.fc", "*.mlp.proj", "*.mlp.gate_up", "*.mlp.down", "*.mlp.gate_proj", "*.mlp.up_proj",
+                "*.mlp.down_proj")
+#: The FFN's first linears, whose outputs feed only the activation and the second linear: for
 #: ``twofour.sparsify(transposed_output=...)`` (their output may stay in y^T order on the GPU).
-FFN_IN_PATTERNS = ("*.mlp.fc",)
-ATTN_PATTERNS = ("*.attn.qkv", "*.attn.proj")
+FFN_IN_PATTERNS = ("*.mlp.fc", "*.mlp.gate_up")
+ATTN_PATTERNS = ("*.attn.qkv", "*.attn.proj", "*.self_attn.q_proj", "*.self_attn.k_proj", "*.self_attn.v_proj",
+                 "*.self_attn.o_proj")
 
 
 @dataclass(frozen=True)
@@ -37,14 +51,29 @@ class GPTConfig:
     bias: bool = True
 
 
-PRESETS: dict[str, dict[str, int]] = {
-    "tiny": dict(n_layer=4, n_head=4, n_embd=128),
-    "gpt-10m": dict(n_layer=6, n_head=6, n_embd=384),  # about 10.6M weights in its blocks
-    "gpt2-124m": dict(n_layer=12, n_head=12, n_embd=768),
-    "gpt2-350m": dict(n_layer=24, n_head=16, n_embd=1024),
-    "gpt2-774m": dict(n_layer=36, n_head=20, n_embd=1280),
-    "gpt2-1.5b": dict(n_layer=48, n_head=25, n_embd=1600),
-}
+@dataclass(frozen=True)
+class LlamaConfig:
+    """Shape of a Llama-style model. The FFN width is ``ffn_hidden`` if given, else Llama's rule:
+    8/3 of ``n_embd`` rounded up to a multiple of ``ffn_multiple`` (4096 -> 11008 with 256)."""
+
+    n_layer: int = 4
+    n_head: int = 4
+    n_embd: int = 128
+    block_size: int = 256
+    vocab_size: int = 256
+    ffn_hidden: int | None = None
+    ffn_multiple: int = 64
+    rope_theta: float = 10000.0
+    norm_eps: float = 1e-5
+    tie_embeddings: bool = False
+
+    @property
+    def hidden(self) -> int:
+        """The FFN's hidden width H (gate and up have H outputs each)."""
+        if self.ffn_hidden is not None:
+            return self.ffn_hidden
+        h = int(8 * self.n_embd / 3)
+        return -(-h // self.ffn_multiple) * self.ffn_multiple
 
 
 class CausalSelfAttention(nn.Module):
@@ -87,7 +116,62 @@ class Block(nn.Module):
         return x + self.mlp(self.ln_2(x))
 
 
-class GPT(nn.Module):
+class _LanguageModel(nn.Module):
+    """What GPT and Llama share: the blocks ``h`` (FSDP's units), the head, the loss, the init,
+    building from a preset."""
+
+    cfg: GPTConfig | LlamaConfig
+    h: nn.ModuleList
+
+    @staticmethod
+    def _init_weights(m: nn.Module) -> None:
+        if isinstance(m, nn.Linear):
+            nn.init.normal_(m.weight, mean=0.0, std=0.02)
+            if m.bias is not None:
+                nn.init.zeros_(m.bias)
+        elif isinstance(m, nn.Embedding):
+            nn.init.normal_(m.weight, mean=0.0, std=0.02)
+
+    def _init_all(self, residual: tuple[str, ...]) -> None:
+        """std 0.02 everywhere, GPT-2's 0.02 / sqrt(2 n_layer) for the residual projections
+        (parameters whose names end with one of ``residual``)."""
+        self.apply(self._init_weights)
+        for name, p in self.named_parameters():
+            if name.endswith(residual):
+                nn.init.normal_(p, mean=0.0, std=0.02 / math.sqrt(2 * self.cfg.n_layer))
+
+    @classmethod
+    def from_preset(cls, name: str, **overrides):
+        """Build the preset ``name`` (one of this class's in :data:`PRESETS`) with optional
+        config overrides."""
+        if name not in PRESETS:
+            raise ValueError(f"unknown model preset {name!r}; valid presets: {', '.join(PRESETS)}")
+        preset = PRESETS[name]
+        if not issubclass(preset.model, cls):
+            raise ValueError(f"preset {name!r} is a {preset.model.__name__}, not a {cls.__name__}")
+        return preset.build(**overrides)
+
+    @property
+    def vocab_size(self) -> int:
+        return self.cfg.vocab_size
+
+    def fsdp_units(self) -> list[nn.Module]:
+        """The submodules FSDP shards one by one (each gathered just before it runs): the blocks."""
+        return list(self.h)
+
+    def _check_length(self, t: int) -> None:
+        if t > self.cfg.block_size:
+            raise ValueError(f"sequence of length {t} is longer than block_size={self.cfg.block_size}")
+
+    def _head(self, x: torch.Tensor, targets: torch.Tensor | None):
+        logits = self.lm_head(self.ln_f(x))
+        loss = None
+        if targets is not None:
+            loss = F.cross_entropy(logits.float().reshape(-1, logits.size(-1)), targets.reshape(-1))
+        return logits, loss
+
+
+class GPT(_LanguageModel):
     """Decoder-only transformer; ``forward(idx, targets)`` returns logits and the mean loss."""
 
     def __init__(self, cfg: GPTConfig):
@@ -102,49 +186,165 @@ class GPT(nn.Module):
         self.ln_f = nn.LayerNorm(cfg.n_embd, bias=cfg.bias)
         self.lm_head = nn.Linear(cfg.n_embd, cfg.vocab_size, bias=False)
         self.lm_head.weight = self.wte.weight  # weight tying
-        self.apply(self._init_weights)
-        for name, p in self.named_parameters():  # GPT-2's scaled init of residual projections
-            if name.endswith("proj.weight"):
-                nn.init.normal_(p, mean=0.0, std=0.02 / math.sqrt(2 * cfg.n_layer))
-
-    @staticmethod
-    def _init_weights(m: nn.Module) -> None:
-        if isinstance(m, nn.Linear):
-            nn.init.normal_(m.weight, mean=0.0, std=0.02)
-            if m.bias is not None:
-                nn.init.zeros_(m.bias)
-        elif isinstance(m, nn.Embedding):
-            nn.init.normal_(m.weight, mean=0.0, std=0.02)
-
-    @classmethod
-    def from_preset(cls, name: str, **overrides) -> GPT:
-        """Build a preset (``tiny``, ``gpt2-124m``, ... ``gpt2-1.5b``) with optional overrides."""
-        if name not in PRESETS:
-            raise ValueError(f"unknown model preset {name!r}; valid presets: {', '.join(PRESETS)}")
-        return cls(GPTConfig(**{**PRESETS[name], **overrides}))
+        self._init_all(residual=("proj.weight",))
 
     #: Parameters that are another parameter under a second name (alias -> source): the output
     #: head is the token embedding. Exports store the source only.
     tied_weights: ClassVar[dict[str, str]] = {"lm_head.weight": "wte.weight"}
 
-    @property
-    def vocab_size(self) -> int:
-        return self.cfg.vocab_size
-
-    def fsdp_units(self) -> list[nn.Module]:
-        """The submodules FSDP shards one by one (each gathered just before it runs): the blocks."""
-        return list(self.h)
-
     def forward(self, idx: torch.Tensor, targets: torch.Tensor | None = None):
         t = idx.shape[1]
-        if t > self.cfg.block_size:
-            raise ValueError(f"sequence of length {t} is longer than block_size={self.cfg.block_size}")
+        self._check_length(t)
         pos = torch.arange(t, device=idx.device)
         x = self.drop(self.wte(idx) + self.wpe(pos))
         for block in self.h:
             x = block(x)
-        logits = self.lm_head(self.ln_f(x))
-        loss = None
-        if targets is not None:
-            loss = F.cross_entropy(logits.float().reshape(-1, logits.size(-1)), targets.reshape(-1))
-        return logits, loss
+        return self._head(x, targets)
+
+
+# --------------------------------------------------------------------------------------------
+# Llama-style
+# --------------------------------------------------------------------------------------------
+
+
+def _rope_tables(cfg: LlamaConfig) -> tuple[torch.Tensor, torch.Tensor]:
+    """cos and sin (block_size, head_dim / 2) of the rotary angles pos * theta^(-2i / head_dim)."""
+    hd = cfg.n_embd // cfg.n_head
+    inv = 1.0 / (cfg.rope_theta ** (torch.arange(0, hd, 2, dtype=torch.float32) / hd))
+    angles = torch.outer(torch.arange(cfg.block_size, dtype=torch.float32), inv)
+    return angles.cos(), angles.sin()
+
+
+def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Rotary positions on (batch, heads, t, head_dim), Llama's pairing of dimensions i and
+    i + head_dim / 2 (as Hugging Face's ``rotate_half``)."""
+    x1, x2 = x.chunk(2, dim=-1)
+    c, s = cos.to(x.dtype), sin.to(x.dtype)
+    return torch.cat((x1 * c - x2 * s, x2 * c + x1 * s), dim=-1)
+
+
+class LlamaAttention(nn.Module):
+    def __init__(self, cfg: LlamaConfig):
+        super().__init__()
+        self.n_head = cfg.n_head
+        self.qkv = nn.Linear(cfg.n_embd, 3 * cfg.n_embd, bias=False)
+        self.proj = nn.Linear(cfg.n_embd, cfg.n_embd, bias=False)
+
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        b, t, c = x.shape
+        q, k, v = self.qkv(x).split(c, dim=2)
+        q, k, v = (z.view(b, t, self.n_head, c // self.n_head).transpose(1, 2) for z in (q, k, v))
+        q, k = _rotate(q, cos, sin), _rotate(k, cos, sin)
+        y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        return self.proj(y.transpose(1, 2).reshape(b, t, c))
+
+
+class GatedMLP(nn.Module):
+    """The SwiGLU FFN ``down(silu(gate(x)) * up(x))`` with gate and up as one linear
+    ``gate_up`` (2H outputs, rows interleaved: row 2j gate_j, row 2j+1 up_j) and the fused
+    activation :func:`twofour.gated.swiglu` reading its output in place; no biases."""
+
+    def __init__(self, n_embd: int, hidden: int):
+        super().__init__()
+        self.gate_up = nn.Linear(n_embd, 2 * hidden, bias=False)
+        self.down = nn.Linear(hidden, n_embd, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down(swiglu(self.gate_up(x)))
+
+
+class LlamaBlock(nn.Module):
+    def __init__(self, cfg: LlamaConfig):
+        super().__init__()
+        self.ln_1 = nn.RMSNorm(cfg.n_embd, eps=cfg.norm_eps)
+        self.attn = LlamaAttention(cfg)
+        self.ln_2 = nn.RMSNorm(cfg.n_embd, eps=cfg.norm_eps)
+        self.mlp = GatedMLP(cfg.n_embd, cfg.hidden)
+
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        x = x + self.attn(self.ln_1(x), cos, sin)
+        return x + self.mlp(self.ln_2(x))
+
+
+class Llama(_LanguageModel):
+    """Llama-style decoder (RMSNorm, rotary positions, SwiGLU FFN, no biases); ``forward(idx,
+    targets)`` returns logits and the mean loss, as :class:`GPT`'s."""
+
+    def __init__(self, cfg: LlamaConfig):
+        super().__init__()
+        if cfg.n_embd % cfg.n_head or (cfg.n_embd // cfg.n_head) % 2:
+            raise ValueError(f"n_embd={cfg.n_embd} must be divisible by n_head={cfg.n_head} into an even head size "
+                             "(rotary positions rotate pairs)")
+        if cfg.hidden < 1:
+            raise ValueError(f"the FFN width must be positive, got {cfg.hidden}")
+        self.cfg = cfg
+        self.wte = nn.Embedding(cfg.vocab_size, cfg.n_embd)
+        self.h = nn.ModuleList(LlamaBlock(cfg) for _ in range(cfg.n_layer))
+        self.ln_f = nn.RMSNorm(cfg.n_embd, eps=cfg.norm_eps)
+        self.lm_head = nn.Linear(cfg.n_embd, cfg.vocab_size, bias=False)
+        if cfg.tie_embeddings:
+            self.lm_head.weight = self.wte.weight
+        cos, sin = _rope_tables(cfg)
+        self.register_buffer("rope_cos", cos, persistent=False)  # recomputed, never saved
+        self.register_buffer("rope_sin", sin, persistent=False)
+        self._init_all(residual=("attn.proj.weight", "mlp.down.weight"))
+
+    @property
+    def tied_weights(self) -> dict[str, str]:
+        """Parameters that are another parameter under a second name (alias -> source)."""
+        return {"lm_head.weight": "wte.weight"} if self.cfg.tie_embeddings else {}
+
+    def forward(self, idx: torch.Tensor, targets: torch.Tensor | None = None):
+        t = idx.shape[1]
+        self._check_length(t)
+        cos, sin = self.rope_cos[:t], self.rope_sin[:t]
+        x = self.wte(idx)
+        for block in self.h:
+            x = block(x, cos, sin)
+        return self._head(x, targets)
+
+
+# --------------------------------------------------------------------------------------------
+# presets
+# --------------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Preset:
+    """A named model: its class, its shape (``block_size`` and ``vocab_size`` are set per run),
+    and its default peak learning rate."""
+
+    model: type[_LanguageModel]
+    config: GPTConfig | LlamaConfig
+    lr: float
+
+    def build(self, **overrides) -> _LanguageModel:
+        """The model, with ``overrides`` replacing fields of the config."""
+        return self.model(dataclasses.replace(self.config, **overrides))
+
+
+def _gpt(lr: float, **shape: int) -> Preset:
+    return Preset(GPT, GPTConfig(**shape), lr)
+
+
+def _llama(lr: float, **shape: int) -> Preset:
+    return Preset(Llama, LlamaConfig(**shape), lr)
+
+
+#: Every model ``twofour train --model`` takes. Peak learning rates: GPT-3 paper's table for the
+#: GPT-2 sizes, higher for the small ones (as nanoGPT's 10M-parameter example); the Llama sizes
+#: alike, and Llama 2's 3e-4 from 1B up. The Llama FFN widths follow Llama's rule with
+#: ``ffn_multiple`` 256 (64 for the tiny one): 2048, 2816, 5632 (TinyLlama's), 11008 (Llama 7B).
+PRESETS: dict[str, Preset] = {
+    "tiny": _gpt(1e-3, n_layer=4, n_head=4, n_embd=128),
+    "gpt-10m": _gpt(1e-3, n_layer=6, n_head=6, n_embd=384),  # about 10.6M weights in its blocks
+    "gpt2-124m": _gpt(6e-4, n_layer=12, n_head=12, n_embd=768),
+    "gpt2-350m": _gpt(3e-4, n_layer=24, n_head=16, n_embd=1024),
+    "gpt2-774m": _gpt(2.5e-4, n_layer=36, n_head=20, n_embd=1280),
+    "gpt2-1.5b": _gpt(2e-4, n_layer=48, n_head=25, n_embd=1600),
+    "llama-tiny": _llama(1e-3, n_layer=4, n_head=4, n_embd=128, ffn_multiple=64),  # FFN 384
+    "llama-125m": _llama(6e-4, n_layer=12, n_head=12, n_embd=768, ffn_multiple=256),
+    "llama-350m": _llama(3e-4, n_layer=24, n_head=16, n_embd=1024, ffn_multiple=256),
+    "llama-1b": _llama(3e-4, n_layer=22, n_head=32, n_embd=2048, ffn_multiple=256),  # TinyLlama 1.1B's shape
+    "llama-7b": _llama(3e-4, n_layer=32, n_head=32, n_embd=4096, ffn_multiple=256),
+}

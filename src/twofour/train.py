@@ -28,7 +28,7 @@ from . import __version__, attach, sparse_layers, sparsify
 from .config import TrainConfig, TrainError, lr_at
 from .console import Interrupted, Progress, StopRequest
 from .data import TokenData, load_data
-from .model import ATTN_PATTERNS, FFN_IN_PATTERNS, FFN_PATTERNS, GPT, PRESETS, GPTConfig
+from .model import ATTN_PATTERNS, FFN_IN_PATTERNS, FFN_PATTERNS, PRESETS
 from .optim import STEPAdamW
 from .recipes import Recipe
 from .runs import (
@@ -48,9 +48,10 @@ from .runs import (
 __all__ = ["train", "build_model", "evaluate", "val_windows"]
 
 
-def build_model(cfg: TrainConfig, recipe: Recipe, vocab_size: int) -> GPT:
-    """``cfg``'s preset GPT with ``recipe`` applied (FFN linears; attention too if asked)."""
-    model = GPT(GPTConfig(**PRESETS[cfg.model], block_size=cfg.seq_len, vocab_size=vocab_size))
+def build_model(cfg: TrainConfig, recipe: Recipe, vocab_size: int) -> torch.nn.Module:
+    """``cfg``'s preset model (GPT or Llama) with ``recipe`` applied (FFN linears; attention too
+    if asked)."""
+    model = PRESETS[cfg.model].build(block_size=cfg.seq_len, vocab_size=vocab_size)
     include = FFN_PATTERNS + (ATTN_PATTERNS if cfg.sparse_attention else ())
     return sparsify(model, recipe, include=include, transposed_output=FFN_IN_PATTERNS)
 
