@@ -13,8 +13,9 @@ from typing import ClassVar
 import torch
 from torch import nn
 from torch.nn import functional as F
+from torch.nn.attention import SDPBackend, sdpa_kernel
 
-__all__ = ["GPTConfig", "GPT", "PRESETS", "FFN_PATTERNS", "FFN_IN_PATTERNS", "ATTN_PATTERNS"]
+__all__ = ["GPTConfig", "GPT", "KVCache", "PRESETS", "FFN_PATTERNS", "FFN_IN_PATTERNS", "ATTN_PATTERNS"]
 
 #: Module-name patterns of the FFN and attention linears, for ``twofour.sparsify(include=...)``.
 FFN_PATTERNS = ("*.mlp.fc", "*.mlp.proj")
@@ -47,6 +48,32 @@ PRESETS: dict[str, dict[str, int]] = {
 }
 
 
+#: The attention kernels a cached forward may use: both take a boolean mask of any length and
+#: run inside CUDA graphs.
+_MASKED_BACKENDS = [SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH]
+
+
+class KVCache:
+    """Static keys and values of every layer for generation: ``k`` and ``v`` of shape
+    (layers, batch, heads, max_len, head_dim), and ``pos``, the next position to write, a
+    0-dim tensor on the cache's device. Nothing in a cached forward depends on host-side state,
+    so a decoding step can be captured in a CUDA graph and replayed."""
+
+    def __init__(self, cfg: GPTConfig, batch: int, max_len: int, device: torch.device | str | None = None,
+                 dtype: torch.dtype = torch.float32):
+        if not 1 <= max_len <= cfg.block_size:
+            raise ValueError(f"KVCache: max_len must be in 1..block_size={cfg.block_size}, got {max_len}")
+        shape = (cfg.n_layer, batch, cfg.n_head, max_len, cfg.n_embd // cfg.n_head)
+        self.k = torch.zeros(shape, device=device, dtype=dtype)
+        self.v = torch.zeros(shape, device=device, dtype=dtype)
+        self.pos = torch.zeros((), dtype=torch.long, device=device)
+        self.batch, self.max_len = batch, max_len
+
+    def reset(self) -> None:
+        """Start over: the next forward writes at position 0 (in place, so graphs see it)."""
+        self.pos.zero_()
+
+
 class CausalSelfAttention(nn.Module):
     def __init__(self, cfg: GPTConfig):
         super().__init__()
@@ -55,11 +82,20 @@ class CausalSelfAttention(nn.Module):
         self.proj = nn.Linear(cfg.n_embd, cfg.n_embd, bias=cfg.bias)
         self.dropout = cfg.dropout
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, kv: tuple | None = None) -> torch.Tensor:
         b, t, c = x.shape
         q, k, v = self.qkv(x).split(c, dim=2)
         q, k, v = (z.view(b, t, self.n_head, c // self.n_head).transpose(1, 2) for z in (q, k, v))
-        y = F.scaled_dot_product_attention(q, k, v, is_causal=True, dropout_p=self.dropout if self.training else 0.0)
+        if kv is None:
+            y = F.scaled_dot_product_attention(q, k, v, is_causal=True,
+                                               dropout_p=self.dropout if self.training else 0.0)
+        else:  # write this call's keys and values at their positions, attend to everything up to each
+            k_cache, v_cache, positions, visible = kv
+            k_cache.index_copy_(2, positions, k.to(k_cache.dtype))
+            v_cache.index_copy_(2, positions, v.to(v_cache.dtype))
+            with sdpa_kernel(_MASKED_BACKENDS):
+                y = F.scaled_dot_product_attention(q.to(k_cache.dtype), k_cache, v_cache, attn_mask=visible)
+            y = y.to(x.dtype)
         return self.proj(y.transpose(1, 2).reshape(b, t, c))
 
 
@@ -82,8 +118,8 @@ class Block(nn.Module):
         self.ln_2 = nn.LayerNorm(cfg.n_embd, bias=cfg.bias)
         self.mlp = MLP(cfg)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        x = x + self.attn(self.ln_1(x))
+    def forward(self, x: torch.Tensor, kv: tuple | None = None) -> torch.Tensor:
+        x = x + self.attn(self.ln_1(x), kv)
         return x + self.mlp(self.ln_2(x))
 
 
@@ -135,7 +171,21 @@ class GPT(nn.Module):
         """The submodules FSDP shards one by one (each gathered just before it runs): the blocks."""
         return list(self.h)
 
-    def forward(self, idx: torch.Tensor, targets: torch.Tensor | None = None):
+    def make_cache(self, batch: int, max_len: int | None = None, dtype: torch.dtype | None = None) -> KVCache:
+        """An empty :class:`KVCache` for ``batch`` sequences of up to ``max_len`` (default
+        block_size) tokens, on the model's device, in its weights' dtype unless given."""
+        w = self.wte.weight
+        return KVCache(self.cfg, batch, max_len or self.cfg.block_size, w.device, dtype or w.dtype)
+
+    def forward(self, idx: torch.Tensor, targets: torch.Tensor | None = None, cache: KVCache | None = None):
+        """Logits (B, T, vocab) and the mean loss against ``targets`` (or None).
+
+        With a ``cache`` (generation): the tokens take positions ``cache.pos`` onwards, attend to
+        everything the cache holds before them, are written into it, and ``cache.pos`` moves on;
+        logits come back for the last position only (B, 1, vocab). A prompt is one call (after
+        ``cache.reset()``), each new token another."""
+        if cache is not None:
+            return self._cached_forward(idx, cache), None
         t = idx.shape[1]
         if t > self.cfg.block_size:
             raise ValueError(f"sequence of length {t} is longer than block_size={self.cfg.block_size}")
@@ -148,3 +198,16 @@ class GPT(nn.Module):
         if targets is not None:
             loss = F.cross_entropy(logits.float().reshape(-1, logits.size(-1)), targets.reshape(-1))
         return logits, loss
+
+    def _cached_forward(self, idx: torch.Tensor, cache: KVCache) -> torch.Tensor:
+        t = idx.shape[1]
+        if t > cache.max_len:
+            raise ValueError(f"{t} tokens don't fit a KV cache of {cache.max_len} positions")
+        positions = cache.pos + torch.arange(t, device=idx.device)
+        # key j is visible to the query at position p when j <= p (later slots are empty or stale)
+        visible = torch.arange(cache.max_len, device=idx.device) <= positions[:, None]  # (t, max_len)
+        x = self.drop(self.wte(idx) + self.wpe(positions))
+        for i, block in enumerate(self.h):
+            x = block(x, (cache.k[i], cache.v[i], positions, visible))
+        cache.pos.add_(t)
+        return self.lm_head(self.ln_f(x[:, -1:]))
