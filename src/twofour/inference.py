@@ -20,6 +20,7 @@ import dataclasses
 import json
 import os
 import stat
+import warnings
 from pathlib import Path
 from typing import Any
 
@@ -130,7 +131,7 @@ class SparseInferenceLinear(nn.Module):
     def prepare(self) -> None:
         """Build what the forward multiplies by, now rather than at the first call: cuSPARSELt's
         compressed operand (``values`` then lives inside it, no second copy) where the layer
-        runs sparse, else the dense matrix. Call it again after changing the buffers in place."""
+        runs sparse, else the dense matrix. The forward builds it again if the buffers change."""
         if self.runs_sparse():
             packed = compress_codes(self.values, position_codes(self.positions, self.in_features))
             n = self.values.numel() * self.values.element_size()
@@ -153,7 +154,8 @@ class SparseInferenceLinear(nn.Module):
         if self.runs_sparse():
             cdt, n = self.values.dtype, self.out_features
             x2 = x.reshape(-1, self.in_features).to(cdt)
-            routes = self.routes(x2 if ops.order(x2) == "row" else x2.contiguous())
+            routes = _working(self.routes(x2 if ops.order(x2) == "row" else x2.contiguous()),
+                              (n, self.in_features, x2.shape[0], cdt, self.bias is not None))
             choice = ops.choose("inf" if self.bias is None else "inf+bias", n, self.in_features, x2.shape[0], "row",
                                 cdt, routes)
             return routes[choice]().reshape(*x.shape[:-1], n)
@@ -185,6 +187,30 @@ class SparseInferenceLinear(nn.Module):
     def extra_repr(self) -> str:
         return (f"in_features={self.in_features}, out_features={self.out_features}, bias={self.bias is not None}, "
                 f"2:4 {'values+positions' if self.packed_state else 'dense-layout'} state")
+
+
+_tried: set[tuple] = set()
+_failed: dict[tuple, str] = {}
+
+
+def _working(routes: dict[str, Any], shape: tuple) -> dict[str, Any]:
+    """``routes`` less those that raised the first time they ran at this shape (each is run once
+    per shape, outside CUDA-graph capture; a failure is a warning, and the others carry on)."""
+    if shape not in _tried and not torch.cuda.is_current_stream_capturing():
+        _tried.add(shape)
+        for name, fn in routes.items():
+            try:
+                fn()
+            except Exception as e:
+                _failed[(name, shape)] = f"{type(e).__name__}: {e}"
+                warnings.warn(f"SparseInferenceLinear: the {name} kernel failed at out x in x tokens "
+                              f"{shape[0]}x{shape[1]}x{shape[2]} ({_failed[(name, shape)][:200]}); not using it there",
+                              stacklevel=3)
+    left = {name: fn for name, fn in routes.items() if (name, shape) not in _failed}
+    if not left:
+        raise RuntimeError(f"every 2:4 kernel failed at out x in x tokens {shape[0]}x{shape[1]}x{shape[2]}: "
+                           + "; ".join(_failed[(n, shape)][:200] for n in routes))
+    return left
 
 
 # --------------------------------------------------------------------------------------------
