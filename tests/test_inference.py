@@ -223,14 +223,17 @@ def test_gpu_kernels_match_the_dense_product(tokens):
     layer = SparseInferenceLinear.from_weight(w, b).cuda()
     layer.prepare()
     assert layer.runs_sparse() and layer.nbytes() == 256 * 512 // 2 * 2 + 256 * 512 // 8 * 2  # operand + positions
+    layer.transposed_output = True  # may also write a column-major output
     x = torch.randn(tokens, 512, device="cuda").bfloat16()
     want = F.linear(x.float(), w.float(), b.float())
-    routes = layer.routes(x)
-    assert set(routes) == ({"sparse", "sparse_gemv"} if tokens <= 8 else {"sparse"})
-    for name, fn in routes.items():
-        got = fn().float()
-        assert got.shape == want.shape and ((got - want).abs().max() / want.abs().max()).item() < 1e-2, name
-    torch.testing.assert_close(layer(x.view(1, tokens, 512)).float().view(tokens, 256), want, rtol=2e-2, atol=2e-2)
+    for xin in (x, x.t().contiguous().t()):  # row- and column-major inputs, read in place
+        routes = layer.routes(xin)
+        assert set(routes) == {"sparse", "sparse_dr"} | ({"sparse_gemv"} if tokens <= 8 else set())
+        for name, fn in routes.items():
+            got = fn().float()
+            assert got.shape == want.shape and ((got - want).abs().max() / want.abs().max()).item() < 1e-2, name
+        got = layer(xin.view(1, tokens, 512)).float().view(tokens, 256)
+        torch.testing.assert_close(got, want, rtol=2e-2, atol=2e-2)
 
 
 @pytest.mark.gpu

@@ -33,10 +33,10 @@ from .kernels import gemv24 as _gemv
 from .kernels import ops
 from .kernels.layout import compress_codes
 from .layer import SparseLinear
-from .model import GPT, GPTConfig
+from .model import FFN_IN_PATTERNS, GPT, GPTConfig
 from .packed import check_positions, pack_24, position_codes, positions_width, unpack_24
 from .runs import CKPT, MODEL_CONFIG, WEIGHTS
-from .sparsify import _is_hf_conv1d, sparse_layers
+from .sparsify import _is_hf_conv1d, _matches, sparse_layers
 
 __all__ = ["SparseInferenceLinear", "to_inference", "sparsify_for_inference", "save_inference",
            "load_for_inference", "read_export_config", "FORMAT", "FORMAT_VERSION", "HF_CONFIG_KEY"]
@@ -56,11 +56,17 @@ class SparseInferenceLinear(nn.Module):
     (twofour's export format). Otherwise it holds a dense ``weight`` as ``nn.Linear`` does, or
     (in, out) as Hugging Face's ``Conv1D`` does with ``conv1d``, so that ``save_pretrained`` and
     ``from_pretrained`` see the model's own layout; loading a weight that isn't 2:4 fails.
+
+    ``transposed_output`` (as :class:`~twofour.SparseLinear`'s): the GPU may return the output
+    column-major where that GEMM is faster; right for an FFN's first linear, whose output feeds
+    only the activation and the second linear (which reads it in place).
     """
 
     def __init__(self, in_features: int, out_features: int, bias: bool = True, *, device: Any = None,
-                 dtype: torch.dtype | None = None, packed_state: bool = True, conv1d: bool = False):
+                 dtype: torch.dtype | None = None, packed_state: bool = True, conv1d: bool = False,
+                 transposed_output: bool = False):
         super().__init__()
+        self.transposed_output = transposed_output
         if in_features % 4 or in_features <= 0 or out_features <= 0:
             raise ValueError(f"SparseInferenceLinear: in_features must be a positive multiple of 4, got "
                              f"{in_features} (out_features {out_features})")
@@ -78,11 +84,12 @@ class SparseInferenceLinear(nn.Module):
 
     @classmethod
     def from_weight(cls, weight: torch.Tensor, bias: torch.Tensor | None = None, *, packed_state: bool = True,
-                    conv1d: bool = False) -> SparseInferenceLinear:
+                    conv1d: bool = False, transposed_output: bool = False) -> SparseInferenceLinear:
         """From a 2:4 ``weight`` (out, in); ValueError naming the first group that isn't 2:4."""
         values, positions = pack_24(weight.detach())
         out_f, in_f = weight.shape
-        new = cls(in_f, out_f, bias is not None, device="meta", packed_state=packed_state, conv1d=conv1d)
+        new = cls(in_f, out_f, bias is not None, device="meta", packed_state=packed_state, conv1d=conv1d,
+                  transposed_output=transposed_output)
         new.values, new.positions = values, positions
         if bias is not None:
             new.bias = nn.Parameter(bias.detach().clone(), requires_grad=False)
@@ -154,9 +161,11 @@ class SparseInferenceLinear(nn.Module):
         if self.runs_sparse():
             cdt, n = self.values.dtype, self.out_features
             x2 = x.reshape(-1, self.in_features).to(cdt)
-            routes = _working(self.routes(x2 if ops.order(x2) == "row" else x2.contiguous()),
-                              (n, self.in_features, x2.shape[0], cdt, self.bias is not None))
-            choice = ops.choose("inf" if self.bias is None else "inf+bias", n, self.in_features, x2.shape[0], "row",
+            if ops.order(x2) is None:
+                x2 = x2.contiguous()
+            order = ops.order(x2)
+            routes = _working(self.routes(x2), (n, self.in_features, x2.shape[0], order, cdt, self.bias is not None))
+            choice = ops.choose("inf" if self.bias is None else "inf+bias", n, self.in_features, x2.shape[0], order,
                                 cdt, routes)
             return routes[choice]().reshape(*x.shape[:-1], n)
         if self._dense_key != self._key():
@@ -164,29 +173,34 @@ class SparseInferenceLinear(nn.Module):
         return F.linear(x, self._dense, self.bias)
 
     def routes(self, x2: torch.Tensor) -> dict[str, Any]:
-        """The 2:4 kernels that compute y = x2 W^T + b for a row-major (tokens, in) ``x2`` in the
-        layer's dtype, as calls: ``sparse`` (cuSPARSELt's GEMM, the tokens padded to its multiple
-        of 8) and, for up to 8 tokens, ``sparse_gemv`` (:mod:`twofour.kernels.gemv24`). The
-        forward runs the one :func:`twofour.kernels.ops.choose` measured faster for the shape.
-        Only where :meth:`runs_sparse`."""
+        """The 2:4 kernels that compute y = x2 W^T + b for a (tokens, in) ``x2`` in the layer's
+        dtype, row- or column-major, as calls: ``sparse`` (cuSPARSELt's GEMM, the tokens padded
+        to its multiple of 8; y row-major), with ``transposed_output`` also ``sparse_dr`` (the
+        same writing y^T row-major: a column-major y), and for up to 8 tokens ``sparse_gemv``
+        (:mod:`twofour.kernels.gemv24`). The forward runs the one
+        :func:`twofour.kernels.ops.choose` measured fastest for the shape. Only where
+        :meth:`runs_sparse`."""
         if self._packed_key != self._key():
             self.prepare()
         n, k, t = self.out_features, self.in_features, x2.shape[0]
         b = None if self.bias is None else self.bias.to(x2.dtype)
 
-        def cusparselt() -> torch.Tensor:
+        def cusparselt(row_major: bool) -> torch.Tensor:
             pad = -t % 8
             xp = torch.cat([x2, x2.new_zeros(pad, k)]) if pad else x2
-            return ops.spmm(self._packed, xp.t(), n, True, b).t()[:t]
+            return ops.spmm(self._packed, xp.t(), n, row_major, b).t()[:t]
 
-        routes = {"sparse": cusparselt}
+        routes = {"sparse": lambda: cusparselt(True)}
+        if self.transposed_output:
+            routes["sparse_dr"] = lambda: cusparselt(False)
         if t <= _gemv.MAX_TOKENS and not torch.compiler.is_compiling():
             routes["sparse_gemv"] = lambda: _gemv.gemv24(x2, self.values, self.positions, b)
         return routes
 
     def extra_repr(self) -> str:
         return (f"in_features={self.in_features}, out_features={self.out_features}, bias={self.bias is not None}, "
-                f"2:4 {'values+positions' if self.packed_state else 'dense-layout'} state")
+                f"2:4 {'values+positions' if self.packed_state else 'dense-layout'} state"
+                + (", transposed_output=True" if self.transposed_output else ""))
 
 
 _tried: set[tuple] = set()
@@ -256,7 +270,8 @@ def to_inference(model: nn.Module, *, packed_state: bool = False) -> list[str]:
     for name, layer in list(sparse_layers(model)):
         if layer.recipe.sparse and not layer.is_dense_phase:
             new = SparseInferenceLinear.from_weight(layer.effective_weight(), layer.bias, packed_state=packed_state,
-                                                    conv1d=layer._conv1d_layout)
+                                                    conv1d=layer._conv1d_layout,
+                                                    transposed_output=layer.transposed_output)
             sparse.append(name)
         else:
             new = _dense_layer(layer)
@@ -495,7 +510,8 @@ def load_for_inference(path: str | Path, device: str | torch.device | None = Non
             raise TrainError(f"{path / MODEL_CONFIG} lists {name!r} as a 2:4 layer, but the model has no linear layer "
                              "of that name")
         _replace(model, name, SparseInferenceLinear(lin.in_features, lin.out_features, lin.bias is not None,
-                                                    device="meta", dtype=stored))
+                                                    device="meta", dtype=stored,
+                                                    transposed_output=_matches(name, FFN_IN_PATTERNS)))
     expected = {k: v for k, v in model.state_dict().items() if k not in tied}
     if any(src not in expected for src in tied.values()):
         raise TrainError(f"{path / MODEL_CONFIG}: tied_weights names a weight the model doesn't have")

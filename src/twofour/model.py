@@ -204,8 +204,10 @@ class GPT(nn.Module):
         if t > cache.max_len:
             raise ValueError(f"{t} tokens don't fit a KV cache of {cache.max_len} positions")
         positions = cache.pos + torch.arange(t, device=idx.device)
-        # key j is visible to the query at position p when j <= p (later slots are empty or stale)
-        visible = torch.arange(cache.max_len, device=idx.device) <= positions[:, None]  # (t, max_len)
+        # key j is visible to the query at position p when j <= p (later slots are empty or stale):
+        # an additive mask (t, max_len), made once for all layers
+        hidden = torch.arange(cache.max_len, device=idx.device) > positions[:, None]
+        visible = torch.zeros(hidden.shape, dtype=cache.k.dtype, device=idx.device).masked_fill_(hidden, float("-inf"))
         x = self.drop(self.wte(idx) + self.wpe(positions))
         for i, block in enumerate(self.h):
             x = block(x, (cache.k[i], cache.v[i], positions, visible))
