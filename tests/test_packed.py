@@ -4,7 +4,7 @@ plain torch (the kernel under Triton's interpreter on the CPU)."""
 import pytest
 import torch
 
-from twofour.kernels.gemv24 import MAX_TOKENS, gemv24, reference
+from twofour.kernels.gemv24 import HAS_TRITON, MAX_TOKENS, gemv24, reference
 from twofour.kernels.layout import compress_codes, compress_reference, decompress_reference
 from twofour.packed import check_positions, pack_24, position_codes, positions_width, unpack_24
 from twofour.pruning import mask_24, soft_threshold_24, transposable_mask_24
@@ -78,16 +78,20 @@ def test_cusparselt_operand_from_values_and_codes(shape):
     assert torch.equal(decompress_reference(buf, *shape, torch.bfloat16), w)
 
 
+needs_triton = pytest.mark.skipif(not HAS_TRITON, reason="needs triton")
+
+
+@needs_triton
 @pytest.mark.parametrize("tokens", [1, 3, MAX_TOKENS])
 @pytest.mark.parametrize("shape", [(64, 128), (40, 96), (33, 260)])
 @pytest.mark.parametrize("dtype,tol", [(torch.float32, 1e-5), (torch.float16, 2e-3), (torch.bfloat16, 2e-2)])
-def test_gemv_kernel_matches_reference(tokens, shape, dtype, tol):
+def test_gemv_kernel_matches_reference(tokens, shape, dtype, tol, device):
     n, k = shape
     w = random_24(shape, dtype=dtype)
-    values, positions = pack_24(w)
+    values, positions = (t.to(device) for t in pack_24(w))
     g = torch.Generator().manual_seed(1)
-    x = torch.randn(tokens, k, generator=g).to(dtype)
-    bias = torch.randn(n, generator=g).to(dtype)
+    x = torch.randn(tokens, k, generator=g).to(dtype).to(device)
+    bias = torch.randn(n, generator=g).to(dtype).to(device)
     for b in (bias, None):
         want = reference(x.float(), values.float(), positions, None if b is None else b.float())
         got = gemv24(x, values, positions, b)
@@ -95,15 +99,17 @@ def test_gemv_kernel_matches_reference(tokens, shape, dtype, tol):
         assert ((got.float() - want).abs().max() / want.abs().max()).item() < tol
 
 
-def test_gemv_kernel_reads_strided_input_and_any_tile():
+@needs_triton
+def test_gemv_kernel_reads_strided_input_and_any_tile(device):
     w = random_24((48, 128))
-    values, positions = pack_24(w)
-    x = torch.randn(128, 4).t()  # column-major (4, 128)
+    values, positions = (t.to(device) for t in pack_24(w))
+    x = torch.randn(128, 4, device=device).t()  # column-major (4, 128)
     want = reference(x, values, positions)
     for config in [(4, 256, 2), (16, 128, 4), (32, 64, 4)]:
         torch.testing.assert_close(gemv24(x, values, positions, config=config), want, rtol=1e-5, atol=1e-5)
 
 
+@needs_triton
 def test_gemv_kernel_bad_input():
     values, positions = pack_24(random_24((8, 32)))
     with pytest.raises(ValueError, match="1 to 8 tokens"):

@@ -363,6 +363,13 @@ def save_inference(model: GPT, out: str | Path, *, dtype: torch.dtype | str = to
                         "use twofour.to_inference and save_pretrained)")
     dtype = _DTYPES[dtype] if isinstance(dtype, str) and dtype in _DTYPES else dtype
     name = _dtype_name(dtype)
+    out = Path(out)
+    if out.exists() and not out.is_dir():
+        raise TrainError(f"--out {out} exists and is not a folder")
+    try:
+        out.mkdir(parents=True, exist_ok=True)
+    except OSError as e:
+        raise TrainError(f"cannot create the export folder {out}: {e.strerror or e}") from None
     recipes = {layer.recipe.name for _, layer in sparse_layers(model)}
     dense_phase = [n for n, layer in sparse_layers(model) if layer.recipe.sparse and layer.is_dense_phase]
     sparse = to_inference(model, packed_state=True)
@@ -376,13 +383,6 @@ def save_inference(model: GPT, out: str | Path, *, dtype: torch.dtype | str = to
         reason = (f"the run ended in a dense phase of its recipe ({', '.join(sorted(recipes))}: {len(dense_phase)} "
                   "layers train dense at the end, e.g. t-sr-ste's dense fine-tune), so it is exported dense"
                   if dense_phase else "the model has no 2:4 layer, so it is exported dense")
-    out = Path(out)
-    if out.exists() and not out.is_dir():
-        raise TrainError(f"--out {out} exists and is not a folder")
-    try:
-        out.mkdir(parents=True, exist_ok=True)
-    except OSError as e:
-        raise TrainError(f"cannot create the export folder {out}: {e.strerror or e}") from None
     weights = out / WEIGHTS
     try:
         from safetensors.torch import save_file  # noqa: PLC0415
