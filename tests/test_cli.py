@@ -132,6 +132,7 @@ def test_export_and_generate(tmp_path, corpus, capsys):
     assert main(["export", str(out)]) == 0 and main(["generate", str(out), "--max-new-tokens", "5"]) == 0
     capsys.readouterr()
     assert "twofour export" in error_of(["generate", str(tmp_path)], capsys)  # not an export
+    assert "not a folder" in error_of(["export", str(out), "--out", str(out / "ckpt.pt")], capsys)
     for opt, value in [("--temperature", "-1"), ("--top-k", "-2"), ("--max-new-tokens", "-1")]:
         assert opt in error_of([*args, opt, value], capsys)
     assert "--device" in error_of([*args, "--device", "tpu"], capsys)

@@ -3,10 +3,11 @@ positions (``twofour.packed``), 0.5625x of the dense bf16 bytes.
 
 At one to eight tokens a linear layer is bound by reading its weight, and cuSPARSELt's GEMM
 needs at least 8 columns of padded input; this kernel streams the compact weight once instead.
-Each program covers ``BO`` output rows and walks the inputs ``BK`` at a time: it loads the
-values (BO, BK/2) and the position bytes, decodes each group's two indices, expands the four
-entries of each group with selects and multiplies them by the matching strided loads of x,
-accumulating in float32. Tile shape and warps are measured once per shape on the GPU.
+Each program covers ``BO`` output rows and walks the inputs ``BK`` at a time, with contiguous
+loads only: the values (BO, BK/2), the position bytes (BO, BK/8), split into the groups' codes,
+and the (tokens, BK) tile of x, split into the four entries of each group; each entry of the
+weight is then a select between the group's two values (or zero), multiplied by its entry of x
+and accumulated in float32. Tile shape and warps are measured once per shape on the GPU.
 
 :func:`reference` is the same product in plain torch; the tests run the kernel against it
 under Triton's interpreter on the CPU.
@@ -39,31 +40,39 @@ _INTERPRETER_CONFIG = (16, 128, 4)
 if HAS_TRITON:
 
     @triton.jit
-    def _gemv24_kernel(x_ptr, sxt, sxk, vals_ptr, pos_ptr, pos_stride, bias_ptr, y_ptr, T, N, K,
+    def _gemv24_kernel(x_ptr, sxt, sxk, vals_ptr, pos_ptr, pos_stride, pos_width, bias_ptr, y_ptr, T, N, K,
                        HAS_BIAS: tl.constexpr, BT: tl.constexpr, BO: tl.constexpr, BK: tl.constexpr):
-        G: tl.constexpr = BK // 4
+        G: tl.constexpr = BK // 4  # groups per step
         o = tl.program_id(0) * BO + tl.arange(0, BO)  # output rows (BO,)
         t = tl.arange(0, BT)  # tokens (BT,)
         om = o < N
         tm = t < T
         acc = tl.zeros((BT, BO, G), dtype=tl.float32)
         for k0 in range(0, K, BK):
-            g = k0 // 4 + tl.arange(0, G)  # groups (G,)
-            gm = g < K // 4
+            # the two kept values of each group: one contiguous (BO, G, 2) load
+            g = k0 // 4 + tl.arange(0, G)
             vi = 2 * g[None, :, None] + tl.arange(0, 2)[None, None, :]
-            v = tl.load(vals_ptr + o[:, None, None] * (K // 2) + vi, mask=om[:, None, None] & gm[None, :, None],
-                        other=0.0).to(tl.float32)  # (BO, G, 2): the two kept values of each group
-            v0, v1 = tl.split(v)
-            pb = tl.load(pos_ptr + o[:, None] * pos_stride + g[None, :] // 2, mask=om[:, None] & gm[None, :],
+            v = tl.load(vals_ptr + o[:, None, None] * (K // 2) + vi,
+                        mask=om[:, None, None] & (g < K // 4)[None, :, None], other=0.0).to(tl.float32)
+            v0, v1 = tl.split(v)  # (BO, G)
+            # their positions: (BO, G/2) whole bytes, two groups each (low nibble first)
+            pc = k0 // 8 + tl.arange(0, G // 2)
+            pb = tl.load(pos_ptr + o[:, None] * pos_stride + pc[None, :], mask=om[:, None] & (pc < pos_width)[None, :],
                          other=0).to(tl.int32)
-            code = (pb >> ((g[None, :] % 2) * 4)) & 15
+            code = tl.reshape(tl.join(pb & 15, pb >> 4), (BO, G))
             i0 = code & 3
             i1 = code >> 2
-            for j in tl.static_range(4):
-                d = tl.where(i0 == j, v0, tl.where(i1 == j, v1, 0.0))  # entry j of every group (BO, G)
-                xj = tl.load(x_ptr + t[:, None] * sxt + (4 * g[None, :] + j) * sxk, mask=tm[:, None] & gm[None, :],
-                             other=0.0).to(tl.float32)  # (BT, G)
-                acc += d[None, :, :] * xj[:, None, :]
+            # x: one contiguous (BT, BK) tile, split into the four entries of each group
+            c = k0 + tl.arange(0, BK)
+            xt = tl.load(x_ptr + t[:, None] * sxt + c[None, :] * sxk, mask=tm[:, None] & (c < K)[None, :],
+                         other=0.0).to(tl.float32)
+            even, odd = tl.split(tl.reshape(xt, (BT, G, 2, 2)))  # entry e = 2 * i + j: split j
+            x0, x2 = tl.split(even)
+            x1, x3 = tl.split(odd)
+            acc += tl.where(i0 == 0, v0, tl.where(i1 == 0, v1, 0.0))[None, :, :] * x0[:, None, :]
+            acc += tl.where(i0 == 1, v0, tl.where(i1 == 1, v1, 0.0))[None, :, :] * x1[:, None, :]
+            acc += tl.where(i0 == 2, v0, tl.where(i1 == 2, v1, 0.0))[None, :, :] * x2[:, None, :]
+            acc += tl.where(i0 == 3, v0, tl.where(i1 == 3, v1, 0.0))[None, :, :] * x3[:, None, :]
         y = tl.sum(acc, axis=2)  # (BT, BO)
         if HAS_BIAS:
             y += tl.load(bias_ptr + o, mask=om, other=0.0).to(tl.float32)[None, :]
@@ -94,9 +103,9 @@ def _launch(x, values, positions, bias, y, cfg) -> None:
     n = values.shape[0]
     bo, bk, warps = cfg
     b = bias if bias is not None else values
-    _gemv24_kernel[(triton.cdiv(n, bo),)](x, x.stride(0), x.stride(1), values, positions, positions.stride(0), b, y,
-                                          t, n, k, HAS_BIAS=bias is not None, BT=_block_tokens(t), BO=bo, BK=bk,
-                                          num_warps=warps)
+    _gemv24_kernel[(triton.cdiv(n, bo),)](x, x.stride(0), x.stride(1), values, positions, positions.stride(0),
+                                          positions.shape[1], b, y, t, n, k, HAS_BIAS=bias is not None,
+                                          BT=_block_tokens(t), BO=bo, BK=bk, num_warps=warps)
 
 
 def _tune(x, values, positions, bias, y) -> tuple[int, int, int]:
