@@ -179,16 +179,52 @@ def test_authors_regime_by_name(tmp_path, corpus, capsys):
     assert "--regime ours contradicts" in err and "authors" in err
 
 
-def test_export_writes_24_weights(tmp_path, corpus):
+def test_export_and_generate(tmp_path, corpus, capsys):
     out = tmp_path / "run"
     assert main(["train", *SMALL, "--data", corpus, "--out", str(out), "--recipe", "ste"]) == 0
-    assert main(["export", str(out)]) == 0
+    capsys.readouterr()
+    assert main(["export", str(out), "--out", str(tmp_path / "exp")]) == 0
+    printed = capsys.readouterr()
+    info = json.loads(printed.out)
+    assert "8 layers 2:4" in printed.err and "0.5625x" in printed.err
     from safetensors.torch import load_file
 
-    w = load_file(str(out / "model.safetensors"))
-    fc = w["h.0.mlp.fc.weight"]
-    assert torch.equal(fc != 0, mask_24(fc) & (fc != 0)) and ((fc.reshape(-1, 4) != 0).sum(1) <= 2).all()
-    assert json.loads((out / "model_config.json").read_text())["sparse_layers"] == 8
+    from twofour.packed import unpack_24
+
+    w = load_file(str(tmp_path / "exp" / "model.safetensors"))
+    fc = unpack_24(w["h.0.mlp.fc.values"], w["h.0.mlp.fc.positions"], 128).float()
+    ckpt = torch.load(out / "ckpt.pt", weights_only=True)["model"]
+    assert torch.equal(fc, (ckpt["h.0.mlp.fc.weight"] * mask_24(ckpt["h.0.mlp.fc.weight"])).bfloat16().float())
+    assert len(info["sparse_layers"]) == 8 and info["tokenizer"] == {"kind": "bytes"} and info["step"] == 8
+    # generate: the prompt, then the sampled continuation; a seed reproduces it, temperature 0 is greedy
+    args = ["generate", str(tmp_path / "exp"), "--prompt", "def f(x):", "--max-new-tokens", "20"]
+    texts = []
+    for extra in ([], [], ["--seed", "7"], ["--temperature", "0"], ["--temperature", "0", "--seed", "7"]):
+        assert main([*args, *extra]) == 0
+        texts.append(capsys.readouterr().out)
+    assert all(t.startswith("def f(x):") for t in texts)
+    assert texts[0] == texts[1] and texts[3] == texts[4]
+    # a run folder holds its export by default; generate reads it there
+    assert main(["export", str(out)]) == 0 and main(["generate", str(out), "--max-new-tokens", "5"]) == 0
+    capsys.readouterr()
+    assert "twofour export" in error_of(["generate", str(tmp_path)], capsys)  # not an export
+    assert "not a folder" in error_of(["export", str(out), "--out", str(out / "ckpt.pt")], capsys)
+    for opt, value in [("--temperature", "-1"), ("--top-k", "-2"), ("--max-new-tokens", "-1")]:
+        assert opt in error_of([*args, opt, value], capsys)
+    assert "--device" in error_of([*args, "--device", "tpu"], capsys)
+    if not torch.cuda.is_available():
+        assert "needs a CUDA GPU" in error_of(["bench", "--inference"], capsys)
+
+
+def test_export_of_a_run_that_ended_dense(tmp_path, corpus, capsys):
+    """t-sr-ste trains dense over its last sixth: its export is dense and says so."""
+    out = tmp_path / "run"
+    assert main(["train", *SMALL, "--data", corpus, "--out", str(out), "--recipe", "t-sr-ste"]) == 0
+    capsys.readouterr()
+    assert main(["export", str(out), "--dtype", "float32"]) == 0
+    printed = capsys.readouterr()
+    info = json.loads(printed.out)
+    assert info["dense"] and info["sparse_layers"] == [] and "exported dense" in printed.err
 
 
 def error_of(args, capsys):

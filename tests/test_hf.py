@@ -61,7 +61,8 @@ def test_llama():
 
 def _tiny_llama_config():
     return transformers.LlamaConfig(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=2,
-                                    num_key_value_heads=2, vocab_size=128, max_position_embeddings=64)
+                                    num_key_value_heads=2, vocab_size=128, max_position_embeddings=64, bos_token_id=0,
+                                    eos_token_id=0)
 
 
 def test_llama_ffn_sparsified_trained_saved_and_loaded(tmp_path):
@@ -98,3 +99,63 @@ def test_llama_ffn_sparsified_trained_saved_and_loaded(tmp_path):
                                 include=["*.gate_proj", "*.up_proj"])
     with pytest.raises(ValueError, match="not sparse in this model: model.layers.0.mlp.down_proj"):
         load_recipe_state(ffn_only, tmp_path)
+
+
+def _gpt2():
+    cfg = transformers.GPT2Config(n_layer=2, n_head=2, n_embd=64, vocab_size=128, n_positions=64, bos_token_id=0,
+                                  eos_token_id=0)
+    return transformers.GPT2LMHeadModel(cfg)
+
+
+def _llama():
+    return transformers.LlamaForCausalLM(_tiny_llama_config())
+
+
+def _greedy(model, ids):
+    return model.generate(ids, max_new_tokens=12, do_sample=False, pad_token_id=0)
+
+
+@pytest.mark.parametrize("make,recipe", [(_gpt2, "s-ste"), (_llama, "sr-ste")], ids=["gpt2", "llama"])
+def test_round_trip_through_save_pretrained(make, recipe, tmp_path):
+    """Sparsify, train, to_inference, save_pretrained; from_pretrained + sparsify_for_inference
+    gives the 2:4 layers back and the same greedy tokens."""
+    torch.manual_seed(0)
+    model = make()
+    twofour.sparsify(model, recipe)
+    _train_steps(model, 128, steps=3)
+    model.eval()
+    ids = torch.randint(0, 128, (2, 6), generator=torch.Generator().manual_seed(3))
+    with torch.no_grad():
+        before = model(ids).logits
+    names = twofour.to_inference(model)
+    assert names and all(isinstance(model.get_submodule(n), twofour.SparseInferenceLinear) for n in names)
+    with torch.no_grad():
+        torch.testing.assert_close(model(ids).logits, before, rtol=1e-5, atol=1e-5)
+    tokens = _greedy(model, ids)
+    model.save_pretrained(tmp_path)
+    loaded = type(model).from_pretrained(tmp_path)  # any transformers loads it: dense layers, 2:4 weights
+    assert loaded.config.twofour["sparse_layers"] == names
+    twofour.sparsify_for_inference(loaded)
+    assert {n for n, m in loaded.named_modules() if isinstance(m, twofour.SparseInferenceLinear)} == set(names)
+    assert torch.equal(_greedy(loaded, ids), tokens)
+    loaded.save_pretrained(tmp_path / "again")  # and it saves in the model's own layout again
+    again = type(model).from_pretrained(tmp_path / "again")
+    assert torch.equal(_greedy(again, ids), tokens)
+
+
+def test_sparsify_for_inference_detects_and_refuses(tmp_path):
+    torch.manual_seed(0)
+    model = _gpt2()
+    twofour.sparsify(model, "ste", include=["*.mlp.*"])
+    names = twofour.to_inference(model)
+    model.save_pretrained(tmp_path)
+    plain = type(model).from_pretrained(tmp_path)
+    del plain.config.twofour  # no record: the 2:4 weights are found by looking
+    twofour.sparsify_for_inference(plain)
+    assert {n for n, m in plain.named_modules() if isinstance(m, twofour.SparseInferenceLinear)} == set(names)
+    broken = type(model).from_pretrained(tmp_path)
+    with torch.no_grad():
+        broken.transformer.h[1].mlp.c_proj.weight[:4] = 1.0  # no longer 2:4
+    with pytest.raises(ValueError, match="transformer.h.1.mlp.c_proj: listed as a 2:4 layer, but its weight is not"):
+        twofour.sparsify_for_inference(broken)
+    assert not any(isinstance(m, twofour.SparseInferenceLinear) for m in broken.modules())  # nothing half-done

@@ -470,9 +470,10 @@ def run_bench(args: argparse.Namespace) -> str:
     return report
 
 
-def _write_section(path: Path, report: str) -> None:
-    """Replace the text between the bench markers of ``path`` (or append them) with ``report``."""
-    begin, end = "<!-- bench:begin -->", "<!-- bench:end -->"
+def _write_section(path: Path, report: str, marker: str = "bench") -> None:
+    """Replace the text between the ``marker`` markers of ``path`` (``<!-- bench:begin -->`` and
+    ``<!-- bench:end -->`` by default; or append them) with ``report``."""
+    begin, end = f"<!-- {marker}:begin -->", f"<!-- {marker}:end -->"
     text = path.read_text() if path.exists() else ""
     block = f"{begin}\n{report}{end}"
     if begin in text and end in text:

@@ -1,4 +1,4 @@
-"""The ``twofour`` command: ``train``, ``compare``, ``export`` (and ``bench`` on a GPU)."""
+"""The ``twofour`` command: ``train``, ``compare``, ``export``, ``generate`` (and ``bench`` on a GPU)."""
 
 from __future__ import annotations
 
@@ -147,12 +147,57 @@ def _cmd_compare(a: argparse.Namespace) -> int:
 def _cmd_export(a: argparse.Namespace) -> int:
     from .export import export  # noqa: PLC0415
 
-    info = export(a.run, a.out)
+    info = export(a.run, a.out, a.dtype)
     print(json.dumps(info, indent=2))
+    if info["dense"]:
+        print(f"twofour export: {info['dense_reason']}; wrote {info['out']}", file=sys.stderr)
+    else:
+        print(f"twofour export: {len(info['sparse_layers'])} layers 2:4 as values + positions "
+              f"({info['sparse_layer_ratio']:.4f}x of their dense {info['dtype']} bytes); wrote {info['out']}",
+              file=sys.stderr)
+    return 0
+
+
+def _cmd_generate(a: argparse.Namespace) -> int:
+    import torch  # noqa: PLC0415
+
+    from .inference import load_for_inference, read_export_config  # noqa: PLC0415
+    from .sampling import IdCodec, codec_from_dict, generate  # noqa: PLC0415
+
+    for opt, value, ok in (("--max-new-tokens", a.max_new_tokens, a.max_new_tokens >= 0),
+                           ("--temperature", a.temperature, a.temperature >= 0), ("--top-k", a.top_k, a.top_k >= 0)):
+        if not ok:  # (a NaN temperature fails too)
+            raise ValueError(f"{opt} must be >= 0, got {value}")
+    cfg = read_export_config(a.dir)
+    if a.device == "auto":
+        device = "cuda" if torch.cuda.is_available() else "cpu"
+    elif a.device.split(":")[0] not in ("cpu", "cuda"):
+        raise ValueError(f"--device must be auto, cpu or cuda, got {a.device!r}")
+    elif a.device.startswith("cuda") and not torch.cuda.is_available():
+        raise ValueError("--device cuda was asked for, but no CUDA GPU is available")
+    else:
+        device = a.device
+    codec = codec_from_dict(cfg.get("tokenizer"), cfg["model"]["vocab_size"])
+    ids = codec.encode(a.prompt)
+    if not ids:
+        raise ValueError("--prompt is empty: give at least one token")
+    if isinstance(codec, IdCodec):
+        print("twofour generate: this export records no tokenizer: the prompt and the output are token ids",
+              file=sys.stderr)
+    model = load_for_inference(a.dir, device)
+    gen = torch.Generator(device).manual_seed(a.seed)
+    out = generate(model, torch.tensor([ids], device=device), a.max_new_tokens, temperature=a.temperature,
+                   top_k=a.top_k or None, generator=gen)
+    print(codec.decode(out[0].tolist()))
     return 0
 
 
 def _cmd_bench(a: argparse.Namespace) -> int:
+    if a.inference:
+        from .bench_inference import run_inference_bench  # noqa: PLC0415
+
+        run_inference_bench(a)
+        return 0
     from .bench import run_bench  # noqa: PLC0415
 
     run_bench(a)
@@ -203,16 +248,34 @@ def build_parser() -> argparse.ArgumentParser:
     c.add_argument("--seeds", default=None, help="comma-separated seeds, each recipe once per seed (default --seed)")
     _run_args(c, "runs/compare")
     c.set_defaults(func=_cmd_compare)
-    e = sub.add_parser("export", help="write a trained run's 2:4 weights (effective weights) for inference")
+    e = sub.add_parser("export", help="write a trained run for inference: 2:4 layers as values + positions "
+                       "(docs/export-format.md)")
     e.add_argument("run", help="run folder or checkpoint file")
-    e.add_argument("--out", default=None, help="output file (default RUN/model.safetensors)")
+    e.add_argument("--out", default=None, help="output folder (default: the run's folder); gets model.safetensors "
+                   "and model_config.json")
+    e.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float16", "float32"],
+                   help="dtype of the stored weights (default %(default)s)")
     e.set_defaults(func=_cmd_export)
+    g = sub.add_parser("generate", help="sample from an exported model (twofour export), with a KV cache")
+    g.add_argument("dir", help="export folder (a run folder after `twofour export RUN`)")
+    g.add_argument("--prompt", default="\n", help="text to continue (token ids separated by spaces for a model "
+                   "without a known tokenizer; default a newline)")
+    g.add_argument("--max-new-tokens", type=int, default=300, help="tokens to sample (default %(default)s)")
+    g.add_argument("--temperature", type=float, default=0.8, help="softmax temperature; 0 takes the most likely "
+                   "token (default %(default)s)")
+    g.add_argument("--top-k", type=int, default=50, help="sample among the k most likely tokens; 0: all "
+                   "(default %(default)s)")
+    g.add_argument("--seed", type=int, default=1337, help="sampling seed (default %(default)s)")
+    g.add_argument("--device", default="auto", help="auto, cpu, cuda (default %(default)s)")
+    g.set_defaults(func=_cmd_generate)
     b = sub.add_parser("bench", help="time twofour against dense bf16 on this GPU; print the tables (needs CUDA)")
     b.add_argument("--quick", action="store_true", help="fewer shapes and repetitions")
+    b.add_argument("--inference", action="store_true", help="instead: an exported 2:4 gpt2-774m against its dense "
+                   "twin: weight bytes, prefill and decode tokens/s (CUDA graphs, static KV cache)")
     b.add_argument("--write", default=None, help="also write the markdown tables into this file (e.g. "
-                   "docs/PERFORMANCE.md, between its bench markers)")
+                   "docs/PERFORMANCE.md, between its bench markers; --inference: its inference markers)")
     b.set_defaults(func=_cmd_bench)
-    p.commands = {"train": t, "compare": c, "export": e, "bench": b}
+    p.commands = {"train": t, "compare": c, "export": e, "generate": g, "bench": b}
     return p
 
 

@@ -1,29 +1,46 @@
-"""``twofour export``: a trained run's weights for inference, with every sparse layer's weight
-replaced by its effective 2:4 weight, so the file loads into a plain dense model too."""
+"""``twofour export``: a trained run as an inference folder (docs/export-format.md): every 2:4
+layer's effective weight as kept values + 2-bit positions, the dense layers as they are, and
+``model_config.json`` with what :func:`twofour.load_for_inference` needs to rebuild it."""
 
 from __future__ import annotations
 
-import json
-import stat
 from pathlib import Path
 from typing import Any
 
 import torch
 
-from . import sparse_layers
 from .config import TrainConfig, TrainError
-from .layer import RECIPE_BUFFERS
-from .runs import MODEL_CONFIG, WEIGHTS, read_checkpoint
+from .data import _read_meta
+from .inference import save_inference
+from .runs import read_checkpoint
+from .sampling import BYTES, CharCodec, Codec, IdCodec
 from .train import build_model
 
-__all__ = ["export"]
+__all__ = ["export", "run_codec"]
 
 
-def export(run: str | Path, out: str | Path | None = None) -> dict[str, Any]:
-    """Write ``model.safetensors`` (or ``.pt`` without safetensors) and ``model_config.json``.
+def run_codec(cfg: TrainConfig, vocab_size: int) -> Codec:
+    """How a run's tokens map to text: bytes for every text corpus (vocabulary 256), nanoGPT's
+    characters for token shards whose ``meta.pkl`` has ``itos``, else bare token ids."""
+    data = cfg.data
+    folder = Path(data) if data and not data.startswith("hf:") else None
+    if folder is not None and folder.is_dir() and any(folder.glob("*.bin")):
+        meta = folder / "meta.pkl"
+        itos = _read_meta(meta).get("itos") if meta.exists() else None
+        if isinstance(itos, dict) and sorted(itos) == list(range(vocab_size)):
+            itos = [itos[i] for i in range(vocab_size)]
+        if isinstance(itos, list) and len(itos) == vocab_size and all(isinstance(s, str) for s in itos):
+            return CharCodec(itos)
+        return IdCodec(vocab_size)
+    return BYTES if vocab_size == 256 else IdCodec(vocab_size)
 
-    Weights tied to another (the model's ``tied_weights``, e.g. GPT's output head) are stored
-    once, under their source's name."""
+
+def export(run: str | Path, out: str | Path | None = None, dtype: str = "bfloat16") -> dict[str, Any]:
+    """Write the run's model for inference into the folder ``out`` (default: the run's folder):
+    ``model.safetensors`` (``model.pt`` without safetensors) and ``model_config.json``.
+
+    A run that ended in a dense phase (t-sr-ste's dense fine-tune) is exported dense, and the
+    returned config says so (``dense``, ``dense_reason``). Returns the config written."""
     ckpt = read_checkpoint(run)
     try:
         cfg = TrainConfig.from_dict(ckpt["config"])
@@ -33,27 +50,12 @@ def export(run: str | Path, out: str | Path | None = None) -> dict[str, Any]:
         raise
     except Exception as e:
         raise TrainError(f"{run} is not a readable twofour checkpoint ({type(e).__name__}: {e})") from None
-    sparse = 0
-    with torch.no_grad():
-        for _, layer in sparse_layers(model):
-            if layer.recipe.sparse:
-                layer.weight.copy_(layer.effective_weight())
-                sparse += 1
-    tied = dict(getattr(model, "tied_weights", {}))
-    tensors = {k: v.contiguous() for k, v in model.state_dict().items()
-               if k.rpartition(".")[2] not in RECIPE_BUFFERS and k not in tied}
     path = Path(run)
-    out = Path(out) if out else (path if path.is_dir() else path.parent) / WEIGHTS
+    out = Path(out) if out else (path if path.is_dir() else path.parent)
     try:
-        from safetensors.torch import save_file  # noqa: PLC0415
-
-        save_file(tensors, str(out))
-    except ImportError:
-        out = out.with_suffix(".pt")
-        torch.save(tensors, out)
-    meta = {"preset": cfg.model, "vocab_size": model.vocab_size, "block_size": cfg.seq_len, "recipe": cfg.recipe,
-            "sparse_layers": sparse, "tied_lm_head": bool(tied), "tied_weights": tied, "step": ckpt["step"]}
-    config = out.with_name(MODEL_CONFIG)
-    config.write_text(json.dumps(meta, indent=2))
-    out.chmod(stat.S_IMODE(config.stat().st_mode))  # safetensors creates its file private (0600)
-    return {"weights": str(out), **meta}
+        codec = run_codec(cfg, model.vocab_size)
+    except Exception:  # a meta.pkl that moved or broke: the model is still worth exporting
+        codec = IdCodec(model.vocab_size)
+    meta = {"preset": cfg.model, "recipe": cfg.recipe, "step": ckpt["step"], "tokenizer": codec.to_dict()}
+    with torch.no_grad():
+        return {"out": str(out), **save_inference(model, out, dtype=dtype, meta=meta)}

@@ -20,10 +20,11 @@ from typing import ClassVar
 import torch
 from torch import nn
 from torch.nn import functional as F
+from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from .gated import swiglu
 
-__all__ = ["GPTConfig", "GPT", "LlamaConfig", "Llama", "GatedMLP", "Preset", "PRESETS", "FFN_PATTERNS",
+__all__ = ["GPTConfig", "GPT", "LlamaConfig", "Llama", "GatedMLP", "KVCache", "Preset", "PRESETS", "FFN_PATTERNS",
            "FFN_IN_PATTERNS", "ATTN_PATTERNS"]
 
 #: Module-name patterns of the FFN and attention linears, for ``twofour.sparsify(include=...)``:
@@ -76,6 +77,43 @@ class LlamaConfig:
         return -(-h // self.ffn_multiple) * self.ffn_multiple
 
 
+#: The attention kernels a cached forward may use: both take a boolean mask of any length and
+#: run inside CUDA graphs.
+_MASKED_BACKENDS = [SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH]
+
+
+class KVCache:
+    """Static keys and values of every layer for generation: ``k`` and ``v`` of shape
+    (layers, batch, heads, max_len, head_dim), and ``pos``, the next position to write, a
+    0-dim tensor on the cache's device. Nothing in a cached forward depends on host-side state,
+    so a decoding step can be captured in a CUDA graph and replayed."""
+
+    def __init__(self, cfg: GPTConfig | LlamaConfig, batch: int, max_len: int,
+                 device: torch.device | str | None = None, dtype: torch.dtype = torch.float32):
+        if not 1 <= max_len <= cfg.block_size:
+            raise ValueError(f"KVCache: max_len must be in 1..block_size={cfg.block_size}, got {max_len}")
+        shape = (cfg.n_layer, batch, cfg.n_head, max_len, cfg.n_embd // cfg.n_head)
+        self.k = torch.zeros(shape, device=device, dtype=dtype)
+        self.v = torch.zeros(shape, device=device, dtype=dtype)
+        self.pos = torch.zeros((), dtype=torch.long, device=device)
+        self.batch, self.max_len = batch, max_len
+
+    def reset(self) -> None:
+        """Start over: the next forward writes at position 0 (in place, so graphs see it)."""
+        self.pos.zero_()
+
+
+def _cached_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv: tuple) -> torch.Tensor:
+    """Write this call's keys and values into the layer's cache at their positions and attend
+    to everything up to each query's position (``kv``: cache k, cache v, positions, mask)."""
+    k_cache, v_cache, positions, visible = kv
+    k_cache.index_copy_(2, positions, k.to(k_cache.dtype))
+    v_cache.index_copy_(2, positions, v.to(v_cache.dtype))
+    with sdpa_kernel(_MASKED_BACKENDS):
+        y = F.scaled_dot_product_attention(q.to(k_cache.dtype), k_cache, v_cache, attn_mask=visible)
+    return y.to(q.dtype)
+
+
 class CausalSelfAttention(nn.Module):
     def __init__(self, cfg: GPTConfig):
         super().__init__()
@@ -84,11 +122,15 @@ class CausalSelfAttention(nn.Module):
         self.proj = nn.Linear(cfg.n_embd, cfg.n_embd, bias=cfg.bias)
         self.dropout = cfg.dropout
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, kv: tuple | None = None) -> torch.Tensor:
         b, t, c = x.shape
         q, k, v = self.qkv(x).split(c, dim=2)
         q, k, v = (z.view(b, t, self.n_head, c // self.n_head).transpose(1, 2) for z in (q, k, v))
-        y = F.scaled_dot_product_attention(q, k, v, is_causal=True, dropout_p=self.dropout if self.training else 0.0)
+        if kv is None:
+            y = F.scaled_dot_product_attention(q, k, v, is_causal=True,
+                                               dropout_p=self.dropout if self.training else 0.0)
+        else:
+            y = _cached_attention(q, k, v, kv)
         return self.proj(y.transpose(1, 2).reshape(b, t, c))
 
 
@@ -111,8 +153,8 @@ class Block(nn.Module):
         self.ln_2 = nn.LayerNorm(cfg.n_embd, bias=cfg.bias)
         self.mlp = MLP(cfg)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        x = x + self.attn(self.ln_1(x))
+    def forward(self, x: torch.Tensor, kv: tuple | None = None) -> torch.Tensor:
+        x = x + self.attn(self.ln_1(x), kv)
         return x + self.mlp(self.ln_2(x))
 
 
@@ -159,9 +201,32 @@ class _LanguageModel(nn.Module):
         """The submodules FSDP shards one by one (each gathered just before it runs): the blocks."""
         return list(self.h)
 
+    def reset_buffers(self) -> None:
+        """Recompute the buffers a state dict doesn't hold (a model loaded onto the meta device
+        needs them): none for GPT, the rotary tables for Llama."""
+
     def _check_length(self, t: int) -> None:
         if t > self.cfg.block_size:
             raise ValueError(f"sequence of length {t} is longer than block_size={self.cfg.block_size}")
+
+    def make_cache(self, batch: int, max_len: int | None = None, dtype: torch.dtype | None = None) -> KVCache:
+        """An empty :class:`KVCache` for ``batch`` sequences of up to ``max_len`` (default
+        block_size) tokens, on the model's device, in its weights' dtype unless given."""
+        w = self.wte.weight
+        return KVCache(self.cfg, batch, max_len or self.cfg.block_size, w.device, dtype or w.dtype)
+
+    @staticmethod
+    def _cache_positions(idx: torch.Tensor, cache: KVCache) -> tuple[torch.Tensor, torch.Tensor]:
+        """The positions of ``idx``'s tokens in ``cache`` and the additive attention mask (t,
+        max_len) that shows each query the keys up to its own position (later slots are empty or
+        stale), made once for all layers."""
+        t = idx.shape[1]
+        if t > cache.max_len:
+            raise ValueError(f"{t} tokens don't fit a KV cache of {cache.max_len} positions")
+        positions = cache.pos + torch.arange(t, device=idx.device)
+        hidden = torch.arange(cache.max_len, device=idx.device) > positions[:, None]
+        visible = torch.zeros(hidden.shape, dtype=cache.k.dtype, device=idx.device).masked_fill_(hidden, float("-inf"))
+        return positions, visible
 
     def _head(self, x: torch.Tensor, targets: torch.Tensor | None):
         logits = self.lm_head(self.ln_f(x))
@@ -192,7 +257,20 @@ class GPT(_LanguageModel):
     #: head is the token embedding. Exports store the source only.
     tied_weights: ClassVar[dict[str, str]] = {"lm_head.weight": "wte.weight"}
 
-    def forward(self, idx: torch.Tensor, targets: torch.Tensor | None = None):
+    def forward(self, idx: torch.Tensor, targets: torch.Tensor | None = None, cache: KVCache | None = None):
+        """Logits (B, T, vocab) and the mean loss against ``targets`` (or None).
+
+        With a ``cache`` (generation): the tokens take positions ``cache.pos`` onwards, attend to
+        everything the cache holds before them, are written into it, and ``cache.pos`` moves on;
+        logits come back for the last position only (B, 1, vocab). A prompt is one call (after
+        ``cache.reset()``), each new token another."""
+        if cache is not None:
+            positions, visible = self._cache_positions(idx, cache)
+            x = self.drop(self.wte(idx) + self.wpe(positions))
+            for i, block in enumerate(self.h):
+                x = block(x, (cache.k[i], cache.v[i], positions, visible))
+            cache.pos.add_(idx.shape[1])
+            return self.lm_head(self.ln_f(x[:, -1:])), None
         t = idx.shape[1]
         self._check_length(t)
         pos = torch.arange(t, device=idx.device)
@@ -230,12 +308,12 @@ class LlamaAttention(nn.Module):
         self.qkv = nn.Linear(cfg.n_embd, 3 * cfg.n_embd, bias=False)
         self.proj = nn.Linear(cfg.n_embd, cfg.n_embd, bias=False)
 
-    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, kv: tuple | None = None) -> torch.Tensor:
         b, t, c = x.shape
         q, k, v = self.qkv(x).split(c, dim=2)
         q, k, v = (z.view(b, t, self.n_head, c // self.n_head).transpose(1, 2) for z in (q, k, v))
         q, k = _rotate(q, cos, sin), _rotate(k, cos, sin)
-        y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        y = F.scaled_dot_product_attention(q, k, v, is_causal=True) if kv is None else _cached_attention(q, k, v, kv)
         return self.proj(y.transpose(1, 2).reshape(b, t, c))
 
 
@@ -261,8 +339,8 @@ class LlamaBlock(nn.Module):
         self.ln_2 = nn.RMSNorm(cfg.n_embd, eps=cfg.norm_eps)
         self.mlp = GatedMLP(cfg.n_embd, cfg.hidden)
 
-    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-        x = x + self.attn(self.ln_1(x), cos, sin)
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, kv: tuple | None = None) -> torch.Tensor:
+        x = x + self.attn(self.ln_1(x), cos, sin, kv)
         return x + self.mlp(self.ln_2(x))
 
 
@@ -289,12 +367,26 @@ class Llama(_LanguageModel):
         self.register_buffer("rope_sin", sin, persistent=False)
         self._init_all(residual=("attn.proj.weight", "mlp.down.weight"))
 
+    def reset_buffers(self) -> None:
+        """Recompute the rotary tables (not saved in state dicts) on the CPU."""
+        self.rope_cos, self.rope_sin = _rope_tables(self.cfg)
+
     @property
     def tied_weights(self) -> dict[str, str]:
         """Parameters that are another parameter under a second name (alias -> source)."""
         return {"lm_head.weight": "wte.weight"} if self.cfg.tie_embeddings else {}
 
-    def forward(self, idx: torch.Tensor, targets: torch.Tensor | None = None):
+    def forward(self, idx: torch.Tensor, targets: torch.Tensor | None = None, cache: KVCache | None = None):
+        """Logits and the mean loss against ``targets`` (or None); with a ``cache``, as
+        :meth:`GPT.forward`: last-position logits, the cache written and advanced."""
+        if cache is not None:
+            positions, visible = self._cache_positions(idx, cache)
+            cos, sin = self.rope_cos[positions], self.rope_sin[positions]
+            x = self.wte(idx)
+            for i, block in enumerate(self.h):
+                x = block(x, cos, sin, (cache.k[i], cache.v[i], positions, visible))
+            cache.pos.add_(idx.shape[1])
+            return self.lm_head(self.ln_f(x[:, -1:])), None
         t = idx.shape[1]
         self._check_length(t)
         cos, sin = self.rope_cos[:t], self.rope_sin[:t]

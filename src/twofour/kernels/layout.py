@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import torch
 
-__all__ = ["compressed_size", "compress_reference", "decompress_reference", "supported_shape"]
+__all__ = ["compressed_size", "compress_reference", "compress_codes", "decompress_reference", "supported_shape"]
 
 
 _PAD_CODE = 14  # padding rows read as "keep 2 and 3" of zeros, as cuSPARSELt writes them
@@ -68,9 +68,19 @@ def compress_reference(a: torch.Tensor, mask: torch.Tensor | None = None) -> tor
         mask = a != 0
     if not bool((mask.reshape(m, -1, 4).sum(2) == 2).all()):
         raise ValueError("compress_reference needs exactly two kept entries in every group of 4")
-    values = a[mask].reshape(m, k // 2).contiguous()
-    meta = _meta_words(_codes(mask))
-    return torch.cat([values.view(torch.uint8).reshape(-1), meta.view(torch.uint8).reshape(-1)])
+    return compress_codes(a[mask].reshape(m, k // 2), _codes(mask))
+
+
+def compress_codes(values: torch.Tensor, codes: torch.Tensor) -> torch.Tensor:
+    """cuSPARSELt's compressed bytes (uint8) from the kept values, (M, K/2) in ascending column
+    order per group, and each group's 4-bit code ``i0 | i1 << 2`` (M, K/4; i0 < i1): what a
+    matrix already stored as values and positions needs, without going back to dense."""
+    m, half = values.shape
+    if codes.shape != (m, half // 2) or not supported_shape(m, 2 * half):
+        raise ValueError(f"compress_codes: values {tuple(values.shape)} and codes {tuple(codes.shape)} don't "
+                         "describe an (M, K) matrix with K a multiple of 32")
+    meta = _meta_words(codes.to(torch.int32))
+    return torch.cat([values.contiguous().view(torch.uint8).reshape(-1), meta.view(torch.uint8).reshape(-1)])
 
 
 def decompress_reference(buf: torch.Tensor, m: int, k: int, dtype: torch.dtype = torch.bfloat16) -> torch.Tensor:
