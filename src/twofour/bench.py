@@ -172,14 +172,14 @@ def _swiglu_kernels(t: int, h: int, bw: float, quick: bool) -> dict[str, tuple[f
     GB/s (the bytes each must read and write once; kernel time by CUDA graph replay), fraction of
     copy bandwidth, and the time of torch's unfused eager ops for the same work over the fused
     call's (both eager)."""
+    def stored(rows: int, cols: int, column_major: bool) -> torch.Tensor:
+        shape = (cols, rows) if column_major else (rows, cols)
+        z = torch.randn(*shape, device="cuda", dtype=torch.bfloat16)
+        return z.t() if column_major else z
+
     res = {}
-    for order in ("z row-major", "z^T stored (z column-major)"):
-        if order == "z row-major":
-            z = torch.randn(t, 2 * h, device="cuda", dtype=torch.bfloat16)
-            dh = torch.randn(t, h, device="cuda", dtype=torch.bfloat16)
-        else:
-            z = torch.randn(2 * h, t, device="cuda", dtype=torch.bfloat16).t()
-            dh = torch.randn(h, t, device="cuda", dtype=torch.bfloat16).t()
+    for order, column_major in (("z row-major", False), ("z^T stored (z column-major)", True)):
+        z, dh = stored(t, 2 * h, column_major), stored(t, h, column_major)
         for name, row in _swiglu_kernel_rows(z, dh, bw, quick).items():
             res[f"{name}, {order}"] = row
     return res

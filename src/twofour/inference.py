@@ -191,7 +191,7 @@ class SparseInferenceLinear(nn.Module):
             return ops.spmm(self._packed, xp.t(), n, row_major, b).t()[:t]
 
         routes = {"sparse": lambda: cusparselt(True)}
-        if self.transposed_output:
+        if self.transposed_output and t % 8 == 0:  # padded, y^T's slice is no longer one column-major tensor
             routes["sparse_dr"] = lambda: cusparselt(False)
         if t <= _gemv.MAX_TOKENS and not torch.compiler.is_compiling():
             routes["sparse_gemv"] = lambda: _gemv.gemv24(x2, self.values, self.positions, b)
@@ -293,7 +293,7 @@ def sparsify_for_inference(model: nn.Module, layers: list[str] | None = None) ->
 
     The layers are ``layers``, else those its Hugging Face config lists under ``twofour`` (what
     :func:`to_inference` recorded before ``save_pretrained``), else every ``nn.Linear`` or
-    ``Conv1D`` whose weight is 2:4. A listed layer that is missing or whose weight isn't 2:4 is
+    ``Conv1D`` whose weight is 2:4 and not all zeros. A listed layer that is missing or whose weight isn't 2:4 is
     a ValueError naming it, and then no layer has been changed.
     """
     if layers is None:
@@ -309,7 +309,9 @@ def sparsify_for_inference(model: nn.Module, layers: list[str] | None = None) ->
     new = {}
     if layers is None:  # detect: every linear whose weight is 2:4
         for name, mod in mods.items():
-            if linear(mod) and id(mod.weight) not in tied and _as_out_in(mod).shape[1] % 4 == 0:
+            # an all-zero weight (e.g. zero-initialized) is trivially 2:4, but nothing marks it sparse
+            if (linear(mod) and id(mod.weight) not in tied and _as_out_in(mod).shape[1] % 4 == 0
+                    and bool(mod.weight.detach().any())):
                 try:
                     new[name] = SparseInferenceLinear.from_weight(_as_out_in(mod), mod.bias, packed_state=False,
                                                                   conv1d=_is_hf_conv1d(mod))
@@ -345,9 +347,15 @@ def _dtype_name(dtype: torch.dtype) -> str:
 
 
 def _write_atomically(path: Path, write) -> None:
+    """``write(tmp)`` then rename tmp to ``path``: a reader never sees half a file, and a failed
+    write leaves nothing behind."""
     tmp = path.with_name(path.name + ".tmp")
-    write(tmp)
-    os.replace(tmp, path)
+    try:
+        write(tmp)
+        os.replace(tmp, path)
+    except BaseException:
+        tmp.unlink(missing_ok=True)
+        raise
 
 
 #: The models an export holds, by the name its config gives (``architecture``).

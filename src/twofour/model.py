@@ -263,7 +263,9 @@ class GPT(_LanguageModel):
         With a ``cache`` (generation): the tokens take positions ``cache.pos`` onwards, attend to
         everything the cache holds before them, are written into it, and ``cache.pos`` moves on;
         logits come back for the last position only (B, 1, vocab). A prompt is one call (after
-        ``cache.reset()``), each new token another."""
+        ``cache.reset()``), each new token another. The caller keeps ``cache.pos`` plus the tokens
+        within the cache's ``max_len`` (nothing checks it on the host, so that the step can be
+        captured in a CUDA graph; :func:`twofour.generate` restarts a full cache)."""
         if cache is not None:
             positions, visible = self._cache_positions(idx, cache)
             x = self.drop(self.wte(idx) + self.wpe(positions))
@@ -368,8 +370,10 @@ class Llama(_LanguageModel):
         self._init_all(residual=("attn.proj.weight", "mlp.down.weight"))
 
     def reset_buffers(self) -> None:
-        """Recompute the rotary tables (not saved in state dicts) on the CPU."""
-        self.rope_cos, self.rope_sin = _rope_tables(self.cfg)
+        """Recompute the rotary tables (not saved in state dicts), on the embedding's device (the
+        CPU while it is on the meta device)."""
+        dev = self.wte.weight.device
+        self.rope_cos, self.rope_sin = (t.to("cpu" if dev.type == "meta" else dev) for t in _rope_tables(self.cfg))
 
     @property
     def tied_weights(self) -> dict[str, str]:

@@ -154,6 +154,8 @@ def _run(name: str, args: tuple, rows: int, cols: int, key: tuple, consts: dict,
         kernel[(triton.cdiv(rows, br), triton.cdiv(cols, bc))](*args, **consts, BR=br, BC=bc)
         return
     cfg = tile or _launch.get((name, *key))
+    if cfg is None and torch.cuda.is_current_stream_capturing():  # no autotuning inside a CUDA graph capture
+        cfg = (*_TILE, 4)
     if cfg is None:
         tuned[lambda meta: (triton.cdiv(rows, meta["BR"]), triton.cdiv(cols, meta["BC"]))](*args, **consts)
         best = getattr(tuned, "best_config", None)
