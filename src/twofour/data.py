@@ -144,7 +144,7 @@ class _PlainUnpickler(pickle.Unpickler):
         raise pickle.UnpicklingError(f"refusing to load the global {module}.{name}")
 
 
-def _read_meta(meta: Path) -> dict:
+def read_meta(meta: Path) -> dict:
     """nanoGPT's ``meta.pkl`` (``vocab_size``, and ``stoi``/``itos`` for character-level data),
     read without running code: a pickle holding anything but plain data is refused."""
     try:
@@ -175,7 +175,7 @@ def _bin_shards(folder: Path, vocab_size: int | None) -> TokenData:
         if not meta.exists():
             raise DataError(f"{folder}: .bin shards need their vocabulary size: pass --vocab-size "
                             "(50257 for GPT-2's tokenizer) or put nanoGPT's meta.pkl beside them")
-        vocab_size = _read_meta(meta)["vocab_size"]
+        vocab_size = read_meta(meta)["vocab_size"]
 
     def load(paths: list[Path]) -> np.ndarray:
         arrs = [np.memmap(p, dtype=np.uint16, mode="r") for p in paths if p.stat().st_size >= 2]

@@ -10,7 +10,7 @@ from typing import Any
 import torch
 
 from .config import TrainConfig, TrainError
-from .data import _read_meta
+from .data import read_meta
 from .inference import save_inference
 from .runs import read_checkpoint
 from .sampling import BYTES, CharCodec, Codec, IdCodec
@@ -26,7 +26,7 @@ def run_codec(cfg: TrainConfig, vocab_size: int) -> Codec:
     folder = Path(data) if data and not data.startswith("hf:") else None
     if folder is not None and folder.is_dir() and any(folder.glob("*.bin")):
         meta = folder / "meta.pkl"
-        itos = _read_meta(meta).get("itos") if meta.exists() else None
+        itos = read_meta(meta).get("itos") if meta.exists() else None
         if isinstance(itos, dict) and sorted(itos) == list(range(vocab_size)):
             itos = [itos[i] for i in range(vocab_size)]
         if isinstance(itos, list) and len(itos) == vocab_size and all(isinstance(s, str) for s in itos):

@@ -36,7 +36,7 @@ from .layer import SparseLinear
 from .model import FFN_IN_PATTERNS, GPT, GPTConfig, Llama, LlamaConfig
 from .packed import check_positions, pack_24, position_codes, positions_width, unpack_24
 from .runs import CKPT, MODEL_CONFIG, WEIGHTS
-from .sparsify import _is_hf_conv1d, _matches, sparse_layers
+from .sparsify import is_hf_conv1d, matches, sparse_layers
 
 __all__ = ["SparseInferenceLinear", "to_inference", "sparsify_for_inference", "save_inference",
            "load_for_inference", "read_export_config", "FORMAT", "FORMAT_VERSION", "HF_CONFIG_KEY"]
@@ -283,7 +283,7 @@ def to_inference(model: nn.Module, *, packed_state: bool = False) -> list[str]:
 
 
 def _as_out_in(mod: nn.Module) -> torch.Tensor:
-    return mod.weight.detach().t() if _is_hf_conv1d(mod) else mod.weight.detach()
+    return mod.weight.detach().t() if is_hf_conv1d(mod) else mod.weight.detach()
 
 
 @torch.no_grad()
@@ -304,7 +304,7 @@ def sparsify_for_inference(model: nn.Module, layers: list[str] | None = None) ->
     tied = {id(m.weight) for m in model.modules() if isinstance(m, nn.Embedding)}
 
     def linear(m: nn.Module) -> bool:
-        return (isinstance(m, nn.Linear) and not isinstance(m, SparseLinear)) or _is_hf_conv1d(m)
+        return (isinstance(m, nn.Linear) and not isinstance(m, SparseLinear)) or is_hf_conv1d(m)
 
     new = {}
     if layers is None:  # detect: every linear whose weight is 2:4
@@ -314,7 +314,7 @@ def sparsify_for_inference(model: nn.Module, layers: list[str] | None = None) ->
                     and bool(mod.weight.detach().any())):
                 try:
                     new[name] = SparseInferenceLinear.from_weight(_as_out_in(mod), mod.bias, packed_state=False,
-                                                                  conv1d=_is_hf_conv1d(mod))
+                                                                  conv1d=is_hf_conv1d(mod))
                 except ValueError:
                     continue
     else:
@@ -326,7 +326,7 @@ def sparsify_for_inference(model: nn.Module, layers: list[str] | None = None) ->
                 raise ValueError(f"{name}: listed as a 2:4 layer, but the model has no linear layer of that name")
             try:
                 new[name] = SparseInferenceLinear.from_weight(_as_out_in(mod), mod.bias, packed_state=False,
-                                                              conv1d=_is_hf_conv1d(mod))
+                                                              conv1d=is_hf_conv1d(mod))
             except ValueError as e:
                 raise ValueError(f"{name}: listed as a 2:4 layer, but its weight is {e}") from None
     for name, layer in new.items():
@@ -534,7 +534,7 @@ def load_for_inference(path: str | Path, device: str | torch.device | None = Non
                              "of that name")
         _replace(model, name, SparseInferenceLinear(lin.in_features, lin.out_features, lin.bias is not None,
                                                     device="meta", dtype=stored,
-                                                    transposed_output=_matches(name, FFN_IN_PATTERNS)))
+                                                    transposed_output=matches(name, FFN_IN_PATTERNS)))
     expected = {k: v for k, v in model.state_dict().items() if k not in tied}
     if any(src not in expected for src in tied.values()):
         raise TrainError(f"{path / MODEL_CONFIG}: tied_weights names a weight the model doesn't have")

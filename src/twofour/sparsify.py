@@ -24,7 +24,8 @@ DEFAULT_EXCLUDE: tuple[str, ...] = ("lm_head", "*.lm_head", "head", "*.head", "c
                                     "score", "*.score")
 
 
-def _matches(name: str, patterns: Iterable[str]) -> bool:
+def matches(name: str, patterns: Iterable[str]) -> bool:
+    """Whether the module name ``name`` matches any of the shell-style ``patterns`` (``*.mlp.fc``)."""
     return any(fnmatch.fnmatchcase(name, p) for p in patterns)
 
 
@@ -53,10 +54,10 @@ def sparsify(model: nn.Module, recipe: str | Recipe = DEFAULT_RECIPE, *, include
     mha_children = {id(c) for m in model.modules() if isinstance(m, nn.MultiheadAttention) for c in m.children()}
     converted, skipped = [], []
     for name, mod in list(model.named_modules()):
-        conv1d = _is_hf_conv1d(mod)
+        conv1d = is_hf_conv1d(mod)
         if not (isinstance(mod, nn.Linear) or conv1d) or isinstance(mod, SparseLinear):
             continue
-        if (include is not None and not _matches(name, include)) or _matches(name, exclude):
+        if (include is not None and not matches(name, include)) or matches(name, exclude):
             continue
         if id(mod.weight) in tied:
             continue  # an output head tied to the embedding: stays dense
@@ -69,7 +70,7 @@ def sparsify(model: nn.Module, recipe: str | Recipe = DEFAULT_RECIPE, *, include
             skipped.append((name, reason))
             continue
         parent_name, _, attr = name.rpartition(".")
-        flag = _matches(name, transposed)
+        flag = matches(name, transposed)
         new = (SparseLinear.from_conv1d(mod, rec, transposed_output=flag) if conv1d
                else SparseLinear.from_linear(mod, rec, transposed_output=flag))
         setattr(model.get_submodule(parent_name), attr, new)
@@ -83,7 +84,7 @@ def sparsify(model: nn.Module, recipe: str | Recipe = DEFAULT_RECIPE, *, include
     return model
 
 
-def _is_hf_conv1d(mod: nn.Module) -> bool:
+def is_hf_conv1d(mod: nn.Module) -> bool:
     """Hugging Face's Conv1D (GPT-2's linear layer), recognised without importing transformers."""
     return type(mod).__name__ == "Conv1D" and type(mod).__module__.startswith("transformers") and mod.weight.dim() == 2
 
