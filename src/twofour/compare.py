@@ -30,6 +30,13 @@ def _label(summary: dict[str, Any]) -> str:
     return run_label(summary["recipe"], summary.get("recipe_options"))
 
 
+def _options_for(recipe: str, options: dict[str, Any]) -> dict[str, Any]:
+    """The options of ``options`` that ``recipe`` takes (dense runs without the sparse recipes'
+    ``mvue`` or ``decay``, but with ``fp8``); one no recipe takes stays, to be refused by name."""
+    takes = recipe_options(recipe)
+    return {k: v for k, v in options.items() if k in takes or not any(k in recipe_options(r) for r in RECIPES)}
+
+
 def compare(recipes: list[str], base: TrainConfig, seeds: list[int] | None = None) -> list[dict[str, Any]]:
     """Train ``base`` once per (recipe, seed) under ``base.out_dir``/RECIPE-sSEED (the recipe's
     options in the name when it is given any: ``s-ste-mvue=false-s1``); runs already
@@ -42,8 +49,7 @@ def compare(recipes: list[str], base: TrainConfig, seeds: list[int] | None = Non
     summaries = []
     for recipe in recipes:
         for seed in seeds:
-            # a recipe that takes no options (dense) runs without the others' --opt
-            options = base.recipe_options if recipe_options(recipe) else {}
+            options = _options_for(recipe, base.recipe_options)
             folder = run_label(recipe, options).replace(" ", "-") + f"-s{seed}"  # s-ste-mvue=false-s1
             cfg = dataclasses.replace(base, recipe=recipe, seed=seed, out_dir=str(root / folder),
                                       recipe_options=options)
