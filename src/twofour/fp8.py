@@ -24,7 +24,7 @@ import torch
 from .pruning import mvue_24_padded
 
 __all__ = ["fake_fp8", "E4M3", "E5M2", "Scaling", "TENSORWISE", "ROWWISE", "SCALINGS", "DEFAULT_SCALING",
-           "quantize", "dequantize", "scaled_mm", "scaled_mm_available", "fp8_linear", "FP8LinearFn"]
+           "quantize", "dequantize", "scaled_mm", "scaled_mm_available", "refusals", "fp8_linear", "FP8LinearFn"]
 
 log = logging.getLogger("twofour")
 
@@ -97,6 +97,12 @@ def scaled_mm_available() -> bool:
     return hasattr(torch, "_scaled_mm")
 
 
+def refusals() -> frozenset[tuple]:
+    """The operand kinds ``_scaled_mm`` refused so far in this process (each ran the reference):
+    (device type, A format, B format, rowwise, A shape, N, output dtype)."""
+    return frozenset(_refused)
+
+
 def _reference_mm(qa, sa, qb, sb, out_dtype):
     return (dequantize(qa, sa) @ dequantize(qb, sb).t()).to(out_dtype)
 
@@ -109,6 +115,7 @@ def scaled_mm(qa: torch.Tensor, sa: torch.Tensor, qb: torch.Tensor, sb: torch.Te
     b column-major, rowwise scales as (M, 1) and (1, N)) where it takes the operands, else the
     reference. A refusal is remembered per (device, formats, scaling, shape) and logged once."""
     m, n = qa.shape[0], qb.shape[0]
+    qa, qb = qa.contiguous(), qb.contiguous()  # a row-major, b^T column-major (no-ops when already)
     key = (qa.device.type, qa.dtype, qb.dtype, sa.numel() > 1, tuple(qa.shape), n, out_dtype)
     if scaled_mm_available() and key not in _refused:
         try:
