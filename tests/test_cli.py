@@ -436,3 +436,33 @@ def test_compare_restarts_a_run_that_died_before_its_first_checkpoint(tmp_path, 
     assert json.loads((out / "ste-s1337" / "summary.json").read_text())["steps"] == 8
     err = error_of([*args[:-2], "--recipes", "dense", "--weight-decay", "0.2"], capsys)
     assert "other settings" in err and "--overwrite" in err
+
+
+@pytest.mark.parametrize("recipe", ["dense", "s-ste"])
+def test_train_fp8(tmp_path, corpus, recipe, capsys):
+    """--fp8 (dense included): finite, falling losses; the option is saved, resumes and must agree."""
+    out = tmp_path / recipe
+    args = [*SMALL, "--data", corpus, "--recipe", recipe, "--fp8", "--out", str(out)]
+    assert main(["train", *args, "--stop-at", "6"]) == 0
+    ck = torch.load(out / "ckpt.pt", weights_only=True)
+    assert ck["config"]["recipe_options"] == {"fp8": True}
+    train = [float(r[1]) for r in losses(out)]
+    assert all(math.isfinite(v) for v in train) and train[-1] < train[0]
+    assert main(["train", *args, "--resume"]) == 0 and losses(out)[-1][0] == 8
+    capsys.readouterr()
+    plain = tmp_path / "plain"
+    assert main(["train", *SMALL, "--data", corpus, "--recipe", recipe, "--out", str(plain), "--stop-at", "1"]) == 0
+    assert main(["train", *SMALL, "--data", corpus, "--out", str(plain), "--resume", "--fp8"]) == 2
+    assert "contradicts" in capsys.readouterr().err
+    assert main(["train", *args, "--overwrite", "--opt", "fp8=false"]) == 2
+
+
+def test_compare_fp8_pairs_with_dense_fp8(tmp_path, corpus):
+    out = tmp_path / "cmp"
+    assert main(["compare", *SMALL, "--steps", "2", "--eval-interval", "2", "--data", corpus, "--out", str(out),
+                 "--recipes", "dense,s-ste", "--opt", "mvue=false", "--fp8"]) == 0
+    assert {p.name for p in out.iterdir() if p.is_dir()} == {"dense-fp8=true-s1337", "s-ste-fp8=true-mvue=false-s1337"}
+    val = {p.name: json.loads((p / "summary.json").read_text())["final_val_loss"] for p in out.iterdir() if p.is_dir()}
+    gap = val["s-ste-fp8=true-mvue=false-s1337"] - val["dense-fp8=true-s1337"]
+    assert f"| s-ste fp8=true mvue=false | 1337 | {val['s-ste-fp8=true-mvue=false-s1337']:.4f} | {gap:+.4f} |" \
+        in (out / "compare.md").read_text()

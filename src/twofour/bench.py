@@ -208,16 +208,16 @@ def _swiglu_kernel_rows(z: torch.Tensor, dh: torch.Tensor, bw: float, quick: boo
 def preset_train_step(preset: str, batch: int, recipe: Recipe, *, transposed_output: bool = True,
                       advance: bool = True, vocab_size: int = 50304) -> tuple[nn.Module, Callable[[], None]]:
     """A model ``preset`` (GPT or Llama; vocabulary ``vocab_size``, sequence 1024) on the GPU with
-    ``recipe`` on its FFN linears (the first, fc or gate|up, with ``transposed_output``), fused
-    AdamW and, with ``advance``, ``attach()``; returns the model and a function that runs one
-    training step on a fixed random batch."""
+    ``recipe`` on its FFN linears (dense bf16 left as nn.Linear; the first, fc or gate|up, with
+    ``transposed_output``), fused AdamW and, with ``advance``, ``attach()``; returns the model and
+    a function that runs one training step on a fixed random batch."""
     from .model import FFN_IN_PATTERNS, FFN_PATTERNS, PRESETS  # noqa: PLC0415
     from .sparsify import attach, sparsify  # noqa: PLC0415
 
     torch.manual_seed(0)
     with torch.device("cuda"):  # initialized on the GPU: a 1B model's init on the CPU takes a while
         model = PRESETS[preset].build(block_size=1024, vocab_size=vocab_size)
-    if recipe.sparse:
+    if recipe.sparse or recipe.fp8:
         sparsify(model, recipe, include=FFN_PATTERNS, transposed_output=FFN_IN_PATTERNS if transposed_output else ())
     opt = torch.optim.AdamW(model.parameters(), lr=1e-4, fused=True)
     if advance:

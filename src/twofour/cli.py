@@ -50,6 +50,8 @@ def _run_args(p: argparse.ArgumentParser, default_out: str) -> None:
     g = p.add_argument_group("recipe")
     g.add_argument("--opt", type=_option, action="append", default=[], metavar="KEY=VALUE",
                    help="recipe option, repeatable: mvue=false, decay=6e-5, mask_interval=40, fp8=true, ...")
+    g.add_argument("--fp8", action="store_true",
+                   help="FP8 GEMMs in the FFN linears (same as --opt fp8=true; every recipe, dense included)")
     g = p.add_argument_group("optimization (defaults marked 'regime' come from --regime; see the table below)")
     g.add_argument("--regime", default=d.regime, choices=list(REGIMES),
                    help="optimization defaults: ours (default) or the S-STE authors' GPT-2 settings")
@@ -97,12 +99,23 @@ def _config(a: argparse.Namespace, recipe: str):
     data = a.data
     if data is not None and not data.startswith("hf:"):  # a path means the same folder from anywhere
         data = str(Path(data).expanduser().resolve())
-    return TrainConfig(**{**given, "recipe": recipe, "recipe_options": dict(a.opt), "out_dir": a.out, "data": data})
+    return TrainConfig(**{**given, "recipe": recipe, "recipe_options": _recipe_options(a), "out_dir": a.out,
+                          "data": data})
+
+
+def _recipe_options(a: argparse.Namespace) -> dict[str, Any]:
+    """``--opt`` KEY=VALUE pairs, with ``--fp8`` as ``fp8=True``."""
+    options = dict(a.opt)
+    if a.fp8:
+        if options.get("fp8", True) is not True:
+            raise ValueError(f"--fp8 contradicts --opt fp8={options['fp8']}")
+        options["fp8"] = True
+    return options
 
 
 def _given(a: argparse.Namespace) -> set[str]:
     """The TrainConfig fields set by an option on the command line (not by a default)."""
-    dests = {"opt": "recipe_options", "out": "out_dir"}
+    dests = {"opt": "recipe_options", "fp8": "recipe_options", "out": "out_dir"}
     return {dests.get(dest, dest) for dest in a.given}
 
 

@@ -30,6 +30,18 @@ def _label(summary: dict[str, Any]) -> str:
     return run_label(summary["recipe"], summary.get("recipe_options"))
 
 
+def _dense_label(summary: dict[str, Any]) -> str:
+    """The dense run a run is compared with: dense with the options dense takes (``fp8``) as this run's."""
+    return run_label("dense", _options_for("dense", summary.get("recipe_options") or {}))
+
+
+def _options_for(recipe: str, options: dict[str, Any]) -> dict[str, Any]:
+    """The options of ``options`` that ``recipe`` takes (dense runs without the sparse recipes'
+    ``mvue`` or ``decay``, but with ``fp8``); one no recipe takes stays, to be refused by name."""
+    takes = recipe_options(recipe)
+    return {k: v for k, v in options.items() if k in takes or not any(k in recipe_options(r) for r in RECIPES)}
+
+
 def compare(recipes: list[str], base: TrainConfig, seeds: list[int] | None = None) -> list[dict[str, Any]]:
     """Train ``base`` once per (recipe, seed) under ``base.out_dir``/RECIPE-sSEED (the recipe's
     options in the name when it is given any: ``s-ste-mvue=false-s1``); runs already
@@ -42,8 +54,7 @@ def compare(recipes: list[str], base: TrainConfig, seeds: list[int] | None = Non
     summaries = []
     for recipe in recipes:
         for seed in seeds:
-            # a recipe that takes no options (dense) runs without the others' --opt
-            options = base.recipe_options if recipe_options(recipe) else {}
+            options = _options_for(recipe, base.recipe_options)
             folder = run_label(recipe, options).replace(" ", "-") + f"-s{seed}"  # s-ste-mvue=false-s1
             cfg = dataclasses.replace(base, recipe=recipe, seed=seed, out_dir=str(root / folder),
                                       recipe_options=options)
@@ -112,15 +123,17 @@ def _mean_std(values: list[float]) -> tuple[float, float | None]:
 
 def recipe_stats(summaries: list[dict[str, Any]]) -> list[dict[str, Any]]:
     """Per recipe (with its options, :func:`run_label`), over its seeds: the final val loss (mean,
-    std) and the paired gap to dense: recipe - dense of the same seed for every seed both ran,
+    std) and the paired gap to dense (with the same ``fp8``): recipe - dense of the same seed for every seed both ran,
     then the gaps' mean and std (absolute, and relative to that seed's dense loss)."""
     by_recipe: dict[str, dict[int, float]] = {}
+    baseline: dict[str, str] = {}
     for s in summaries:
         if s["final_val_loss"] is not None:
             by_recipe.setdefault(_label(s), {})[s["seed"]] = s["final_val_loss"]
-    dense = by_recipe.get(run_label("dense"), {})
+            baseline[_label(s)] = _dense_label(s)
     stats = []
     for recipe, losses in by_recipe.items():
+        dense = by_recipe.get(baseline[recipe], {})
         mean, std = _mean_std(list(losses.values()))
         paired = sorted(set(losses) & set(dense))
         gaps = [losses[k] - dense[k] for k in paired]
@@ -142,7 +155,7 @@ def _pm(mean: float | None, std: float | None, fmt: str) -> str:
 def results_table(summaries: list[dict[str, Any]]) -> str:
     """Markdown: one row per run (final val loss, gap to the same seed's dense, flip rates,
     tokens/s, wall time), then one row per recipe: mean ± std over seeds and the paired gap."""
-    dense = {s["seed"]: s["final_val_loss"] for s in summaries if _label(s) == run_label("dense")}
+    dense = {(_label(s), s["seed"]): s["final_val_loss"] for s in summaries if s["recipe"] == "dense"}
     s0 = summaries[0]
     lines = [f"model `{s0['model']}`, regime `{s0.get('regime', 'ours')}`, {s0['steps']} steps, "
              f"{s0['tokens']:,} tokens per run", "",
@@ -150,7 +163,7 @@ def results_table(summaries: list[dict[str, Any]]) -> str:
              "| tokens/s | wall s |",
              "|---|---|---|---|---|---|---|---|"]
     for s in summaries:
-        ref = dense.get(s["seed"])
+        ref = dense.get((_dense_label(s), s["seed"]))
         gap = f"{s['final_val_loss'] - ref:+.4f}" if ref is not None and s["final_val_loss"] is not None else "n/a"
         val = f"{s['final_val_loss']:.4f}" if s["final_val_loss"] is not None else "n/a"
         lines.append(f"| {_label(s)} | {s['seed']} | {val} | {gap} | {s['mean_flip_rate']:.2e} "

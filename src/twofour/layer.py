@@ -17,7 +17,7 @@ import torch
 from torch import nn
 
 from .fastpath import CompressedWeight, FastSparseLinearFn, applies, compiled_linear, compute_dtype
-from .fp8 import E4M3, E5M2, fake_fp8
+from .fp8 import fp8_linear
 from .kernels import ops
 from .pruning import mvue_24_padded
 from .recipes import DEFAULT_RECIPE, Recipe, make_recipe
@@ -29,21 +29,19 @@ RECIPE_BUFFERS = ("step", "flips", "dense", "beta", "mask")
 
 
 class _SparseLinearFn(torch.autograd.Function):
-    """The reference math in plain torch (any device, dtype, fp8 simulation, torch.compile)."""
+    """The reference math in plain torch (any device, dtype, torch.compile)."""
 
     @staticmethod
-    def forward(ctx, x, weight, bias, w_eff, fp8: bool, mvue: bool):
+    def forward(ctx, x, weight, bias, w_eff, mvue: bool):
         cdt = compute_dtype(x)
         with torch.autocast(x.device.type, enabled=False):
             x2 = x.reshape(-1, x.shape[-1]).to(cdt)
             w_eff = w_eff.to(cdt)
-            if fp8:
-                x2, w_eff = fake_fp8(x2, E4M3), fake_fp8(w_eff, E4M3)
             y = x2 @ w_eff.t()
             if bias is not None:
                 y = y + bias.to(cdt)
         ctx.save_for_backward(x2, w_eff)
-        ctx.fp8, ctx.mvue, ctx.x_shape, ctx.x_dtype = fp8, mvue, x.shape, x.dtype
+        ctx.mvue, ctx.x_shape, ctx.x_dtype = mvue, x.shape, x.dtype
         ctx.has_bias, ctx.w_dtype = bias is not None, weight.dtype
         return y.reshape(*x.shape[:-1], y.shape[-1])
 
@@ -51,8 +49,6 @@ class _SparseLinearFn(torch.autograd.Function):
     def backward(ctx, dy):
         x2, w_eff = ctx.saved_tensors
         dy2 = dy.reshape(-1, dy.shape[-1]).to(w_eff.dtype)
-        if ctx.fp8:
-            dy2 = fake_fp8(dy2, E5M2)
         dx = dw = db = None
         if ctx.needs_input_grad[0]:
             dx = (dy2 @ w_eff).reshape(ctx.x_shape).to(ctx.x_dtype)
@@ -63,7 +59,7 @@ class _SparseLinearFn(torch.autograd.Function):
             dw = (dyt @ x2).to(ctx.w_dtype)
         if ctx.has_bias and ctx.needs_input_grad[2]:
             db = dy2.sum(0)
-        return dx, dw, db, None, None, None
+        return dx, dw, db, None, None
 
 
 class SparseLinear(nn.Linear):
@@ -224,9 +220,11 @@ class SparseLinear(nn.Linear):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         r = self.recipe
+        if r.fp8:  # FP8 GEMMs (torch._scaled_mm, else their reference), dense recipe included
+            return fp8_linear(x, self.weight, self.bias, self.effective_weight(), mvue=r.mvue and not self._dense)
         if not r.sparse:
             return super().forward(x)
-        if not self._dense and not r.fp8 and applies(x, self.in_features, self.out_features):
+        if not self._dense and applies(x, self.in_features, self.out_features):
             cdt = compute_dtype(x)
             with torch.autocast("cuda", enabled=False):
                 if torch.compiler.is_compiling():  # compressed in the graph, the GEMMs as custom ops
@@ -235,8 +233,7 @@ class SparseLinear(nn.Linear):
                 wc, wd, wtc = self.compressed.get(self.weight, self.pruner, self.beta, self.mask, self._step, cdt)
                 return FastSparseLinearFn.apply(x.to(cdt), self.weight, self.bias, wc, wd, wtc, r.mvue,
                                                 self.transposed_output)
-        return _SparseLinearFn.apply(x, self.weight, self.bias, self.effective_weight(), r.fp8,
-                                     r.mvue and not self._dense)
+        return _SparseLinearFn.apply(x, self.weight, self.bias, self.effective_weight(), r.mvue and not self._dense)
 
     def extra_repr(self) -> str:
         opts = ", ".join(f"{k}={v}" for k, v in self.recipe.to_dict().items() if k not in ("name", "pruning"))

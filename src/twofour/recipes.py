@@ -28,7 +28,9 @@ class Recipe:
         mvue: estimate dW from an unbiased 2:4 MVUE of dY^T instead of the dense dY^T. On the GPU
             fast path only where that route (the estimate's compression plus the 2:4 GEMM)
             measures faster than the dense dW GEMM; elsewhere dW is exact.
-        fp8: simulate FP8 operands (e4m3 forward, e5m2 gradients, per-tensor current scaling).
+        fp8: FP8 GEMMs (e4m3 forward operands, e5m2 gradients, current amax scaling) through
+            ``torch._scaled_mm`` on the effective weight, else their plain-torch reference
+            (:mod:`twofour.fp8`). Every recipe takes it, ``dense`` included (the fair baseline).
         decay: SR-STE masked decay lambda, added to the gradient as ``decay * (1 - m) * W`` once per
             optimizer step, after gradient clipping (:func:`twofour.attach` does it).
         mask_interval: optimizer steps between mask refreshes (transposable masks only).
@@ -60,7 +62,7 @@ class Recipe:
 # name -> (fixed fields, {option: default}) ; options not listed are refused
 _SPARSE_COMMON = {"mvue": False, "fp8": False}
 _TABLE: dict[str, tuple[dict[str, Any], dict[str, Any]]] = {
-    "dense": ({"pruning": NONE}, {}),
+    "dense": ({"pruning": NONE}, {"fp8": False}),
     "ste": ({"pruning": HARD}, dict(_SPARSE_COMMON)),
     "sr-ste": ({"pruning": HARD}, {**_SPARSE_COMMON, "decay": 2e-4}),
     "s-ste": ({"pruning": SOFT}, {**_SPARSE_COMMON, "mvue": True}),

@@ -1,0 +1,175 @@
+"""FP8 scaling, the FP8 GEMM and the FP8 linear against their plain-torch references (CPU; the
+same tests run on the GPU where there is one)."""
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from twofour import SparseLinear
+from twofour.fp8 import (
+    E4M3,
+    E5M2,
+    ROWWISE,
+    SCALINGS,
+    TENSORWISE,
+    FP8LinearFn,
+    dequantize,
+    fake_fp8,
+    fp8_linear,
+    quantize,
+    scaled_mm,
+)
+from twofour.pruning import mvue_24_padded
+
+FORMATS = [E4M3, E5M2]
+SCALING = list(SCALINGS.values())
+
+
+def rel(a, b):
+    return ((a.float() - b.float()).norm() / b.float().norm()).item()
+
+
+@pytest.mark.parametrize("fmt", FORMATS, ids=str)
+@pytest.mark.parametrize("scaling", SCALING, ids=lambda s: s.name)
+def test_quantize_round_trip_and_scale(device, fmt, scaling):
+    t = torch.randn(24, 40, device=device) * torch.logspace(-3, 3, 24, device=device)[:, None]
+    q, s = quantize(t, fmt, scaling)
+    assert q.dtype == fmt and s.dtype == torch.float32
+    assert s.shape == ((24, 1) if scaling.rowwise else ())
+    fmax = torch.finfo(fmt).max
+    # the largest magnitude (of the tensor, or of each row) lands on the format's largest value
+    peak = q.float().abs().amax(dim=-1) if scaling.rowwise else q.float().abs().amax()
+    assert torch.equal(peak, torch.full_like(peak, fmax))
+    back = dequantize(q, s)
+    bits = 3 if fmt == E4M3 else 2  # mantissa bits: relative rounding error at most 2^-(bits+1)
+    big = t.abs() > (t.abs().amax(-1, keepdim=True) if scaling.rowwise else t.abs().amax()) / 2 ** 6
+    assert ((back - t).abs()[big] <= t.abs()[big] * 2.0 ** -(bits + 1) * 1.001).all()
+
+
+@pytest.mark.parametrize("scaling", SCALING, ids=lambda s: s.name)
+def test_rowwise_scales_rows_apart(scaling):
+    t = torch.randn(8, 32) * torch.logspace(-6, 0, 8)[:, None]
+    err = rel(dequantize(*quantize(t, E4M3, scaling))[0], t[0])  # the smallest row
+    assert err < 0.07 if scaling.rowwise else err > 0.07  # tensorwise flushes it toward zero
+
+
+@pytest.mark.parametrize("scaling", SCALING, ids=lambda s: s.name)
+def test_zero_input_gets_scale_one(scaling):
+    t = torch.zeros(4, 16)
+    t[1] = torch.randn(16)
+    q, s = quantize(t, E4M3, scaling)
+    assert torch.isfinite(s).all() and (q.float()[t == 0] == 0).all()
+    if scaling.rowwise:
+        assert s[0].item() == 1.0 and s[1].item() != 1.0
+    assert torch.equal(dequantize(*quantize(torch.zeros(3, 8), E5M2, scaling)), torch.zeros(3, 8))
+
+
+@pytest.mark.parametrize("bad", [float("nan"), float("inf"), -float("inf")])
+@pytest.mark.parametrize("scaling", SCALING, ids=lambda s: s.name)
+def test_non_finite_input_never_looks_finite(bad, scaling):
+    a = torch.randn(32, 32)
+    b = torch.randn(32, 32)
+    a[3, 5] = bad
+    qa, sa = quantize(a, E4M3, scaling)
+    qb, sb = quantize(b, E4M3, scaling)
+    assert not torch.isfinite(dequantize(qa, sa)[3]).any()
+    y = scaled_mm(qa, sa, qb, sb, torch.float32)
+    assert not torch.isfinite(y[3]).any()  # the row the bad value touches
+    if not scaling.rowwise:
+        assert not torch.isfinite(y).any()  # its scale touches every output
+
+
+def test_fake_fp8_is_quantize_then_dequantize(dtype):
+    t = torch.randn(16, 32).to(dtype)
+    out = fake_fp8(t, E5M2)
+    assert out.dtype == dtype
+    assert torch.equal(out, dequantize(*quantize(t, E5M2), dtype))
+    with pytest.raises(TypeError, match="float8"):
+        quantize(t, torch.float16)
+
+
+@pytest.mark.parametrize("shape", [(32, 64, 48), (30, 20, 12)])  # the second: dims not multiples of 16
+@pytest.mark.parametrize("scaling", SCALING, ids=lambda s: s.name)
+def test_scaled_mm_matches_reference(device, shape, scaling):
+    m, k, n = shape
+    qa, sa = quantize(torch.randn(m, k, device=device), E5M2, scaling)
+    qb, sb = quantize(torch.randn(n, k, device=device), E4M3, scaling)
+    y = scaled_mm(qa, sa, qb, sb, torch.bfloat16)
+    ref = dequantize(qa, sa) @ dequantize(qb, sb).t()
+    assert y.dtype == torch.bfloat16 and y.shape == (m, n)
+    assert rel(y, ref) < 1e-2  # the same products, rounded once to bf16
+
+
+def reference_linear(x, w, b, scaling, mvue=False):
+    """y, dX, dW of the FP8 linear, from operands dequantized in plain torch."""
+    def fq(t, fmt):
+        return dequantize(*quantize(t, fmt, scaling))
+
+    dy = torch.randn(x.shape[0], w.shape[0], generator=torch.Generator().manual_seed(7)).to(x.device)
+    y = fq(x, E4M3) @ fq(w, E4M3).t() + b
+    dx = fq(dy, E5M2) @ fq(w.t().contiguous(), E4M3).t()
+    dyt = dy.t().contiguous()
+    dw = fq(mvue_24_padded(dyt) if mvue else dyt, E5M2) @ fq(x.t().contiguous(), E4M3).t()
+    return y, dx, dw, dy
+
+
+@pytest.mark.parametrize("scaling", SCALING, ids=lambda s: s.name)
+def test_fp8_linear_matches_reference_and_dense(device, scaling):
+    torch.manual_seed(0)
+    x = torch.randn(64, 48, device=device, requires_grad=True)
+    w = torch.nn.Parameter(torch.randn(32, 48, device=device) / 7)
+    b = torch.randn(32, device=device, requires_grad=True)
+    ry, rdx, rdw, dy = reference_linear(x.detach(), w.detach(), b.detach(), scaling)
+    y = fp8_linear(x, w, b, scaling=scaling)
+    y.backward(dy)
+    for got, want in ((y, ry), (x.grad, rdx), (w.grad, rdw)):
+        assert got.dtype == torch.float32 and rel(got, want) < 1e-5
+    assert torch.allclose(b.grad, dy.sum(0))
+    # and FP8 is close to the dense product
+    xd, wd = x.detach().clone().requires_grad_(), w.detach().clone().requires_grad_()
+    F.linear(xd, wd, b.detach()).backward(dy)
+    assert rel(y, F.linear(x, w, b)) < 0.05 and rel(x.grad, xd.grad) < 0.1 and rel(w.grad, wd.grad) < 0.1
+
+
+def test_fp8_linear_bf16_autocast_and_effective_weight(device):
+    x = torch.randn(2, 16, 64, device=device)
+    w = torch.nn.Parameter(torch.randn(48, 64, device=device))
+    w_eff = w.detach() * (torch.rand_like(w) > 0.5)
+    with torch.autocast(device.type, dtype=torch.bfloat16):
+        y = fp8_linear(x, w, None, w_eff)
+    assert y.dtype == torch.bfloat16 and y.shape == (2, 16, 48)
+    y.float().sum().backward()
+    assert w.grad.dtype == torch.float32 and w.grad.shape == w.shape
+    assert rel(y, F.linear(x, w_eff)) < 0.05
+
+
+def test_fp8_linear_mvue_is_unbiased(device):
+    torch.manual_seed(1)
+    x = torch.randn(32, 32, device=device)
+    w = torch.nn.Parameter(torch.randn(16, 32, device=device))
+    dy = torch.randn(32, 16, device=device)
+    exact = dy.t() @ x
+    grads = []
+    for _ in range(64):
+        w.grad = None
+        FP8LinearFn.apply(x, w, None, w.detach(), True, TENSORWISE, torch.float32).backward(dy)
+        grads.append(w.grad.clone())
+    one, mean = rel(grads[0], exact), rel(torch.stack(grads).mean(0), exact)
+    assert one > 0.2 and mean < one / 3  # a noisy estimate whose average converges
+
+
+@pytest.mark.parametrize("recipe", ["dense", "s-ste", "t-sr-ste"])
+def test_layer_fp8_every_recipe(device, recipe):
+    torch.manual_seed(0)
+    lin = SparseLinear(32, 16, recipe=recipe, fp8=True).to(device)
+    x = torch.randn(64, 32, device=device)
+    y = lin(x)
+    ref = F.linear(x, lin.effective_weight(), lin.bias)
+    assert 0 < rel(y, ref) < 0.1  # FP8 rounding is visible but small
+    y.pow(2).sum().backward()
+    assert torch.isfinite(lin.weight.grad).all() and lin.weight.grad.abs().sum() > 0
+
+
+def test_rowwise_needs_a_matrix():
+    with pytest.raises(ValueError, match="2-D"):
+        quantize(torch.randn(2, 3, 4), E4M3, ROWWISE)
