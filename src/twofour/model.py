@@ -115,6 +115,8 @@ def _cached_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv: tup
 
 
 class CausalSelfAttention(nn.Module):
+    """GPT's causal multi-head attention (one fused qkv linear); with ``kv``, cached (:class:`KVCache`)."""
+
     def __init__(self, cfg: GPTConfig):
         super().__init__()
         self.n_head = cfg.n_head
@@ -135,6 +137,8 @@ class CausalSelfAttention(nn.Module):
 
 
 class MLP(nn.Module):
+    """GPT's FFN: ``proj(gelu(fc(x)))``, width 4 x n_embd."""
+
     def __init__(self, cfg: GPTConfig):
         super().__init__()
         self.fc = nn.Linear(cfg.n_embd, 4 * cfg.n_embd, bias=cfg.bias)
@@ -146,6 +150,8 @@ class MLP(nn.Module):
 
 
 class Block(nn.Module):
+    """A pre-LayerNorm GPT block: attention, then the FFN, each on the residual stream."""
+
     def __init__(self, cfg: GPTConfig):
         super().__init__()
         self.ln_1 = nn.LayerNorm(cfg.n_embd, bias=cfg.bias)
@@ -304,6 +310,8 @@ def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tens
 
 
 class LlamaAttention(nn.Module):
+    """Llama's causal attention: one fused qkv linear, rotary positions on q and k, no biases."""
+
     def __init__(self, cfg: LlamaConfig):
         super().__init__()
         self.n_head = cfg.n_head
@@ -334,6 +342,8 @@ class GatedMLP(nn.Module):
 
 
 class LlamaBlock(nn.Module):
+    """A pre-RMSNorm Llama block: attention, then the gated FFN, each on the residual stream."""
+
     def __init__(self, cfg: LlamaConfig):
         super().__init__()
         self.ln_1 = nn.RMSNorm(cfg.n_embd, eps=cfg.norm_eps)

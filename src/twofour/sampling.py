@@ -1,9 +1,10 @@
-"""Sampling from a GPT with a KV cache (``twofour generate``), and the text codecs an export
+"""Sampling from a GPT or Llama with a KV cache (``twofour generate``), and the text codecs an export
 names: bytes (vocabulary 256: every text corpus twofour trains on), characters (nanoGPT's
 ``meta.pkl`` with ``itos``), or bare token ids where no tokenizer is known."""
 
 from __future__ import annotations
 
+import abc
 from dataclasses import dataclass
 from typing import Any
 
@@ -75,18 +76,21 @@ def generate(model: GPT | Llama, idx: torch.Tensor, max_new_tokens: int, *, temp
     return out
 
 
-class Codec:
-    """Text <-> token ids."""
+class Codec(abc.ABC):
+    """Text <-> token ids, and the ``tokenizer`` entry an export stores for it."""
 
     name: str = "codec"
 
+    @abc.abstractmethod
     def encode(self, text: str) -> list[int]:
-        raise NotImplementedError
+        """The token ids of ``text``."""
 
+    @abc.abstractmethod
     def decode(self, ids: list[int]) -> str:
-        raise NotImplementedError
+        """The text of ``ids``."""
 
     def to_dict(self) -> dict[str, Any]:
+        """The export config's ``tokenizer`` entry (:func:`codec_from_dict` reads it back)."""
         return {"kind": self.name}
 
 
