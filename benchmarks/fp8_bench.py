@@ -1,4 +1,4 @@
-"""FP8 GEMMs and layers through ``torch._scaled_mm`` against bf16 (GPU, about 3 minutes on an H100).
+"""FP8 GEMMs and layers through ``torch._scaled_mm`` against bf16 (GPU; not yet run on one).
 
     PYTHONPATH=src python benchmarks/fp8_bench.py [--skip-step]
 
@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import argparse
 import gc
-import statistics
 import time
 import traceback
 
@@ -30,7 +29,7 @@ from triton.testing import do_bench
 
 from twofour import SparseLinear, make_recipe
 from twofour import fp8 as F8
-from twofour.bench import fwd_bwd_step, preset_train_step
+from twofour.bench import fwd_bwd_step, train_step_ms
 
 SHAPES = [("gpt2-774m fc", 16384, 1280, 5120), ("gpt2-774m proj", 16384, 5120, 1280),
           ("llama-7b up", 16384, 4096, 11008), ("llama-7b down", 16384, 11008, 4096)]
@@ -174,23 +173,6 @@ def kernels() -> None:
 # ------------------------------------------------------------------------------------------------
 
 
-def step_ms(preset: str, batch: int, recipe) -> float:
-    model, step = preset_train_step(preset, batch, recipe)
-    for _ in range(3):
-        step()
-    torch.cuda.synchronize()
-    times = []
-    for _ in range(8):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        step()
-        end.record()
-        torch.cuda.synchronize()
-        times.append(start.elapsed_time(end))
-    del model, step
-    return statistics.median(times)
-
-
 def train_step(preset: str = "gpt2-774m") -> None:
     variants = [("dense bf16", make_recipe("dense")), ("dense fp8", make_recipe("dense", fp8=True)),
                 ("s-ste bf16", make_recipe("s-ste")), ("s-ste fp8", make_recipe("s-ste", fp8=True))]
@@ -199,7 +181,7 @@ def train_step(preset: str = "gpt2-774m") -> None:
         oom = False
         for name, recipe in variants:
             try:
-                res[name] = step_ms(preset, batch, recipe)
+                res[name] = train_step_ms(preset, batch, recipe)
             except torch.OutOfMemoryError as e:
                 res[name], oom = err(e), True
             except Exception as e:  # noqa: BLE001

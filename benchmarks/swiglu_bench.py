@@ -16,14 +16,13 @@
 
 Each part catches its own errors and prints them, so one failure does not hide the rest; a
 summary against the targets (FFN block >= 1.25x, step >= 1.10x, activation >= 70% of copy
-bandwidth) ends the output. Meant to finish in a few minutes on an H100.
+bandwidth) ends the output. With --quick it took about 3 minutes on an H100.
 """
 
 from __future__ import annotations
 
 import argparse
 import gc
-import statistics
 import time
 import traceback
 
@@ -32,7 +31,7 @@ import torch.nn.functional as F
 from triton.testing import do_bench, do_bench_cudagraph
 
 from twofour import make_recipe, settings, sparsify
-from twofour.bench import fwd_bwd_step, preset_train_step
+from twofour.bench import fwd_bwd_step, train_step_ms
 from twofour.gated import swiglu_backward_reference, swiglu_reference
 from twofour.kernels import ops
 from twofour.kernels.swiglu import swiglu_backward, swiglu_forward
@@ -222,16 +221,7 @@ def block_ms(variant: str, d: int, h: int, x: torch.Tensor, g: torch.Tensor, rep
 
 def step_ms(batch: int, recipe: str) -> float:
     """Median of 12 llama-1b training steps, each timed by CUDA events, after 3 warm-up steps."""
-    step = preset_train_step("llama-1b", batch, make_recipe(recipe), vocab_size=32000)[1]
-    for _ in range(3):
-        step()
-    events = [(torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)) for _ in range(12)]
-    for start, end in events:
-        start.record()
-        step()
-        end.record()
-    torch.cuda.synchronize()
-    return statistics.median(s.elapsed_time(e) for s, e in events)
+    return train_step_ms("llama-1b", batch, make_recipe(recipe), vocab_size=32000)
 
 
 def llama_steps(batches: list[int]) -> None:

@@ -122,7 +122,7 @@ class _Report:
 def _pair(preset: str, vocab: int, context: int, recipe: str, folder: Path) -> tuple[GPT, GPT, dict]:
     """The exported 2:4 model and its dense twin, from one random model made 2:4 on its FFNs."""
     torch.manual_seed(0)
-    with torch.device("cuda"):  # initialized on the GPU: seconds, not a minute, at 774M
+    with torch.device("cuda"):  # initialized on the GPU, not in the CPU's slower init
         model = GPT.from_preset(preset, block_size=context, vocab_size=vocab)
     sparsify(model, recipe, include=FFN_PATTERNS)
     cfg = save_inference(model, folder, dtype=torch.bfloat16, meta={"preset": preset, "recipe": recipe})

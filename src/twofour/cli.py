@@ -72,7 +72,7 @@ def _run_args(p: argparse.ArgumentParser, default_out: str) -> None:
     g.add_argument("--compile", action=argparse.BooleanOptionalAction, default=d.compile,
                    help="torch.compile the model (default: off)")
     g.add_argument("--seed", type=int, default=d.seed, help="model init and data order (default %(default)s)")
-    g.add_argument("--device", default=d.device, help="auto, cpu, cuda (default %(default)s)")
+    g.add_argument("--device", default=d.device, help="auto, cpu, cuda or cuda:N (default %(default)s)")
     g.add_argument("--fsdp", action=argparse.BooleanOptionalAction, default=d.fsdp,
                    help="under torchrun: FSDP2 instead of DDP (default: DDP)")
     g = p.add_argument_group("logging and checkpoints")
@@ -174,6 +174,7 @@ def _cmd_export(a: argparse.Namespace) -> int:
 def _cmd_generate(a: argparse.Namespace) -> int:
     import torch  # noqa: PLC0415
 
+    from .config import resolve_device  # noqa: PLC0415
     from .inference import load_for_inference, read_export_config  # noqa: PLC0415
     from .sampling import IdCodec, codec_from_dict, generate  # noqa: PLC0415
 
@@ -182,14 +183,7 @@ def _cmd_generate(a: argparse.Namespace) -> int:
         if not ok:  # (a NaN temperature fails too)
             raise ValueError(f"{opt} must be >= 0, got {value}")
     cfg = read_export_config(a.dir)
-    if a.device == "auto":
-        device = "cuda" if torch.cuda.is_available() else "cpu"
-    elif a.device.split(":")[0] not in ("cpu", "cuda"):
-        raise ValueError(f"--device must be auto, cpu or cuda, got {a.device!r}")
-    elif a.device.startswith("cuda") and not torch.cuda.is_available():
-        raise ValueError("--device cuda was asked for, but no CUDA GPU is available")
-    else:
-        device = a.device
+    device = resolve_device(a.device)
     codec = codec_from_dict(cfg.get("tokenizer"), cfg["model"]["vocab_size"])
     ids = codec.encode(a.prompt)
     if not ids:
@@ -279,7 +273,7 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--top-k", type=int, default=50, help="sample among the k most likely tokens; 0: all "
                    "(default %(default)s)")
     g.add_argument("--seed", type=int, default=1337, help="sampling seed (default %(default)s)")
-    g.add_argument("--device", default="auto", help="auto, cpu, cuda (default %(default)s)")
+    g.add_argument("--device", default="auto", help="auto, cpu, cuda or cuda:N (default %(default)s)")
     g.set_defaults(func=_cmd_generate)
     b = sub.add_parser("bench", help="time twofour against dense bf16 on this GPU; print the tables (needs CUDA)")
     b.add_argument("--quick", action="store_true", help="fewer shapes and repetitions")

@@ -14,11 +14,13 @@ import re
 from dataclasses import dataclass, field
 from typing import Any
 
+import torch
+
 from .model import PRESETS
 from .recipes import DEFAULT_RECIPE, Recipe, make_recipe, recipe_options
 
 __all__ = ["TrainConfig", "TrainError", "DEFAULT_LR", "Regime", "REGIMES", "lr_at", "resumed_config", "option_name",
-           "LAUNCH_OPTIONS", "ADJUSTABLE_OPTIONS"]
+           "resolve_device", "LAUNCH_OPTIONS", "ADJUSTABLE_OPTIONS"]
 
 #: Peak learning rate per preset (each :class:`~twofour.model.Preset`'s ``lr``: GPT-3 paper's table
 #: for the GPT-2 sizes, higher for the small ones, as nanoGPT's 10M-parameter example).
@@ -188,6 +190,20 @@ class TrainConfig:
 
 
 _DEVICE = re.compile(r"auto|cpu|cuda(:\d+)?")
+
+
+def resolve_device(name: str, local_rank: int = 0) -> torch.device:
+    """The device ``--device`` names: ``auto`` is this process's GPU (``local_rank``) if there is
+    one, else the CPU; ``cuda`` without an index is this process's GPU too. TrainError for a name
+    that is not auto, cpu, cuda or cuda:N, or a GPU asked for where there is none."""
+    if not _DEVICE.fullmatch(str(name)):
+        raise TrainError(f"unknown --device {name!r}; use auto, cpu, cuda or cuda:N")
+    if name == "auto":
+        return torch.device("cuda", local_rank) if torch.cuda.is_available() else torch.device("cpu")
+    dev = torch.device(name)
+    if dev.type == "cuda" and not torch.cuda.is_available():
+        raise TrainError("--device cuda was asked for, but no CUDA GPU is available")
+    return torch.device("cuda", local_rank) if dev.type == "cuda" and dev.index is None else dev
 
 #: Set by each invocation, never taken from the checkpoint of a resumed run.
 LAUNCH_OPTIONS = frozenset({"out_dir", "resume", "reschedule", "overwrite", "stop_at", "progress"})

@@ -74,12 +74,6 @@ class CompressedWeight:
         self._key = self._value = None
 
 
-def _as_2d(t: torch.Tensor) -> torch.Tensor:
-    """(tokens, features) view of ``t`` in row- or column-major order (a copy only if neither)."""
-    t2 = t.reshape(-1, t.shape[-1])
-    return t2 if ops.order(t2) is not None else t2.contiguous()
-
-
 def _forward_gemm(x2: torch.Tensor, wc: torch.Tensor, wdense: torch.Tensor, b: torch.Tensor | None,
                   transposed_output: bool) -> torch.Tensor:
     """y = x W_eff^T (+ b), dense or 2:4. y is row-major unless ``transposed_output`` allows
@@ -127,7 +121,7 @@ class FastSparseLinearFn(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, x, weight, bias, wc, wdense, wtc, mvue: bool, transposed_output: bool):
-        x2 = _as_2d(x)
+        x2 = ops.as_2d(x)
         y = _forward_gemm(x2, wc, wdense, None if bias is None else bias.to(x2.dtype), transposed_output)
         ctx.save_for_backward(x2, wdense, wtc)
         ctx.mvue, ctx.x_shape, ctx.x_dtype, ctx.has_bias = mvue, x.shape, x.dtype, bias is not None
@@ -137,7 +131,7 @@ class FastSparseLinearFn(torch.autograd.Function):
     @staticmethod
     def backward(ctx, dy):
         x2, wdense, wtc = ctx.saved_tensors
-        dy2 = _as_2d(dy.to(wdense.dtype))
+        dy2 = ops.as_2d(dy.to(wdense.dtype))
         dx = dw = db = None
         if ctx.needs_input_grad[0]:
             dx = _dx_gemm(dy2, x2, wdense, wtc).reshape(ctx.x_shape).to(ctx.x_dtype)

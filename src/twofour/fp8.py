@@ -166,16 +166,18 @@ class FP8LinearFn(torch.autograd.Function):
         qx, sx, qw, sw, x2, w_eff = ctx.saved_tensors
         sc, cdt = ctx.scaling, ctx.cdt
         dy2 = dy.reshape(-1, dy.shape[-1]).to(cdt)
-        dx = dw = db = None
-        if ctx.needs_input_grad[0]:
+        dx = dw = db = qd = sd = None
+        need_dx, need_dw = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
+        if need_dx or (need_dw and not ctx.mvue and not sc.rowwise):  # tensorwise: once for dX and dW (transposed)
             qd, sd = quantize(dy2, E5M2, sc)
+        if need_dx:
             qwt, swt = _other_axis(qw, sw, w_eff, E4M3, sc)  # W^T (K, N), row-major along N
             dx = scaled_mm(qd, sd, qwt, swt, cdt).reshape(ctx.x_shape).to(ctx.x_dtype)
-        if ctx.needs_input_grad[1]:
-            dyt = dy2.t().contiguous()
-            if ctx.mvue:
-                dyt = mvue_24_padded(dyt)  # unbiased 2:4 along tokens
-            qdt, sdt = quantize(dyt, E5M2, sc)
+        if need_dw:
+            if ctx.mvue:  # the unbiased 2:4 estimate of dY^T (along tokens), quantized on its own
+                qdt, sdt = quantize(mvue_24_padded(dy2.t().contiguous()), E5M2, sc)
+            else:
+                qdt, sdt = _other_axis(qd, sd, dy2, E5M2, sc)  # dY^T (N, T), row-major along T
             qxt, sxt = _other_axis(qx, sx, x2, E4M3, sc)  # X^T (K, T), row-major along T
             dw = scaled_mm(qdt, sdt, qxt, sxt, cdt).to(ctx.w_dtype)
         if ctx.has_bias and ctx.needs_input_grad[2]:

@@ -48,22 +48,16 @@ def _kernel_runs(z: torch.Tensor) -> bool:
     return ops.triton_ok(z) and z.dtype in _k.DTYPES
 
 
-def _as_2d(t: torch.Tensor) -> torch.Tensor:
-    """(tokens, features) view of ``t`` in row- or column-major order (a copy only if neither)."""
-    t2 = t.reshape(-1, t.shape[-1])
-    return t2 if ops.order(t2) is not None else t2.contiguous()
-
-
 def _forward(z: torch.Tensor) -> torch.Tensor:
     if not _kernel_runs(z):
         return swiglu_reference(z)
-    return _k.swiglu_forward(_as_2d(z)).reshape(*z.shape[:-1], z.shape[-1] // 2)
+    return _k.swiglu_forward(ops.as_2d(z)).reshape(*z.shape[:-1], z.shape[-1] // 2)
 
 
 def _backward(z: torch.Tensor, dh: torch.Tensor) -> torch.Tensor:
     if not _kernel_runs(z):
         return swiglu_backward_reference(z, dh)
-    return _k.swiglu_backward(_as_2d(z), dh.reshape(-1, dh.shape[-1])).reshape(z.shape)
+    return _k.swiglu_backward(ops.as_2d(z), dh.reshape(-1, dh.shape[-1])).reshape(z.shape)
 
 
 class SwiGLUFn(torch.autograd.Function):

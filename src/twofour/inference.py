@@ -160,9 +160,7 @@ class SparseInferenceLinear(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.runs_sparse():
             cdt, n = self.values.dtype, self.out_features
-            x2 = x.reshape(-1, self.in_features).to(cdt)
-            if ops.order(x2) is None:
-                x2 = x2.contiguous()
+            x2 = ops.as_2d(x.to(cdt))
             order = ops.order(x2)
             routes = _working(self.routes(x2), (n, self.in_features, x2.shape[0], order, cdt, self.bias is not None))
             choice = ops.choose("inf" if self.bias is None else "inf+bias", n, self.in_features, x2.shape[0], order,

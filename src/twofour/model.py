@@ -115,19 +115,23 @@ def _cached_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv: tup
 
 
 class CausalSelfAttention(nn.Module):
-    """GPT's causal multi-head attention (one fused qkv linear); with ``kv``, cached (:class:`KVCache`)."""
+    """Causal multi-head attention with one fused qkv linear (GPT's; Llama's without biases and
+    with rotary positions on q and k, given as ``rope`` = (cos, sin)); with ``kv``, cached
+    (:class:`KVCache`)."""
 
-    def __init__(self, cfg: GPTConfig):
+    def __init__(self, n_embd: int, n_head: int, bias: bool = True, dropout: float = 0.0):
         super().__init__()
-        self.n_head = cfg.n_head
-        self.qkv = nn.Linear(cfg.n_embd, 3 * cfg.n_embd, bias=cfg.bias)
-        self.proj = nn.Linear(cfg.n_embd, cfg.n_embd, bias=cfg.bias)
-        self.dropout = cfg.dropout
+        self.n_head = n_head
+        self.qkv = nn.Linear(n_embd, 3 * n_embd, bias=bias)
+        self.proj = nn.Linear(n_embd, n_embd, bias=bias)
+        self.dropout = dropout
 
-    def forward(self, x: torch.Tensor, kv: tuple | None = None) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, kv: tuple | None = None, rope: tuple | None = None) -> torch.Tensor:
         b, t, c = x.shape
         q, k, v = self.qkv(x).split(c, dim=2)
         q, k, v = (z.view(b, t, self.n_head, c // self.n_head).transpose(1, 2) for z in (q, k, v))
+        if rope is not None:
+            q, k = _rotate(q, *rope), _rotate(k, *rope)
         if kv is None:
             y = F.scaled_dot_product_attention(q, k, v, is_causal=True,
                                                dropout_p=self.dropout if self.training else 0.0)
@@ -150,17 +154,18 @@ class MLP(nn.Module):
 
 
 class Block(nn.Module):
-    """A pre-LayerNorm GPT block: attention, then the FFN, each on the residual stream."""
+    """A pre-norm block: attention, then the FFN, each on the residual stream. GPT's: LayerNorm
+    and the GELU FFN (:class:`LlamaBlock` swaps in RMSNorm, rotary attention and the gated FFN)."""
 
     def __init__(self, cfg: GPTConfig):
         super().__init__()
         self.ln_1 = nn.LayerNorm(cfg.n_embd, bias=cfg.bias)
-        self.attn = CausalSelfAttention(cfg)
+        self.attn = CausalSelfAttention(cfg.n_embd, cfg.n_head, cfg.bias, cfg.dropout)
         self.ln_2 = nn.LayerNorm(cfg.n_embd, bias=cfg.bias)
         self.mlp = MLP(cfg)
 
-    def forward(self, x: torch.Tensor, kv: tuple | None = None) -> torch.Tensor:
-        x = x + self.attn(self.ln_1(x), kv)
+    def forward(self, x: torch.Tensor, kv: tuple | None = None, rope: tuple | None = None) -> torch.Tensor:
+        x = x + self.attn(self.ln_1(x), kv, rope)
         return x + self.mlp(self.ln_2(x))
 
 
@@ -234,12 +239,36 @@ class _LanguageModel(nn.Module):
         visible = torch.zeros(hidden.shape, dtype=cache.k.dtype, device=idx.device).masked_fill_(hidden, float("-inf"))
         return positions, visible
 
-    def _head(self, x: torch.Tensor, targets: torch.Tensor | None):
-        logits = self.lm_head(self.ln_f(x))
-        loss = None
-        if targets is not None:
-            loss = F.cross_entropy(logits.float().reshape(-1, logits.size(-1)), targets.reshape(-1))
-        return logits, loss
+    def _embed(self, idx: torch.Tensor, positions: torch.Tensor | None) -> tuple[torch.Tensor, tuple | None]:
+        """The blocks' input for ``idx`` at ``positions`` (None: 0 .. T-1) and the rotary tables
+        the attention takes (None where the model has none)."""
+        raise NotImplementedError
+
+    def forward(self, idx: torch.Tensor, targets: torch.Tensor | None = None, cache: KVCache | None = None):
+        """Logits (B, T, vocab) and the mean loss against ``targets`` (or None).
+
+        With a ``cache`` (generation): the tokens take positions ``cache.pos`` onwards, attend to
+        everything the cache holds before them, are written into it, and ``cache.pos`` moves on;
+        logits come back for the last position only (B, 1, vocab). A prompt is one call (after
+        ``cache.reset()``), each new token another. The caller keeps ``cache.pos`` plus the tokens
+        within the cache's ``max_len`` (nothing checks it on the host, so that the step can be
+        captured in a CUDA graph; :func:`twofour.generate` restarts a full cache)."""
+        if cache is None:
+            self._check_length(idx.shape[1])
+            x, rope = self._embed(idx, None)
+            for block in self.h:
+                x = block(x, None, rope)
+            logits = self.lm_head(self.ln_f(x))
+            loss = None
+            if targets is not None:
+                loss = F.cross_entropy(logits.float().reshape(-1, logits.size(-1)), targets.reshape(-1))
+            return logits, loss
+        positions, visible = self._cache_positions(idx, cache)
+        x, rope = self._embed(idx, positions)
+        for i, block in enumerate(self.h):
+            x = block(x, (cache.k[i], cache.v[i], positions, visible), rope)
+        cache.pos.add_(idx.shape[1])
+        return self.lm_head(self.ln_f(x[:, -1:])), None
 
 
 class GPT(_LanguageModel):
@@ -263,29 +292,9 @@ class GPT(_LanguageModel):
     #: head is the token embedding. Exports store the source only.
     tied_weights: ClassVar[dict[str, str]] = {"lm_head.weight": "wte.weight"}
 
-    def forward(self, idx: torch.Tensor, targets: torch.Tensor | None = None, cache: KVCache | None = None):
-        """Logits (B, T, vocab) and the mean loss against ``targets`` (or None).
-
-        With a ``cache`` (generation): the tokens take positions ``cache.pos`` onwards, attend to
-        everything the cache holds before them, are written into it, and ``cache.pos`` moves on;
-        logits come back for the last position only (B, 1, vocab). A prompt is one call (after
-        ``cache.reset()``), each new token another. The caller keeps ``cache.pos`` plus the tokens
-        within the cache's ``max_len`` (nothing checks it on the host, so that the step can be
-        captured in a CUDA graph; :func:`twofour.generate` restarts a full cache)."""
-        if cache is not None:
-            positions, visible = self._cache_positions(idx, cache)
-            x = self.drop(self.wte(idx) + self.wpe(positions))
-            for i, block in enumerate(self.h):
-                x = block(x, (cache.k[i], cache.v[i], positions, visible))
-            cache.pos.add_(idx.shape[1])
-            return self.lm_head(self.ln_f(x[:, -1:])), None
-        t = idx.shape[1]
-        self._check_length(t)
-        pos = torch.arange(t, device=idx.device)
-        x = self.drop(self.wte(idx) + self.wpe(pos))
-        for block in self.h:
-            x = block(x)
-        return self._head(x, targets)
+    def _embed(self, idx: torch.Tensor, positions: torch.Tensor | None) -> tuple[torch.Tensor, None]:
+        pos = torch.arange(idx.shape[1], device=idx.device) if positions is None else positions
+        return self.drop(self.wte(idx) + self.wpe(pos)), None
 
 
 # --------------------------------------------------------------------------------------------
@@ -309,24 +318,6 @@ def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tens
     return torch.cat((x1 * c - x2 * s, x2 * c + x1 * s), dim=-1)
 
 
-class LlamaAttention(nn.Module):
-    """Llama's causal attention: one fused qkv linear, rotary positions on q and k, no biases."""
-
-    def __init__(self, cfg: LlamaConfig):
-        super().__init__()
-        self.n_head = cfg.n_head
-        self.qkv = nn.Linear(cfg.n_embd, 3 * cfg.n_embd, bias=False)
-        self.proj = nn.Linear(cfg.n_embd, cfg.n_embd, bias=False)
-
-    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, kv: tuple | None = None) -> torch.Tensor:
-        b, t, c = x.shape
-        q, k, v = self.qkv(x).split(c, dim=2)
-        q, k, v = (z.view(b, t, self.n_head, c // self.n_head).transpose(1, 2) for z in (q, k, v))
-        q, k = _rotate(q, cos, sin), _rotate(k, cos, sin)
-        y = F.scaled_dot_product_attention(q, k, v, is_causal=True) if kv is None else _cached_attention(q, k, v, kv)
-        return self.proj(y.transpose(1, 2).reshape(b, t, c))
-
-
 class GatedMLP(nn.Module):
     """The SwiGLU FFN ``down(silu(gate(x)) * up(x))`` with gate and up as one linear
     ``gate_up`` (2H outputs, rows interleaved: row 2j gate_j, row 2j+1 up_j) and the fused
@@ -341,19 +332,15 @@ class GatedMLP(nn.Module):
         return self.down(swiglu(self.gate_up(x)))
 
 
-class LlamaBlock(nn.Module):
-    """A pre-RMSNorm Llama block: attention, then the gated FFN, each on the residual stream."""
+class LlamaBlock(Block):
+    """A pre-RMSNorm Llama block: rotary attention without biases, then the gated FFN."""
 
     def __init__(self, cfg: LlamaConfig):
-        super().__init__()
+        nn.Module.__init__(self)
         self.ln_1 = nn.RMSNorm(cfg.n_embd, eps=cfg.norm_eps)
-        self.attn = LlamaAttention(cfg)
+        self.attn = CausalSelfAttention(cfg.n_embd, cfg.n_head, bias=False)
         self.ln_2 = nn.RMSNorm(cfg.n_embd, eps=cfg.norm_eps)
         self.mlp = GatedMLP(cfg.n_embd, cfg.hidden)
-
-    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, kv: tuple | None = None) -> torch.Tensor:
-        x = x + self.attn(self.ln_1(x), cos, sin, kv)
-        return x + self.mlp(self.ln_2(x))
 
 
 class Llama(_LanguageModel):
@@ -390,24 +377,11 @@ class Llama(_LanguageModel):
         """Parameters that are another parameter under a second name (alias -> source)."""
         return {"lm_head.weight": "wte.weight"} if self.cfg.tie_embeddings else {}
 
-    def forward(self, idx: torch.Tensor, targets: torch.Tensor | None = None, cache: KVCache | None = None):
-        """Logits and the mean loss against ``targets`` (or None); with a ``cache``, as
-        :meth:`GPT.forward`: last-position logits, the cache written and advanced."""
-        if cache is not None:
-            positions, visible = self._cache_positions(idx, cache)
-            cos, sin = self.rope_cos[positions], self.rope_sin[positions]
-            x = self.wte(idx)
-            for i, block in enumerate(self.h):
-                x = block(x, cos, sin, (cache.k[i], cache.v[i], positions, visible))
-            cache.pos.add_(idx.shape[1])
-            return self.lm_head(self.ln_f(x[:, -1:])), None
-        t = idx.shape[1]
-        self._check_length(t)
-        cos, sin = self.rope_cos[:t], self.rope_sin[:t]
-        x = self.wte(idx)
-        for block in self.h:
-            x = block(x, cos, sin)
-        return self._head(x, targets)
+    def _embed(self, idx: torch.Tensor, positions: torch.Tensor | None) -> tuple[torch.Tensor, tuple]:
+        if positions is None:  # 0 .. T-1: views of the tables
+            t = idx.shape[1]
+            return self.wte(idx), (self.rope_cos[:t], self.rope_sin[:t])
+        return self.wte(idx), (self.rope_cos[positions], self.rope_sin[positions])
 
 
 # --------------------------------------------------------------------------------------------

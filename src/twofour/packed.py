@@ -19,7 +19,7 @@ import torch
 
 from .pruning import _mask_24
 
-__all__ = ["pack_24", "unpack_24", "position_codes", "check_positions", "positions_width", "VALID_CODES"]
+__all__ = ["pack_24", "unpack_24", "group_codes", "position_codes", "check_positions", "positions_width", "VALID_CODES"]
 
 #: The six codes ``i0 | i1 << 2`` with i0 < i1 (which two of the four positions are kept).
 VALID_CODES = (4, 8, 12, 9, 13, 14)
@@ -44,14 +44,21 @@ def pack_24(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         n = int((w[r, c // 4 * 4: c // 4 * 4 + 4] != 0).sum())
         raise ValueError(f"not 2:4: row {r}, columns {c // 4 * 4}-{c // 4 * 4 + 3} hold {n} non-zeros")
     values = w[keep].reshape(out, inn // 2)
-    g = keep.reshape(out, inn // 4, 4)
-    pos = torch.arange(4, device=w.device)
-    first = torch.where(g, pos, 4).amin(2)
-    second = torch.where(g & (pos != first[..., None]), pos, 4).amin(2)
-    codes = (first | (second << 2)).to(torch.uint8)
+    codes = group_codes(keep).to(torch.uint8)
     if codes.shape[1] % 2:
         codes = torch.cat([codes, codes.new_zeros(out, 1)], 1)
     return values.contiguous(), (codes[:, 0::2] | (codes[:, 1::2] << 4)).contiguous()
+
+
+def group_codes(keep: torch.Tensor) -> torch.Tensor:
+    """(out, in/4) int32 codes ``i0 | i1 << 2`` (i0 < i1) of a mask ``keep`` (out, in) with exactly
+    two kept entries in every group of 4: the codes :func:`pack_24` stores and cuSPARSELt's
+    metadata holds (``kernels/layout.py``)."""
+    g = keep.reshape(keep.shape[0], -1, 4).bool()
+    pos = torch.arange(4, device=keep.device, dtype=torch.int32)
+    first = torch.where(g, pos, 4).amin(2)
+    second = torch.where(g & (pos != first[..., None]), pos, 4).amin(2)
+    return first | (second << 2)
 
 
 def position_codes(positions: torch.Tensor, in_features: int) -> torch.Tensor:

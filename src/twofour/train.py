@@ -25,7 +25,7 @@ import torch
 import torch.distributed as dist
 
 from . import __version__, attach, sparse_layers, sparsify
-from .config import TrainConfig, TrainError, lr_at
+from .config import TrainConfig, TrainError, lr_at, resolve_device
 from .console import Interrupted, Progress, StopRequest
 from .data import TokenData, load_data
 from .model import ATTN_PATTERNS, FFN_IN_PATTERNS, FFN_PATTERNS, PRESETS
@@ -73,15 +73,6 @@ def _dist() -> tuple[int, int, int]:
     return dist.get_rank(), world, local_rank
 
 
-def _device(cfg: TrainConfig, local_rank: int) -> torch.device:
-    if cfg.device == "auto":
-        return torch.device("cuda", local_rank) if torch.cuda.is_available() else torch.device("cpu")
-    dev = torch.device(cfg.device)
-    if dev.type == "cuda" and not torch.cuda.is_available():
-        raise TrainError("--device cuda was asked for, but no CUDA GPU is available")
-    return torch.device("cuda", local_rank) if dev.type == "cuda" and dev.index is None else dev
-
-
 def val_windows(data: TokenData, cfg: TrainConfig) -> np.ndarray:
     """Start offsets of the validation windows: ``eval_iters * batch_size`` windows spaced evenly
     over the whole val split. They depend on the data and the batch shape only, never on the
@@ -111,7 +102,7 @@ def train(cfg: TrainConfig, data: TokenData | None = None) -> dict[str, Any]:
     cfg.validate()
     recipe = cfg.recipe_object()
     rank, world, local_rank = _dist()
-    device = _device(cfg, local_rank)
+    device = resolve_device(cfg.device, local_rank)
     if data is None:
         data = load_data(cfg.data, cfg.vocab_size)
     data.check(cfg.seq_len)

@@ -19,16 +19,15 @@ import torch
 from torch.nn import functional as F
 
 from ..packed import positions_width, unpack_24
+from .compress import HAS_TRITON
+from .ops import median_ms
 
-try:
+if HAS_TRITON:  # the reference path needs no Triton
     import triton
     import triton.language as tl
-except ImportError:  # the reference path needs no Triton
-    triton = None
 
 __all__ = ["gemv24", "reference", "MAX_TOKENS", "HAS_TRITON", "CONFIGS"]
 
-HAS_TRITON = triton is not None
 #: The most tokens (rows of x) the kernel takes; more go to cuSPARSELt's GEMM.
 MAX_TOKENS = 8
 #: (rows per program, inputs per step, warps) the GPU chooses from, per shape.
@@ -109,22 +108,10 @@ def _launch(x, values, positions, bias, y, cfg) -> None:
 
 
 def _tune(x, values, positions, bias, y) -> tuple[int, int, int]:
-    """The fastest fitting config for this shape, by CUDA-event timing (median of 5 after 2 warm-ups)."""
-    best, best_ms = None, float("inf")
-    for cfg in [c for c in CONFIGS if _fits(_block_tokens(x.shape[0]), c)] or list(CONFIGS[:1]):
-        times = []
-        for i in range(7):
-            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            start.record()
-            _launch(x, values, positions, bias, y, cfg)
-            end.record()
-            end.synchronize()
-            if i >= 2:
-                times.append(start.elapsed_time(end))
-        ms = sorted(times)[len(times) // 2]
-        if ms < best_ms:
-            best, best_ms = cfg, ms
-    return best
+    """The fastest fitting config for this shape, timed as the dispatch times its candidates
+    (:func:`twofour.kernels.ops.median_ms`: median of 5 after 2 warm-ups)."""
+    fitting = [c for c in CONFIGS if _fits(_block_tokens(x.shape[0]), c)] or list(CONFIGS[:1])
+    return min(fitting, key=lambda cfg: median_ms(lambda: _launch(x, values, positions, bias, y, cfg), reps=5))
 
 
 def gemv24(x: torch.Tensor, values: torch.Tensor, positions: torch.Tensor, bias: torch.Tensor | None = None, *,

@@ -16,6 +16,8 @@ from __future__ import annotations
 
 import torch
 
+from ..packed import group_codes
+
 __all__ = ["compressed_size", "compress_reference", "compress_codes", "decompress_reference", "supported_shape"]
 
 
@@ -31,15 +33,6 @@ def compressed_size(m: int, k: int, itemsize: int = 2) -> int:
     """Bytes of the compressed buffer: values plus metadata for rows padded to 64."""
     mp = -(-m // 64) * 64
     return m * k // 2 * itemsize + mp * k // 8
-
-
-def _codes(mask: torch.Tensor) -> torch.Tensor:
-    """(M, K/4) int codes i0 | i1 << 2 of a 2:4 mask with exactly two kept per group."""
-    g = mask.reshape(mask.shape[0], -1, 4).to(torch.int32)
-    pos = torch.arange(4, device=mask.device, dtype=torch.int32)
-    first = torch.where(g.bool(), pos, 4).amin(2)
-    second = torch.where(g.bool() & (pos != first[..., None]), pos, 4).amin(2)
-    return first | (second << 2)
 
 
 def _meta_words(codes: torch.Tensor) -> torch.Tensor:
@@ -68,7 +61,7 @@ def compress_reference(a: torch.Tensor, mask: torch.Tensor | None = None) -> tor
         mask = a != 0
     if not bool((mask.reshape(m, -1, 4).sum(2) == 2).all()):
         raise ValueError("compress_reference needs exactly two kept entries in every group of 4")
-    return compress_codes(a[mask].reshape(m, k // 2), _codes(mask))
+    return compress_codes(a[mask].reshape(m, k // 2), group_codes(mask))
 
 
 def compress_codes(values: torch.Tensor, codes: torch.Tensor) -> torch.Tensor:

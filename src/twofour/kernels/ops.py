@@ -25,7 +25,7 @@ from .layout import compressed_size
 from .mask import refresh_mask_
 
 __all__ = ["spmm", "compress", "refresh_mask_", "order", "fast_available", "triton_ok", "choose",
-           "choices", "set_choice", "clear_choices", "median_ms"]
+           "choices", "set_choice", "clear_choices", "median_ms", "as_2d"]
 
 
 def order(t: torch.Tensor) -> str | None:
@@ -36,6 +36,12 @@ def order(t: torch.Tensor) -> str | None:
     if t.stride(0) == 1 and (t.stride(1) == rows or cols == 1):
         return "col"
     return None
+
+
+def as_2d(t: torch.Tensor) -> torch.Tensor:
+    """(tokens, features) view of ``t`` in row- or column-major order (a copy only if neither)."""
+    t2 = t.reshape(-1, t.shape[-1])
+    return t2 if order(t2) is not None else t2.contiguous()
 
 
 def _enabled() -> bool:
