@@ -122,8 +122,10 @@ def test_fp8_linear_matches_reference_and_dense(device, scaling):
     ry, rdx, rdw, dy = reference_linear(x.detach(), w.detach(), b.detach(), scaling)
     y = fp8_linear(x, w, b, scaling=scaling)
     y.backward(dy)
+    # Hopper's FP8 tensor cores accumulate with fewer bits than float32 (4.6e-5 seen on an H100)
+    tol = 1e-5 if device.type == "cpu" else 2e-4
     for got, want in ((y, ry), (x.grad, rdx), (w.grad, rdw)):
-        assert got.dtype == torch.float32 and rel(got, want) < 1e-5
+        assert got.dtype == torch.float32 and rel(got, want) < tol
     assert torch.allclose(b.grad, dy.sum(0))
     # and FP8 is close to the dense product
     xd, wd = x.detach().clone().requires_grad_(), w.detach().clone().requires_grad_()
