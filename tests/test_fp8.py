@@ -17,6 +17,7 @@ from twofour.fp8 import (
     fake_fp8,
     fp8_linear,
     quantize,
+    quantize_t,
     scaled_mm,
 )
 from twofour.pruning import mvue_24_padded
@@ -145,17 +146,18 @@ def test_fp8_linear_bf16_autocast_and_effective_weight(device):
     assert rel(y, F.linear(x, w_eff)) < 0.05
 
 
-def test_fp8_linear_mvue_is_unbiased(device):
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)  # bf16: the fused MVUE kernel on a GPU
+def test_fp8_linear_mvue_is_unbiased(device, dtype):
     torch.manual_seed(1)
-    x = torch.randn(32, 32, device=device)
-    w = torch.nn.Parameter(torch.randn(16, 32, device=device))
-    dy = torch.randn(32, 16, device=device)
-    exact = dy.t() @ x
+    x = torch.randn(64, 32, device=device, dtype=dtype)
+    w = torch.nn.Parameter(torch.randn(16, 32, device=device, dtype=dtype))
+    dy = torch.randn(64, 16, device=device, dtype=dtype)
+    exact = dy.float().t() @ x.float()
     grads = []
     for _ in range(64):
         w.grad = None
-        FP8LinearFn.apply(x, w, None, w.detach(), True, TENSORWISE, torch.float32).backward(dy)
-        grads.append(w.grad.clone())
+        FP8LinearFn.apply(x, w, None, w.detach(), True, TENSORWISE, dtype).backward(dy)
+        grads.append(w.grad.float())
     one, mean = rel(grads[0], exact), rel(torch.stack(grads).mean(0), exact)
     assert one > 0.2 and mean < one / 3  # a noisy estimate whose average converges
 
@@ -170,6 +172,36 @@ def test_layer_fp8_every_recipe(device, recipe):
     assert 0 < rel(y, ref) < 0.1  # FP8 rounding is visible but small
     y.pow(2).sum().backward()
     assert torch.isfinite(lin.weight.grad).all() and lin.weight.grad.abs().sum() > 0
+
+
+@pytest.mark.parametrize("fmt", FORMATS, ids=str)
+def test_transposed_copy_is_the_transpose_quantized(device, fmt):
+    t = torch.randn(48, 80, device=device, dtype=torch.bfloat16) * 5
+    q, s, qt = quantize_t(t, fmt, TENSORWISE, transposed=True)
+    q2, s2 = quantize(t.t().contiguous(), fmt, TENSORWISE)
+    assert qt.is_contiguous() and torch.equal(s, s2)
+    assert torch.equal(qt.view(torch.uint8), q2.view(torch.uint8))
+    assert torch.equal(q.t().contiguous().view(torch.uint8), qt.view(torch.uint8))
+    with pytest.raises(ValueError, match="tensorwise"):
+        quantize_t(t, fmt, ROWWISE, transposed=True)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("fmt", FORMATS, ids=str)
+@pytest.mark.parametrize("scaling", SCALING, ids=lambda s: s.name)
+def test_gpu_quantization_matches_plain_torch(fmt, scaling):
+    """The compiled quantization the GPU runs gives the CPU's plain-torch bytes and scales."""
+    if not torch.cuda.is_available():
+        pytest.skip("needs a CUDA GPU")
+    for shape in [(256, 320), (100, 48)]:  # the second shape recompiles nothing: dynamic shapes
+        t = torch.randn(*shape, dtype=torch.bfloat16) * torch.logspace(-2, 2, shape[0])[:, None]
+        t[3, 5] = 0
+        q, s, qt = quantize_t(t.cuda(), fmt, scaling, transposed=not scaling.rowwise)
+        rq, rs, rqt = quantize_t(t, fmt, scaling, transposed=not scaling.rowwise)
+        assert torch.equal(s.cpu(), rs)
+        assert torch.equal(q.cpu().view(torch.uint8), rq.view(torch.uint8))
+        if qt is not None:
+            assert torch.equal(qt.cpu().view(torch.uint8), rqt.view(torch.uint8))
 
 
 def test_rowwise_needs_a_matrix():

@@ -21,10 +21,14 @@ from dataclasses import dataclass
 
 import torch
 
+from . import settings
+from .kernels import ops
+from .kernels.layout import supported_shape
 from .pruning import mvue_24_padded
 
 __all__ = ["fake_fp8", "E4M3", "E5M2", "Scaling", "TENSORWISE", "ROWWISE", "SCALINGS", "DEFAULT_SCALING",
-           "quantize", "dequantize", "scaled_mm", "scaled_mm_available", "refusals", "fp8_linear", "FP8LinearFn"]
+           "quantize", "quantize_t", "dequantize", "scaled_mm", "scaled_mm_available", "refusals", "fp8_linear",
+           "FP8LinearFn"]
 
 log = logging.getLogger("twofour")
 
@@ -43,8 +47,8 @@ class Scaling:
 
     def amax(self, t: torch.Tensor) -> torch.Tensor:
         """The float32 absolute maximum: a scalar, or (rows, 1) for rowwise."""
-        a = t.detach().abs()
-        return (a.amax(dim=-1, keepdim=True) if self.rowwise else a.amax()).float()
+        return torch.linalg.vector_norm(t.detach(), float("inf"), dim=-1 if self.rowwise else None,
+                                        keepdim=self.rowwise, dtype=torch.float32)
 
 
 TENSORWISE = Scaling("tensorwise", False)
@@ -59,18 +63,51 @@ def _check_fmt(fmt: torch.dtype) -> None:
         raise TypeError(f"fmt must be torch.float8_e4m3fn or torch.float8_e5m2, got {fmt}")
 
 
+def _quantize(t: torch.Tensor, fmt: torch.dtype, rowwise: bool,
+              transposed: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+    """The quantization in plain torch: ``(q, scale, q^T row-major or None)``. One amax reduction
+    (no |t| tensor), then scale, saturate and cast."""
+    fmax = torch.finfo(fmt).max
+    t = t.detach()
+    amax = torch.linalg.vector_norm(t, float("inf"), dim=-1 if rowwise else None, keepdim=rowwise,
+                                    dtype=torch.float32)
+    scale = torch.where(amax == 0, torch.ones_like(amax), amax / fmax)  # NaN amax stays NaN
+    q = (t.float() / scale).clamp(-fmax, fmax).to(fmt)
+    return q, scale, (q.t().contiguous() if transposed else None)
+
+
+_compiled_quantize = None
+
+
+def _quantizer():
+    """:func:`_quantize` compiled (one fused pass for amax, one for scale + cast + transposed copy)
+    on a GPU with the fast path on; plain torch elsewhere and inside an outer compile."""
+    global _compiled_quantize
+    if _compiled_quantize is None:
+        # dynamic shapes: one compile per format and variant, not per shape
+        _compiled_quantize = torch.compile(_quantize, fullgraph=True, dynamic=True)
+    return _compiled_quantize
+
+
+def quantize_t(t: torch.Tensor, fmt: torch.dtype = E4M3, scaling: Scaling = TENSORWISE, *,
+               transposed: bool = False) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+    """:func:`quantize`, plus (with ``transposed``, tensorwise only) ``q^T`` as a row-major copy
+    written in the same pass: the operand a linear's backward multiplies along its other axis."""
+    _check_fmt(fmt)
+    if scaling.rowwise and t.dim() != 2:
+        raise ValueError(f"rowwise scaling needs a 2-D tensor, got shape {tuple(t.shape)}")
+    if transposed and (scaling.rowwise or t.dim() != 2):
+        raise ValueError("a transposed copy needs a 2-D tensor and tensorwise scaling (row scales don't transpose)")
+    fused = t.is_cuda and settings.fast and not torch.compiler.is_compiling()
+    return (_quantizer() if fused else _quantize)(t, fmt, scaling.rowwise, transposed)
+
+
 def quantize(t: torch.Tensor, fmt: torch.dtype = E4M3,
              scaling: Scaling = TENSORWISE) -> tuple[torch.Tensor, torch.Tensor]:
     """``(q, scale)``: ``t`` (2-D for rowwise) in FP8 ``fmt`` and its float32 dequantization scale
     (a scalar, or (rows, 1) for rowwise) with ``t ~= q * scale``. Current amax scaling; an
     all-zero tensor or row gets scale 1; NaN/inf give a non-finite scale (module docstring)."""
-    _check_fmt(fmt)
-    if scaling.rowwise and t.dim() != 2:
-        raise ValueError(f"rowwise scaling needs a 2-D tensor, got shape {tuple(t.shape)}")
-    fmax = torch.finfo(fmt).max
-    amax = scaling.amax(t)
-    scale = torch.where(amax == 0, torch.ones_like(amax), amax / fmax)  # NaN amax stays NaN
-    q = (t.detach().float() / scale).clamp(-fmax, fmax).to(fmt)
+    q, scale, _ = quantize_t(t, fmt, scaling)
     return q, scale
 
 
@@ -133,56 +170,71 @@ def scaled_mm(qa: torch.Tensor, sa: torch.Tensor, qb: torch.Tensor, sb: torch.Te
 # --------------------------------------------------------------------------------------------
 
 
-def _other_axis(q: torch.Tensor, s: torch.Tensor, hp: torch.Tensor | None, fmt: torch.dtype,
-                scaling: Scaling) -> tuple[torch.Tensor, torch.Tensor]:
-    """The operand quantized along its other dimension: the transposed FP8 tensor (tensorwise,
-    one byte per element moved) or the high-precision one quantized again (rowwise)."""
-    if scaling.rowwise:
-        return quantize(hp.t().contiguous(), fmt, scaling)
-    return q.t().contiguous(), s
+def _mvue_estimate(dyt: torch.Tensor) -> torch.Tensor:
+    """The unbiased 2:4 estimate of ``dY^T`` (N, T) along tokens, dense: the fused MVUE kernel on a
+    GPU (reading ``dY`` in place), the plain-torch one elsewhere."""
+    n, t = dyt.shape
+    if ops.triton_ok(dyt) and dyt.dtype in (torch.bfloat16, torch.float16) and supported_shape(n, t):
+        return ops.compress(dyt, "mvue", dense_out=True, sparse_out=False, out_dtype=dyt.dtype)[1]
+    return mvue_24_padded(dyt.contiguous())
 
 
 class FP8LinearFn(torch.autograd.Function):
     """y = x W_eff^T + b with FP8 GEMMs: forward x(e4m3) W_eff(e4m3)^T, dX = dY(e5m2) W_eff(e4m3),
     dW = dY^T(e5m2) X(e4m3) (on the MVUE 2:4 estimate of dY^T with ``mvue``), outputs in the
-    compute dtype; dW passed straight through to the master ``weight``."""
+    compute dtype; dW passed straight through to the master ``weight``; ``grad``: whether grad
+    mode was on at the call (no backward copies otherwise). Tensorwise, each operand
+    is quantized once, with the transposed copy its other GEMM reads written in the same pass;
+    rowwise, the other axis is quantized again from the high-precision tensor."""
 
     @staticmethod
-    def forward(ctx, x, weight, bias, w_eff, mvue: bool, scaling: Scaling, cdt: torch.dtype):
+    def forward(ctx, x, weight, bias, w_eff, mvue: bool, scaling: Scaling, cdt: torch.dtype, grad: bool = True):
         x2 = x.reshape(-1, x.shape[-1])
-        qx, sx = quantize(x2, E4M3, scaling)
-        qw, sw = quantize(w_eff, E4M3, scaling)
+        tw = not scaling.rowwise
+        need_dx, need_dw = grad and ctx.needs_input_grad[0], grad and ctx.needs_input_grad[1]
+        qx, sx, qxt = quantize_t(x2, E4M3, scaling, transposed=tw and need_dw)
+        qw, sw, qwt = quantize_t(w_eff, E4M3, scaling, transposed=tw and need_dx)
         y = scaled_mm(qx, sx, qw, sw, cdt)
         if bias is not None:
             y = y + bias.to(cdt)
-        keep = (x2, w_eff) if scaling.rowwise else (None, None)
-        ctx.save_for_backward(qx, sx, qw, sw, *keep)
+        if tw:  # what the backward multiplies: W^T and X^T, row-major along N and T
+            ctx.save_for_backward(qwt, sw, qxt, sx)
+        else:
+            ctx.save_for_backward(x2, w_eff)
         ctx.mvue, ctx.scaling, ctx.cdt, ctx.x_shape, ctx.x_dtype = mvue, scaling, cdt, x.shape, x.dtype
         ctx.has_bias, ctx.w_dtype = bias is not None, weight.dtype
         return y.reshape(*x.shape[:-1], y.shape[-1])
 
     @staticmethod
     def backward(ctx, dy):
-        qx, sx, qw, sw, x2, w_eff = ctx.saved_tensors
         sc, cdt = ctx.scaling, ctx.cdt
         dy2 = dy.reshape(-1, dy.shape[-1]).to(cdt)
-        dx = dw = db = qd = sd = None
+        dx = dw = db = None
         need_dx, need_dw = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
-        if need_dx or (need_dw and not ctx.mvue and not sc.rowwise):  # tensorwise: once for dX and dW (transposed)
-            qd, sd = quantize(dy2, E5M2, sc)
+        if sc.rowwise:
+            x2, w_eff = ctx.saved_tensors
+            if need_dx:
+                qwt, swt = quantize(w_eff.t().contiguous(), E4M3, sc)
+            if need_dw:
+                qxt, sxt = quantize(x2.t().contiguous(), E4M3, sc)
+        else:
+            qwt, swt, qxt, sxt = ctx.saved_tensors
+        dy_t = need_dw and not ctx.mvue  # dY^T exact: from dY's quantization (tensorwise) or its own
+        qd = sd = qdt = sdt = None
+        if need_dx or (dy_t and not sc.rowwise):
+            qd, sd, qdt = quantize_t(dy2, E5M2, sc, transposed=dy_t and not sc.rowwise)
+            sdt = sd
         if need_dx:
-            qwt, swt = _other_axis(qw, sw, w_eff, E4M3, sc)  # W^T (K, N), row-major along N
             dx = scaled_mm(qd, sd, qwt, swt, cdt).reshape(ctx.x_shape).to(ctx.x_dtype)
         if need_dw:
             if ctx.mvue:  # the unbiased 2:4 estimate of dY^T (along tokens), quantized on its own
-                qdt, sdt = quantize(mvue_24_padded(dy2.t().contiguous()), E5M2, sc)
-            else:
-                qdt, sdt = _other_axis(qd, sd, dy2, E5M2, sc)  # dY^T (N, T), row-major along T
-            qxt, sxt = _other_axis(qx, sx, x2, E4M3, sc)  # X^T (K, T), row-major along T
+                qdt, sdt = quantize(_mvue_estimate(dy2.t()), E5M2, sc)
+            elif sc.rowwise:
+                qdt, sdt = quantize(dy2.t().contiguous(), E5M2, sc)
             dw = scaled_mm(qdt, sdt, qxt, sxt, cdt).to(ctx.w_dtype)
         if ctx.has_bias and ctx.needs_input_grad[2]:
             db = dy2.sum(0)
-        return dx, dw, db, None, None, None, None
+        return dx, dw, db, None, None, None, None, None
 
 
 def fp8_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, w_eff: torch.Tensor | None = None,
@@ -194,4 +246,4 @@ def fp8_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
     cdt = torch.get_autocast_dtype(dev) if torch.is_autocast_enabled(dev) else x.dtype
     w_eff = weight.detach() if w_eff is None else w_eff
     with torch.autocast(dev, enabled=False):
-        return FP8LinearFn.apply(x, weight, bias, w_eff.detach(), mvue, scaling, cdt)
+        return FP8LinearFn.apply(x, weight, bias, w_eff.detach(), mvue, scaling, cdt, torch.is_grad_enabled())
