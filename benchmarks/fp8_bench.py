@@ -1,4 +1,4 @@
-"""FP8 GEMMs and layers through ``torch._scaled_mm`` against bf16 (GPU; not yet run on one).
+"""FP8 GEMMs and layers through ``torch._scaled_mm`` against bf16 (GPU).
 
     PYTHONPATH=src python benchmarks/fp8_bench.py [--skip-step]
 
