@@ -100,12 +100,26 @@ def test_gemv_kernel_matches_reference(tokens, shape, dtype, tol, device):
 
 
 @needs_triton
+def test_gemv_kernel_split_k_matches_reference(device):
+    """Inputs split over programs (partials summed by a second kernel, bias added once): any split,
+    a short last split included."""
+    w = random_24((40, 288))
+    values, positions = (t.to(device) for t in pack_24(w))
+    x = torch.randn(3, 288, device=device)
+    bias = torch.randn(40, device=device)
+    for b in (bias, None):
+        want = reference(x, values, positions, b)
+        for config in [(8, 32, 4, 2), (8, 64, 4, 4), (16, 32, 4, 9), (8, 128, 4, 5)]:
+            torch.testing.assert_close(gemv24(x, values, positions, b, config=config), want, rtol=1e-5, atol=1e-5)
+
+
+@needs_triton
 def test_gemv_kernel_reads_strided_input_and_any_tile(device):
     w = random_24((48, 128))
     values, positions = (t.to(device) for t in pack_24(w))
     x = torch.randn(128, 4, device=device).t()  # column-major (4, 128)
     want = reference(x, values, positions)
-    for config in [(4, 256, 2), (16, 128, 4), (32, 64, 4)]:
+    for config in [(4, 256, 2), (16, 128, 4), (32, 64, 4), (8, 32, 4, 3), (4, 64, 2, 8)]:  # split-K too
         torch.testing.assert_close(gemv24(x, values, positions, config=config), want, rtol=1e-5, atol=1e-5)
 
 
