@@ -204,6 +204,23 @@ def test_gpu_quantization_matches_plain_torch(fmt, scaling):
             assert torch.equal(qt.cpu().view(torch.uint8), rqt.view(torch.uint8))
 
 
+@pytest.mark.gpu
+@pytest.mark.parametrize("recipe", ["s-ste", "ste", "t-sr-ste"])
+def test_gpu_layer_fp8_on_the_fused_effective_weight(recipe):
+    """Under bf16 autocast on a GPU the FP8 layer quantizes the fused kernel's effective weight."""
+    if not torch.cuda.is_available():
+        pytest.skip("needs a CUDA GPU")
+    torch.manual_seed(0)
+    lin = SparseLinear(64, 96, recipe=recipe, fp8=True).cuda()
+    x = torch.randn(128, 64, device="cuda")
+    with torch.autocast("cuda", dtype=torch.bfloat16):
+        y = lin(x)
+    assert y.dtype == torch.bfloat16
+    assert 0 < rel(y, F.linear(x, lin.effective_weight(), lin.bias)) < 0.1
+    y.float().pow(2).sum().backward()
+    assert torch.isfinite(lin.weight.grad).all() and lin.weight.grad.abs().sum() > 0
+
+
 def test_rowwise_needs_a_matrix():
     with pytest.raises(ValueError, match="2-D"):
         quantize(torch.randn(2, 3, 4), E4M3, ROWWISE)

@@ -221,7 +221,12 @@ class SparseLinear(nn.Linear):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         r = self.recipe
         if r.fp8:  # FP8 GEMMs (torch._scaled_mm, else their reference), dense recipe included
-            return fp8_linear(x, self.weight, self.bias, self.effective_weight(), mvue=r.mvue and not self._dense)
+            if self._dense or torch.compiler.is_compiling() or not applies(x, self.in_features, self.out_features):
+                w_eff = self.effective_weight()
+            else:  # the fused kernel's dense effective weight, built once per optimizer step
+                w_eff = self.compressed.get(self.weight, self.pruner, self.beta, self.mask, self._step,
+                                            compute_dtype(x))[1]
+            return fp8_linear(x, self.weight, self.bias, w_eff, mvue=r.mvue and not self._dense)
         if not r.sparse:
             return super().forward(x)
         if not self._dense and applies(x, self.in_features, self.out_features):
