@@ -82,10 +82,11 @@ needs_triton = pytest.mark.skipif(not HAS_TRITON, reason="needs triton")
 
 
 @needs_triton
+@pytest.mark.parametrize("pairs", [False, True], ids=["tiles", "pairs"])
 @pytest.mark.parametrize("tokens", [1, 3, MAX_TOKENS])
 @pytest.mark.parametrize("shape", [(64, 128), (40, 96), (33, 260)])
 @pytest.mark.parametrize("dtype,tol", [(torch.float32, 1e-5), (torch.float16, 2e-3), (torch.bfloat16, 2e-2)])
-def test_gemv_kernel_matches_reference(tokens, shape, dtype, tol, device):
+def test_gemv_kernel_matches_reference(tokens, shape, dtype, tol, device, pairs):
     n, k = shape
     w = random_24(shape, dtype=dtype)
     values, positions = (t.to(device) for t in pack_24(w))
@@ -94,7 +95,7 @@ def test_gemv_kernel_matches_reference(tokens, shape, dtype, tol, device):
     bias = torch.randn(n, generator=g).to(dtype).to(device)
     for b in (bias, None):
         want = reference(x.float(), values.float(), positions, None if b is None else b.float())
-        got = gemv24(x, values, positions, b)
+        got = gemv24(x, values, positions, b, config=(16, 128, 4, 1, pairs))
         assert got.shape == (tokens, n) and got.dtype == dtype
         assert ((got.float() - want).abs().max() / want.abs().max()).item() < tol
 
@@ -109,7 +110,8 @@ def test_gemv_kernel_split_k_matches_reference(device):
     bias = torch.randn(40, device=device)
     for b in (bias, None):
         want = reference(x, values, positions, b)
-        for config in [(8, 32, 4, 2), (8, 64, 4, 4), (16, 32, 4, 9), (8, 128, 4, 5)]:
+        for config in [(8, 32, 4, 2), (8, 64, 4, 4), (16, 32, 4, 9), (8, 128, 4, 5), (8, 64, 4, 4, True),
+                       (16, 32, 4, 9, True)]:
             torch.testing.assert_close(gemv24(x, values, positions, b, config=config), want, rtol=1e-5, atol=1e-5)
 
 
@@ -119,7 +121,9 @@ def test_gemv_kernel_reads_strided_input_and_any_tile(device):
     values, positions = (t.to(device) for t in pack_24(w))
     x = torch.randn(128, 4, device=device).t()  # column-major (4, 128)
     want = reference(x, values, positions)
-    for config in [(4, 256, 2), (16, 128, 4), (32, 64, 4), (8, 32, 4, 3), (4, 64, 2, 8)]:  # split-K too
+    # both kernels (pair loads last), split-K too
+    for config in [(4, 256, 2), (16, 128, 4), (32, 64, 4), (8, 32, 4, 3), (4, 64, 2, 8), (4, 256, 2, 1, True),
+                   (32, 64, 4, 3, True)]:
         torch.testing.assert_close(gemv24(x, values, positions, config=config), want, rtol=1e-5, atol=1e-5)
 
 
