@@ -16,8 +16,7 @@ and 8 or 16 rows a program, no conversion in the loop and one barrier in the ker
 split of the inputs (split-K), ``S`` programs share each band of rows, one input range each, and
 a second small kernel sums their float32 partials and adds the bias: more programs in flight
 where a layer has few output rows and long ones (a down projection), at the cost of one more
-launch. Variant, tile shape, warps and split
-are measured once per shape on the GPU.
+launch. Variant, tile shape, warps and split are measured once per shape on the GPU.
 
 :func:`reference` is the same product in plain torch; the tests run the kernel against it
 under Triton's interpreter on the CPU.
