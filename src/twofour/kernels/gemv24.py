@@ -24,6 +24,8 @@ under Triton's interpreter on the CPU.
 
 from __future__ import annotations
 
+import logging
+
 import torch
 from torch.nn import functional as F
 
@@ -34,6 +36,8 @@ from .ops import median_ms
 if HAS_TRITON:  # the reference path needs no Triton
     import triton
     import triton.language as tl
+
+log = logging.getLogger("twofour")
 
 __all__ = ["gemv24", "reference", "MAX_TOKENS", "HAS_TRITON", "CONFIGS"]
 
@@ -236,7 +240,17 @@ def _tune(x, values, positions, bias, y) -> tuple[int, ...]:
     """The fastest fitting config for this shape, timed as the dispatch times its candidates
     (:func:`twofour.kernels.ops.median_ms`: median of 5 after 2 warm-ups)."""
     fitting = [c for c in CONFIGS if _fits(_block_tokens(x.shape[0]), c)] or list(CONFIGS[:1])
-    return min(fitting, key=lambda cfg: median_ms(lambda: _launch(x, values, positions, bias, y, cfg), reps=5))
+    times, errors = {}, {}
+    for cfg in fitting:  # a variant this GPU's Triton can't build is left out, with a warning
+        try:
+            times[cfg] = median_ms(lambda cfg=cfg: _launch(x, values, positions, bias, y, cfg), reps=5)
+        except Exception as e:  # noqa: BLE001 (compiler errors have no common type)
+            errors[cfg] = f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"
+    if not times:
+        raise RuntimeError(f"gemv24: no configuration ran at this shape; first error: {next(iter(errors.values()))}")
+    for cfg, err in errors.items():
+        log.warning("gemv24: configuration %s failed and is skipped (%s)", cfg, err)
+    return min(times, key=times.get)
 
 
 def gemv24(x: torch.Tensor, values: torch.Tensor, positions: torch.Tensor, bias: torch.Tensor | None = None, *,
