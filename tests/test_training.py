@@ -13,7 +13,7 @@ from .helpers import batches, make_optimizer, tiny_gpt, tiny_llama
 STEPS = 60
 
 
-def train(recipe, steps=STEPS, accum=1, device="cpu", make=tiny_gpt, **opts):
+def train(recipe, steps=STEPS, accum=1, device="cpu", make=tiny_gpt, bf16=False, **opts):
     model = make().to(device)
     if recipe == "t-sr-ste":
         opts.setdefault("total_steps", steps)
@@ -26,7 +26,8 @@ def train(recipe, steps=STEPS, accum=1, device="cpu", make=tiny_gpt, **opts):
         total = 0.0
         for _ in range(accum):
             x, y = next(data)
-            _, loss = model(x.to(device), y.to(device))
+            with torch.autocast(torch.device(device).type, dtype=torch.bfloat16, enabled=bf16):
+                _, loss = model(x.to(device), y.to(device))
             (loss / accum).backward()
             total += loss.item() / accum
         opt.step()
@@ -66,6 +67,26 @@ def test_llama_trains_with_every_recipe(recipe):
     assert layers["h.0.mlp.gate_up"].transposed_output and not layers["h.0.mlp.down"].transposed_output
     for layer in layers.values():
         assert layer.is_dense_phase == (recipe == "dense")
+        if recipe != "dense":
+            assert ((layer.effective_weight().reshape(-1, 4) != 0).sum(1) <= 2).all()
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("recipe", twofour.RECIPES)
+def test_gpu_llama_trains_with_every_recipe_on_the_fast_path(recipe):
+    """Under bf16 autocast with widths and token counts the fast path takes (multiples of 32),
+    the Llama-style model learns with every recipe on the GPU's kernels."""
+    if not torch.cuda.is_available():
+        pytest.skip("needs a CUDA GPU")
+    from twofour.model import FFN_IN_PATTERNS, FFN_PATTERNS
+
+    opts = {"dense_finetune": 0.0} if recipe == "t-sr-ste" else {}
+    model, _, losses, _ = train(recipe, steps=40, device="cuda", bf16=True,
+                                make=lambda: tiny_llama(n_embd=64, n_head=2), include=FFN_PATTERNS,
+                                transposed_output=FFN_IN_PATTERNS, **opts)
+    first, last = sum(losses[:5]) / 5, sum(losses[-5:]) / 5
+    assert last < 0.6 * first, (recipe, first, last)
+    for _, layer in twofour.sparse_layers(model):
         if recipe != "dense":
             assert ((layer.effective_weight().reshape(-1, 4) != 0).sum(1) <= 2).all()
 
