@@ -15,6 +15,7 @@ import torch
 from twofour import sparse_layers
 from twofour.cli import build_parser, main
 from twofour.pruning import mask_24
+from twofour.runs import pyplot
 
 SMALL = ["--model", "tiny", "--steps", "8", "--batch-size", "4", "--seq-len", "32", "--eval-interval", "4",
          "--eval-iters", "2", "--log-interval", "1", "--no-progress"]
@@ -136,18 +137,23 @@ def test_compare_table_and_plot(tmp_path, corpus, capsys):
 
 
 def test_compare_reports_finished_runs_without_their_data_or_checkpoints(tmp_path, corpus):
-    """The table of finished runs needs only their folders' summaries and metrics (runs trained
-    elsewhere and copied without checkpoints), not the corpus."""
+    """The table and plot of finished runs need only their folders' summaries and metrics (runs
+    trained elsewhere and copied without checkpoints, to another path), not the corpus."""
     data, out = tmp_path / "corpus.txt", tmp_path / "cmp"
     data.write_bytes(Path(corpus).read_bytes())
     args = ["compare", *SMALL, "--data", str(data), "--out", str(out), "--recipes", "dense,ste", "--seeds", "1"]
     assert main(args) == 0
     data.unlink()
-    for name in ("dense-s1/ckpt.pt", "ste-s1/ckpt.pt", "compare.md"):
+    for name in ("dense-s1/ckpt.pt", "ste-s1/ckpt.pt", "compare.md", "compare.png"):
         (out / name).unlink()
+    moved = tmp_path / "elsewhere"  # copied to another machine: the summaries name the old folder
+    out.rename(moved)
+    args[args.index(str(out))] = str(moved)
     assert main(args) == 0
-    table = (out / "compare.md").read_text()
+    table = (moved / "compare.md").read_text()
     assert "| dense | 1 |" in table and "| ste | 1 |" in table
+    assert (moved / "compare.png").exists() == (pyplot() is not None)
+    assert not out.exists()
 
 
 def test_compare_keeps_a_recipe_variant_apart(tmp_path, corpus):

@@ -219,9 +219,16 @@ def read_config(run: str | Path) -> dict[str, Any] | None:
 
 
 def read_summary(run: str | Path) -> dict[str, Any] | None:
-    """A finished run's ``summary.json`` as a dict, or None if it hasn't finished."""
+    """A finished run's ``summary.json`` as a dict, or None if it hasn't finished. Its paths
+    (``out_dir``, ``plot``) name where the folder is now: it may have been moved or copied."""
     path = Path(run) / "summary.json"
-    return json.loads(path.read_text()) if path.exists() else None
+    if not path.exists():
+        return None
+    summary = json.loads(path.read_text())
+    summary["out_dir"] = str(Path(run))
+    if summary.get("plot"):
+        summary["plot"] = str(Path(run) / Path(summary["plot"]).name)
+    return summary
 
 
 def pyplot():
