@@ -15,23 +15,15 @@ from pathlib import Path
 
 import numpy as np
 
-from twofour import RECIPES
-from twofour.compare import run_label
+from twofour.compare import run_label, run_order, summary_label
 from twofour.runs import read_metrics, read_summary
-
-
-def label(summary: dict) -> str:
-    return run_label(summary["recipe"], summary.get("recipe_options"))
 
 
 def gap_table(root: Path) -> str:
     """The markdown table of relative gaps to dense (%) at each common evaluation step."""
-    order = {name: i for i, name in enumerate(RECIPES)}
-    found = [(read_summary(p.parent), p.parent) for p in root.glob("*/summary.json")]
-    found.sort(key=lambda sf: (order.get(sf[0]["recipe"], len(order)), label(sf[0]), sf[0]["seed"]))
     runs: dict[str, dict[int, dict[int, float]]] = {}
-    for s, folder in found:
-        runs.setdefault(label(s), {})[s["seed"]] = dict(read_metrics(folder)["val_loss"])
+    for s in sorted((read_summary(p.parent) for p in root.glob("*/summary.json")), key=run_order):
+        runs.setdefault(summary_label(s), {})[s["seed"]] = dict(read_metrics(s["out_dir"])["val_loss"])
     dense = runs.pop(run_label("dense"), None)
     if not dense:
         raise SystemExit(f"{root}: no finished dense run to compare with")

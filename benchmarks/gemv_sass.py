@@ -4,7 +4,7 @@ shared-memory traffic, and the layout conversions Triton put inside the loop ove
 
     PYTHONPATH=src python benchmarks/gemv_sass.py
 
-Uses the ``ptxas``/``cuobjdump`` that ship inside Triton's wheel, like ``sass_count.py``. Each
+Compiles through ``sass_count.compile_for_hopper`` (Triton's own ``ptxas``/``cuobjdump``). Each
 layout conversion in the loop is a round trip through shared memory between barriers; at one
 token (decoding at batch 1) the pair-load kernel should have none. The GPU's tuner, not this
 count, picks the variant per shape; this says why a variant can be slow.
@@ -13,18 +13,12 @@ count, picks the variant per shape; this says why a variant can be slow.
 from __future__ import annotations
 
 import collections
-import os
 import re
-import subprocess
-import tempfile
 
-import triton
-from triton.backends.compiler import GPUTarget
-from triton.compiler import ASTSource
+from sass_count import compile_for_hopper, opcodes  # this folder's neighbour (run as a script)
 
 from twofour.kernels import gemv24 as g
 
-_BIN = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin")
 _COMMON = {"x_ptr": "*bf16", "sxt": "i32", "sxk": "i32", "pos_ptr": "*u8", "pos_stride": "i32",
            "bias_ptr": "*bf16", "y_ptr": "*bf16", "T": "i32", "N": "i32", "K": "i32", "k_per": "i32"}
 
@@ -36,24 +30,10 @@ def compile_kernel(pairs: bool, tokens: int, bo: int, bk: int, warps: int) -> tu
     const = {"HAS_BIAS": True, "BT": tokens, "BO": bo, "BK": bk, "SPLIT": 1, "sxk": 1}
     if pairs:
         const.update(VALUE_BITS=16, IS_BF16=True)
-    sig.update({k: "constexpr" for k in const})
     aligned = [k for k in ("x_ptr", "pairs_ptr", "vals_ptr", "pos_ptr", "y_ptr", "K", "N", "sxt", "pos_stride",
                            "pos_width", "k_per") if k in fn.arg_names]
-    src = ASTSource(fn=fn, signature=sig, constexprs={(fn.arg_names.index(k),): v for k, v in const.items()},
-                    attrs={(fn.arg_names.index(k),): [["tt.divisibility", 16]] for k in aligned})
-    kernel = triton.compile(src, target=GPUTarget("cuda", 90, 32), options={"num_warps": warps})
-    ptxas = next(p for p in (os.path.join(_BIN, "ptxas-blackwell"), os.path.join(_BIN, "ptxas")) if os.path.exists(p))
-    with tempfile.TemporaryDirectory() as tmp:
-        ptx, cubin = os.path.join(tmp, "k.ptx"), os.path.join(tmp, "k.cubin")
-        with open(ptx, "w") as fh:
-            fh.write(kernel.asm["ptx"])
-        log = subprocess.run([ptxas, "-arch=sm_90a", "-v", ptx, "-o", cubin], capture_output=True, text=True,
-                             check=True).stderr
-        text = subprocess.run([os.path.join(_BIN, "cuobjdump"), "-sass", cubin], capture_output=True, text=True,
-                              check=True).stdout
-    regs = int(re.search(r"Used (\d+) registers", log).group(1))
-    ops = collections.Counter(re.findall(r"^\s+/\*[0-9a-f]+\*/\s+(?:@!?U?P\w+\s+)?([A-Z0-9_]+)", text, flags=re.M))
-    return regs, ops, kernel.asm["ttgir"]
+    regs, _, text, ttgir = compile_for_hopper(fn, sig, const, aligned, warps)
+    return regs, opcodes(text), ttgir
 
 
 def main() -> None:

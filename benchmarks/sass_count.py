@@ -33,18 +33,12 @@ _SIG = {"src": "*bf16", "sr": "i32", "sc": "i32", "m_rows": "i32", "k_cols": "i3
         "dense_out": "*i16", "n_ct": "i32"}
 
 
-def sass(mode: int, bc: int, warps: int, in_place: bool) -> tuple[int, int, str]:
-    """(registers, spilled bytes, SASS text) of one kernel variant; ``in_place`` compiles it for a
-    source with contiguous rows (dY^T read from dY), else for a row-major source."""
-    fn = ck._compress_kernel
-    const = {"MODE": mode, "HAS_U": False, "WRITE_DENSE": False, "OUT_BF16": True, "BC": bc, "BIG": False,
-             "QUAD_LOADS": in_place, "WRITE_SPARSE": True,
-             **(ck.VARIANT if in_place else dict.fromkeys(ck.VARIANT, False)),
-             "sr" if in_place else "sc": 1}
-    # a compiled signature names every constexpr: the rest (ROUNDS) at the kernel's own defaults
-    const.update({p.name: p.default for p in fn.params if p.is_constexpr and p.has_default and p.name not in const})
-    sig = {**_SIG, **{k: "constexpr" for k in const}}
-    aligned = ("src", "vals", "meta", "m_rows", "k_cols", "n_ct", "sc" if in_place else "sr")
+def compile_for_hopper(fn, sig: dict[str, str], const: dict, aligned: tuple[str, ...] | list[str],
+                       warps: int) -> tuple[int, int, str, str]:
+    """(registers, spilled bytes, SASS text, TTGIR) of the Triton kernel ``fn`` compiled for
+    sm_90a with the constants ``const`` (named in ``sig`` as constexpr) and the arguments
+    ``aligned`` marked divisible by 16, through the ``ptxas``/``cuobjdump`` in Triton's wheel."""
+    sig = {**sig, **{k: "constexpr" for k in const}}
     src = ASTSource(fn=fn, signature=sig, constexprs={(fn.arg_names.index(k),): v for k, v in const.items()},
                     attrs={(fn.arg_names.index(k),): [["tt.divisibility", 16]] for k in aligned})
     kernel = triton.compile(src, target=GPUTarget("cuda", 90, 32), options={"num_warps": warps})
@@ -59,7 +53,21 @@ def sass(mode: int, bc: int, warps: int, in_place: bool) -> tuple[int, int, str]
                               check=True).stdout
     regs = int(re.search(r"Used (\d+) registers", log).group(1))
     spill = int(re.search(r"(\d+) bytes spill stores", log).group(1))
-    return regs, spill, text
+    return regs, spill, text, kernel.asm["ttgir"]
+
+
+def sass(mode: int, bc: int, warps: int, in_place: bool) -> tuple[int, int, str]:
+    """(registers, spilled bytes, SASS text) of one kernel variant; ``in_place`` compiles it for a
+    source with contiguous rows (dY^T read from dY), else for a row-major source."""
+    fn = ck._compress_kernel
+    const = {"MODE": mode, "HAS_U": False, "WRITE_DENSE": False, "OUT_BF16": True, "BC": bc, "BIG": False,
+             "QUAD_LOADS": in_place, "WRITE_SPARSE": True,
+             **(ck.VARIANT if in_place else dict.fromkeys(ck.VARIANT, False)),
+             "sr" if in_place else "sc": 1}
+    # a compiled signature names every constexpr: the rest (ROUNDS) at the kernel's own defaults
+    const.update({p.name: p.default for p in fn.params if p.is_constexpr and p.has_default and p.name not in const})
+    aligned = ("src", "vals", "meta", "m_rows", "k_cols", "n_ct", "sc" if in_place else "sr")
+    return compile_for_hopper(fn, _SIG, const, aligned, warps)[:3]
 
 
 def opcodes(text: str) -> collections.Counter:

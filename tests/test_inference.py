@@ -50,6 +50,22 @@ def test_round_trip_gives_the_training_models_logits(recipe, tmp_path):
         torch.testing.assert_close(loaded(IDX)[0], want, rtol=1e-5, atol=1e-5)  # float32: same weights, same math
 
 
+def test_export_without_an_architecture_loads_as_gpt(tmp_path):
+    """Exports written before Llama existed name no architecture; they hold a GPT and still load."""
+    m = trained("s-ste")
+    with torch.no_grad():
+        want = m(IDX)[0]
+    save_inference(m, tmp_path, dtype="float32")
+    path = tmp_path / "model_config.json"
+    cfg = json.loads(path.read_text())
+    del cfg["architecture"]
+    path.write_text(json.dumps(cfg))
+    loaded = load_for_inference(tmp_path, "cpu")
+    assert type(loaded) is type(m)
+    with torch.no_grad():
+        torch.testing.assert_close(loaded(IDX)[0], want, rtol=1e-5, atol=1e-5)
+
+
 def test_llama_round_trip(tmp_path):
     """A Llama export loads as a Llama (its rotary tables recomputed) with the training model's
     logits, and generates with its KV cache."""

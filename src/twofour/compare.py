@@ -17,7 +17,8 @@ from .recipes import RECIPES, recipe_options
 from .runs import CKPT, METRICS, pyplot, read_config, read_metrics, read_summary
 from .train import train
 
-__all__ = ["compare", "results_table", "recipe_stats", "plot_compare", "run_label"]
+__all__ = ["compare", "results_table", "recipe_stats", "plot_compare", "run_label", "summary_label",
+           "run_order"]
 
 
 def run_label(recipe: str, options: dict[str, Any] | None = None) -> str:
@@ -26,8 +27,16 @@ def run_label(recipe: str, options: dict[str, Any] | None = None) -> str:
     return " ".join([recipe, *(f"{k}={json.dumps(v)}" for k, v in sorted((options or {}).items()))])
 
 
-def _label(summary: dict[str, Any]) -> str:
+def summary_label(summary: dict[str, Any]) -> str:
+    """:func:`run_label` of a finished run's summary."""
     return run_label(summary["recipe"], summary.get("recipe_options"))
+
+
+def run_order(summary: dict[str, Any]) -> tuple:
+    """The order runs appear in tables: recipes as :data:`RECIPES` lists them, variants by label,
+    then seeds."""
+    order = {name: i for i, name in enumerate(RECIPES)}
+    return order.get(summary["recipe"], len(order)), summary_label(summary), summary["seed"]
 
 
 def _dense_label(summary: dict[str, Any]) -> str:
@@ -112,8 +121,7 @@ def _all_runs(root: Path, like: dict[str, Any]) -> list[dict[str, Any]]:
 
     runs = [read_summary(p.parent) for p in root.glob("*/summary.json")]
     runs = [r for r in runs if key(r) == key(like)]
-    order = {name: i for i, name in enumerate(RECIPES)}
-    return sorted(runs, key=lambda r: (order.get(r["recipe"], len(order)), _label(r), r["seed"]))
+    return sorted(runs, key=run_order)
 
 
 def _mean_std(values: list[float]) -> tuple[float, float | None]:
@@ -129,8 +137,8 @@ def recipe_stats(summaries: list[dict[str, Any]]) -> list[dict[str, Any]]:
     baseline: dict[str, str] = {}
     for s in summaries:
         if s["final_val_loss"] is not None:
-            by_recipe.setdefault(_label(s), {})[s["seed"]] = s["final_val_loss"]
-            baseline[_label(s)] = _dense_label(s)
+            by_recipe.setdefault(summary_label(s), {})[s["seed"]] = s["final_val_loss"]
+            baseline[summary_label(s)] = _dense_label(s)
     stats = []
     for recipe, losses in by_recipe.items():
         dense = by_recipe.get(baseline[recipe], {})
@@ -155,7 +163,7 @@ def _pm(mean: float | None, std: float | None, fmt: str) -> str:
 def results_table(summaries: list[dict[str, Any]]) -> str:
     """Markdown: one row per run (final val loss, gap to the same seed's dense, flip rates,
     tokens/s, wall time), then one row per recipe: mean ± std over seeds and the paired gap."""
-    dense = {(_label(s), s["seed"]): s["final_val_loss"] for s in summaries if s["recipe"] == "dense"}
+    dense = {(summary_label(s), s["seed"]): s["final_val_loss"] for s in summaries if s["recipe"] == "dense"}
     s0 = summaries[0]
     lines = [f"model `{s0['model']}`, regime `{s0.get('regime', 'ours')}`, {s0['steps']} steps, "
              f"{s0['tokens']:,} tokens per run", "",
@@ -166,7 +174,7 @@ def results_table(summaries: list[dict[str, Any]]) -> str:
         ref = dense.get((_dense_label(s), s["seed"]))
         gap = f"{s['final_val_loss'] - ref:+.4f}" if ref is not None and s["final_val_loss"] is not None else "n/a"
         val = f"{s['final_val_loss']:.4f}" if s["final_val_loss"] is not None else "n/a"
-        lines.append(f"| {_label(s)} | {s['seed']} | {val} | {gap} | {s['mean_flip_rate']:.2e} "
+        lines.append(f"| {summary_label(s)} | {s['seed']} | {val} | {gap} | {s['mean_flip_rate']:.2e} "
                      f"| {s['final_flip_rate']:.2e} | {s['tokens_per_s']:,.0f} | {s['wall_s']:.0f} |")
     lines += ["", "Per recipe over seeds: mean ± sample standard deviation (n - 1). Paired gap: recipe - dense "
               "of the same seed, for each seed both ran, then mean ± std of those gaps; relative: the gaps "
@@ -202,7 +210,7 @@ def plot_compare(root: Path, summaries: list[dict[str, Any]]) -> Path | None:
         k = max(1, len(losses) // 50)  # smooth the noisy per-step loss for the eye
         smooth = np.convolve(losses, np.ones(k) / k, mode="valid")
         m["train_smooth"] = list(zip(steps[k - 1:], smooth))
-        runs.setdefault(_label(s), []).append(m)
+        runs.setdefault(summary_label(s), []).append(m)
     fig, axes = plt.subplots(1, 3, figsize=(16, 4.5))
     panels = (("val_loss", "validation loss", "o-"), ("train_smooth", "train loss (smoothed)", "-"),
               ("flip_rate", "mask flip rate", "-"))

@@ -45,16 +45,6 @@ class Scaling:
     name: str
     rowwise: bool
 
-    def amax(self, t: torch.Tensor) -> torch.Tensor:
-        """The float32 absolute maximum: a scalar, or (rows, 1) for rowwise."""
-        return _amax(t.detach(), self.rowwise)
-
-
-def _amax(t: torch.Tensor, rowwise: bool) -> torch.Tensor:
-    """max |t| in float32 (of each row with ``rowwise``) in one reduction, NaN propagating."""
-    return torch.linalg.vector_norm(t, float("inf"), dim=-1 if rowwise else None, keepdim=rowwise,
-                                    dtype=torch.float32)
-
 
 TENSORWISE = Scaling("tensorwise", False)
 ROWWISE = Scaling("rowwise", True)
@@ -74,7 +64,9 @@ def _quantize(t: torch.Tensor, fmt: torch.dtype, rowwise: bool,
     (no |t| tensor), then scale, saturate and cast."""
     fmax = torch.finfo(fmt).max
     t = t.detach()
-    amax = _amax(t, rowwise)
+    # max |t| (of each row with rowwise) in one reduction, NaN propagating
+    amax = torch.linalg.vector_norm(t, float("inf"), dim=-1 if rowwise else None, keepdim=rowwise,
+                                    dtype=torch.float32)
     scale = torch.where(amax == 0, torch.ones_like(amax), amax / fmax)  # NaN amax stays NaN
     q = (t.float() / scale).clamp(-fmax, fmax).to(fmt)
     return q, scale, (q.t().contiguous() if transposed else None)

@@ -444,6 +444,7 @@ def read_export_config(path: str | Path) -> dict[str, Any]:
     if not isinstance(version, int) or version > FORMAT_VERSION:
         raise TrainError(f"{cfg_path}: format version {version!r} is not one this twofour reads (up to "
                          f"{FORMAT_VERSION}); upgrade twofour")
+    cfg.setdefault("architecture", "GPT")  # written before Llama exports existed: GPT was the only model
     try:
         if cfg["architecture"] not in _ARCHITECTURES:
             raise ValueError(f"unknown architecture {cfg['architecture']!r}")

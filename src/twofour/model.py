@@ -312,7 +312,8 @@ def _rope_tables(cfg: LlamaConfig) -> tuple[torch.Tensor, torch.Tensor]:
 
 def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
     """Rotary positions on (batch, heads, t, head_dim), Llama's pairing of dimensions i and
-    i + head_dim / 2 (as Hugging Face's ``rotate_half``)."""
+    i + head_dim / 2 (as Hugging Face's ``rotate_half``); the tables in x's dtype (Llama's
+    forward casts them once for all layers, so this is no copy)."""
     x1, x2 = x.chunk(2, dim=-1)
     c, s = cos.to(x.dtype), sin.to(x.dtype)
     return torch.cat((x1 * c - x2 * s, x2 * c + x1 * s), dim=-1)
@@ -378,10 +379,13 @@ class Llama(_LanguageModel):
         return {"lm_head.weight": "wte.weight"} if self.cfg.tie_embeddings else {}
 
     def _embed(self, idx: torch.Tensor, positions: torch.Tensor | None) -> tuple[torch.Tensor, tuple]:
-        if positions is None:  # 0 .. T-1: views of the tables
-            t = idx.shape[1]
-            return self.wte(idx), (self.rope_cos[:t], self.rope_sin[:t])
-        return self.wte(idx), (self.rope_cos[positions], self.rope_sin[positions])
+        # the tables in the dtype q and k come in (autocast's, else the weights'): one cast per
+        # forward, not one per layer
+        dev = idx.device.type
+        dt = torch.get_autocast_dtype(dev) if torch.is_autocast_enabled(dev) else self.wte.weight.dtype
+        if positions is None:  # 0 .. T-1
+            positions = slice(0, idx.shape[1])
+        return self.wte(idx), (self.rope_cos[positions].to(dt), self.rope_sin[positions].to(dt))
 
 
 # --------------------------------------------------------------------------------------------

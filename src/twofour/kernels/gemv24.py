@@ -56,11 +56,43 @@ _INTERPRETER_CONFIG = (16, 128, 4, 1, True)
 if HAS_TRITON:
 
     @triton.jit
+    def _place(v0, v1, code):
+        """A group's four weight entries from its two kept values and its code i0 | i1 << 2
+        (zero where neither was kept): four tensors of v0's shape."""
+        i0 = code & 3
+        i1 = code >> 2
+        e0 = tl.where(i0 == 0, v0, tl.where(i1 == 0, v1, 0.0))
+        e1 = tl.where(i0 == 1, v0, tl.where(i1 == 1, v1, 0.0))
+        e2 = tl.where(i0 == 2, v0, tl.where(i1 == 2, v1, 0.0))
+        e3 = tl.where(i0 == 3, v0, tl.where(i1 == 3, v1, 0.0))
+        return e0, e1, e2, e3
+
+    @triton.jit
+    def _accumulate(acc, e0, e1, e2, e3, x0, x1, x2, x3):
+        """acc (BT, BO, G) += each (BO, G) weight entry times its (BT, G) entry of x."""
+        acc += e0[None, :, :] * x0[:, None, :]
+        acc += e1[None, :, :] * x1[:, None, :]
+        acc += e2[None, :, :] * x2[:, None, :]
+        acc += e3[None, :, :] * x3[:, None, :]
+        return acc
+
+    @triton.jit
+    def _store_rows(y, y_ptr, bias_ptr, t, o, tm, om, T, N, HAS_BIAS: tl.constexpr, SPLIT: tl.constexpr):
+        """y (BT, BO) to y[t, o] (+ bias) in y's dtype, or with SPLIT > 1 as this split's float32
+        partial at ``y_ptr`` + s T N (no bias), for :func:`_sum_splits`."""
+        mask = tm[:, None] & om[None, :]
+        if SPLIT > 1:
+            tl.store(y_ptr + tl.program_id(1) * T * N + t[:, None] * N + o[None, :], y, mask=mask)
+        else:
+            if HAS_BIAS:
+                y += tl.load(bias_ptr + o, mask=om, other=0.0).to(tl.float32)[None, :]
+            tl.store(y_ptr + t[:, None] * N + o[None, :], y.to(y_ptr.dtype.element_ty), mask=mask)
+
+    @triton.jit
     def _gemv24_kernel(x_ptr, sxt, sxk, vals_ptr, pos_ptr, pos_stride, pos_width, bias_ptr, y_ptr, T, N, K,
                        k_per, HAS_BIAS: tl.constexpr, BT: tl.constexpr, BO: tl.constexpr, BK: tl.constexpr,
                        SPLIT: tl.constexpr):
-        """Rows ``BO`` of y over inputs [s k_per, (s + 1) k_per) for split s; with SPLIT > 1 the
-        float32 partial goes to ``y_ptr`` + s T N (no bias), for :func:`_sum_splits`."""
+        """Rows ``BO`` of y over inputs [s k_per, (s + 1) k_per) for split s (:func:`_store_rows`)."""
         G: tl.constexpr = BK // 4  # groups per step
         o = tl.program_id(0) * BO + tl.arange(0, BO)  # output rows (BO,)
         k_lo = tl.program_id(1) * k_per
@@ -80,8 +112,6 @@ if HAS_TRITON:
             pb = tl.load(pos_ptr + o[:, None] * pos_stride + pc[None, :], mask=om[:, None] & (pc < pos_width)[None, :],
                          other=0).to(tl.int32)
             code = tl.reshape(tl.join(pb & 15, pb >> 4), (BO, G))
-            i0 = code & 3
-            i1 = code >> 2
             # x: one contiguous (BT, BK) tile, split into the four entries of each group
             c = k0 + tl.arange(0, BK)
             xt = tl.load(x_ptr + t[:, None] * sxt + c[None, :] * sxk, mask=tm[:, None] & (c < K)[None, :],
@@ -89,18 +119,9 @@ if HAS_TRITON:
             even, odd = tl.split(tl.reshape(xt, (BT, G, 2, 2)))  # entry e = 2 * i + j: split j
             x0, x2 = tl.split(even)
             x1, x3 = tl.split(odd)
-            acc += tl.where(i0 == 0, v0, tl.where(i1 == 0, v1, 0.0))[None, :, :] * x0[:, None, :]
-            acc += tl.where(i0 == 1, v0, tl.where(i1 == 1, v1, 0.0))[None, :, :] * x1[:, None, :]
-            acc += tl.where(i0 == 2, v0, tl.where(i1 == 2, v1, 0.0))[None, :, :] * x2[:, None, :]
-            acc += tl.where(i0 == 3, v0, tl.where(i1 == 3, v1, 0.0))[None, :, :] * x3[:, None, :]
-        y = tl.sum(acc, axis=2)  # (BT, BO)
-        if SPLIT > 1:
-            tl.store(y_ptr + tl.program_id(1) * T * N + t[:, None] * N + o[None, :], y, mask=tm[:, None] & om[None, :])
-        else:
-            if HAS_BIAS:
-                y += tl.load(bias_ptr + o, mask=om, other=0.0).to(tl.float32)[None, :]
-            tl.store(y_ptr + t[:, None] * N + o[None, :], y.to(y_ptr.dtype.element_ty),
-                     mask=tm[:, None] & om[None, :])
+            e0, e1, e2, e3 = _place(v0, v1, code)
+            acc = _accumulate(acc, e0, e1, e2, e3, x0, x1, x2, x3)
+        _store_rows(tl.sum(acc, axis=2), y_ptr, bias_ptr, t, o, tm, om, T, N, HAS_BIAS, SPLIT)
 
     @triton.jit
     def _group_entries(pairs_ptr, pos_ptr, pos_stride, o, om, g, K, VALUE_BITS: tl.constexpr,
@@ -122,14 +143,7 @@ if HAS_TRITON:
             v0 = (w & 0xFFFFFFFF).to(tl.uint32).to(tl.float32, bitcast=True)
             v1 = ((w >> 32) & 0xFFFFFFFF).to(tl.uint32).to(tl.float32, bitcast=True)
         pb = tl.load(pos_ptr + o[:, None] * pos_stride + (g // 2)[None, :], mask=m2, other=0).to(tl.int32)
-        code = (pb >> ((g & 1) * 4)[None, :]) & 15
-        i0 = code & 3
-        i1 = code >> 2
-        e0 = tl.where(i0 == 0, v0, tl.where(i1 == 0, v1, 0.0))
-        e1 = tl.where(i0 == 1, v0, tl.where(i1 == 1, v1, 0.0))
-        e2 = tl.where(i0 == 2, v0, tl.where(i1 == 2, v1, 0.0))
-        e3 = tl.where(i0 == 3, v0, tl.where(i1 == 3, v1, 0.0))
-        return e0, e1, e2, e3
+        return _place(v0, v1, (pb >> ((g & 1) * 4)[None, :]) & 15)
 
     @triton.jit
     def _gemv24_pairs_kernel(x_ptr, sxt, sxk, pairs_ptr, pos_ptr, pos_stride, bias_ptr, y_ptr, T, N, K, k_per,
@@ -165,18 +179,12 @@ if HAS_TRITON:
                 e0, e1, e2, e3 = _group_entries(pairs_ptr, pos_ptr, pos_stride, o, om, g, K, VALUE_BITS, IS_BF16)
                 xp = x_ptr + t[:, None] * sxt + (4 * g)[None, :] * sxk  # (BT, G): entry 0 of each group
                 xm = tm[:, None] & (g < K // 4)[None, :]
-                acc3 += e0[None, :, :] * tl.load(xp, mask=xm, other=0.0).to(tl.float32)[:, None, :]
-                acc3 += e1[None, :, :] * tl.load(xp + sxk, mask=xm, other=0.0).to(tl.float32)[:, None, :]
-                acc3 += e2[None, :, :] * tl.load(xp + 2 * sxk, mask=xm, other=0.0).to(tl.float32)[:, None, :]
-                acc3 += e3[None, :, :] * tl.load(xp + 3 * sxk, mask=xm, other=0.0).to(tl.float32)[:, None, :]
+                acc3 = _accumulate(acc3, e0, e1, e2, e3, tl.load(xp, mask=xm, other=0.0).to(tl.float32),
+                                   tl.load(xp + sxk, mask=xm, other=0.0).to(tl.float32),
+                                   tl.load(xp + 2 * sxk, mask=xm, other=0.0).to(tl.float32),
+                                   tl.load(xp + 3 * sxk, mask=xm, other=0.0).to(tl.float32))
             y = tl.sum(acc3, axis=2)  # (BT, BO)
-        if SPLIT > 1:
-            tl.store(y_ptr + tl.program_id(1) * T * N + t[:, None] * N + o[None, :], y, mask=tm[:, None] & om[None, :])
-        else:
-            if HAS_BIAS:
-                y += tl.load(bias_ptr + o, mask=om, other=0.0).to(tl.float32)[None, :]
-            tl.store(y_ptr + t[:, None] * N + o[None, :], y.to(y_ptr.dtype.element_ty),
-                     mask=tm[:, None] & om[None, :])
+        _store_rows(y, y_ptr, bias_ptr, t, o, tm, om, T, N, HAS_BIAS, SPLIT)
 
     @triton.jit
     def _sum_splits(part_ptr, bias_ptr, y_ptr, TN, N, HAS_BIAS: tl.constexpr, SPLIT: tl.constexpr,
