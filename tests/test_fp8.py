@@ -1,6 +1,8 @@
 """FP8 scaling, the FP8 GEMM and the FP8 linear against their plain-torch references (CPU; the
 same tests run on the GPU where there is one)."""
 
+import logging
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -190,7 +192,8 @@ def test_transposed_copy_is_the_transpose_quantized(device, fmt):
 @pytest.mark.parametrize("fmt", FORMATS, ids=str)
 @pytest.mark.parametrize("scaling", SCALING, ids=lambda s: s.name)
 def test_gpu_quantization_matches_plain_torch(fmt, scaling):
-    """The compiled quantization the GPU runs gives the CPU's plain-torch bytes and scales."""
+    """The compiled quantization the GPU runs gives the CPU's plain-torch scales (to rounding) and
+    bytes (a code off by one at most, where the GPU's division rounds the other way)."""
     if not torch.cuda.is_available():
         pytest.skip("needs a CUDA GPU")
     for shape in [(256, 320), (100, 48)]:  # the second shape recompiles nothing: dynamic shapes
@@ -198,10 +201,28 @@ def test_gpu_quantization_matches_plain_torch(fmt, scaling):
         t[3, 5] = 0
         q, s, qt = quantize_t(t.cuda(), fmt, scaling, transposed=not scaling.rowwise)
         rq, rs, rqt = quantize_t(t, fmt, scaling, transposed=not scaling.rowwise)
-        assert torch.equal(s.cpu(), rs)
-        assert torch.equal(q.cpu().view(torch.uint8), rq.view(torch.uint8))
-        if qt is not None:
-            assert torch.equal(qt.cpu().view(torch.uint8), rqt.view(torch.uint8))
+        torch.testing.assert_close(s.cpu(), rs, rtol=1e-6, atol=0)
+        pairs = [(q, rq)] + ([(qt, rqt)] if qt is not None else [])
+        for got, want in pairs:
+            diff = (got.cpu().view(torch.uint8).int() - want.view(torch.uint8).int()).abs()
+            assert diff.max() <= 1 and (diff > 0).float().mean() < 1e-3
+
+
+@pytest.mark.gpu
+def test_gpu_quantization_compiles_every_variant(caplog):
+    """Every input dtype x format x scaling x transposed copy, at two shapes each, runs compiled:
+    more variants than Dynamo recompiles one function for, and none falls back."""
+    if not torch.cuda.is_available():
+        pytest.skip("needs a CUDA GPU")
+    with caplog.at_level(logging.WARNING, logger="twofour"):
+        for dtype in (torch.float32, torch.bfloat16, torch.float16):
+            for fmt in (E4M3, E5M2):
+                for scaling, transposed in ((TENSORWISE, False), (TENSORWISE, True), (ROWWISE, False)):
+                    for shape in [(64, 96), (96, 160)]:
+                        t = torch.randn(*shape, device="cuda", dtype=dtype)
+                        q, s, _ = quantize_t(t.requires_grad_(), fmt, scaling, transposed=transposed)
+                        assert rel(dequantize(q, s), t.detach().float()) < 0.1
+    assert "plain torch runs instead" not in caplog.text
 
 
 @pytest.mark.gpu

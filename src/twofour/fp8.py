@@ -17,6 +17,7 @@ non-finite loss, never as a finite-looking result. An all-zero tensor (or row) g
 from __future__ import annotations
 
 import logging
+import types
 from dataclasses import dataclass
 
 import torch
@@ -63,39 +64,56 @@ def _quantize(t: torch.Tensor, fmt: torch.dtype, rowwise: bool,
     """The quantization in plain torch: ``(q, scale, q^T row-major or None)``. One amax reduction
     (no |t| tensor), then scale, saturate and cast."""
     fmax = torch.finfo(fmt).max
-    t = t.detach()
     # max |t| (of each row with rowwise) in one reduction, NaN propagating
     amax = torch.linalg.vector_norm(t, float("inf"), dim=-1 if rowwise else None, keepdim=rowwise,
                                     dtype=torch.float32)
-    scale = torch.where(amax == 0, torch.ones_like(amax), amax / fmax)  # NaN amax stays NaN
+    # times the reciprocal, as the compiler lowers a division by a constant: same bits eager and compiled
+    scale = torch.where(amax == 0, torch.ones_like(amax), amax * (1.0 / fmax))  # NaN amax stays NaN
     q = (t.float() / scale).clamp(-fmax, fmax).to(fmt)
     return q, scale, (q.t().contiguous() if transposed else None)
 
 
-_compiled_quantize = None
+_compiled: dict[tuple, object] = {}
 
 
-def _quantizer():
-    """:func:`_quantize` compiled (one fused pass for amax, one for scale + cast + transposed copy)
-    on a GPU with the fast path on; plain torch elsewhere and inside an outer compile."""
-    global _compiled_quantize
-    if _compiled_quantize is None:
-        # dynamic shapes: one compile per format and variant, not per shape
-        _compiled_quantize = torch.compile(_quantize, fullgraph=True, dynamic=True)
-    return _compiled_quantize
+def _compiled_quantize(key: tuple):
+    """:func:`_quantize` compiled for one variant (``key``: input dtype and layout, format, flags)
+    into one fused pass for amax and one for scale + cast + transposed copy; shapes stay dynamic.
+    Dynamo caps the recompilations of one code object (8 by default) and the variants in use
+    outnumber that, so each variant compiles its own copy of the code."""
+    fn = _compiled.get(key)
+    if fn is None:
+        code = _quantize.__code__.replace(co_name=f"_quantize_{len(_compiled)}")
+        fn = _compiled[key] = torch.compile(types.FunctionType(code, _quantize.__globals__, code.co_name),
+                                            fullgraph=True, dynamic=True)
+    return fn
 
 
 def quantize_t(t: torch.Tensor, fmt: torch.dtype = E4M3, scaling: Scaling = TENSORWISE, *,
                transposed: bool = False) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
     """:func:`quantize`, plus (with ``transposed``, tensorwise only) ``q^T`` as a row-major copy
-    written in the same pass: the operand a linear's backward multiplies along its other axis."""
+    written in the same pass: the operand a linear's backward multiplies along its other axis.
+    On a GPU with the fast path on this runs compiled (:func:`_compiled_quantize`); a variant
+    whose compilation fails runs plain torch from then on (logged once)."""
     _check_fmt(fmt)
     if scaling.rowwise and t.dim() != 2:
         raise ValueError(f"rowwise scaling needs a 2-D tensor, got shape {tuple(t.shape)}")
     if transposed and (scaling.rowwise or t.dim() != 2):
         raise ValueError("a transposed copy needs a 2-D tensor and tensorwise scaling (row scales don't transpose)")
-    fused = t.is_cuda and settings.fast and not torch.compiler.is_compiling()
-    return (_quantizer() if fused else _quantize)(t, fmt, scaling.rowwise, transposed)
+    t = t.detach()
+    if not (t.is_cuda and settings.fast and not torch.compiler.is_compiling()):
+        return _quantize(t, fmt, scaling.rowwise, transposed)
+    key = (t.dtype, t.dim(), t.is_contiguous(), fmt, scaling.rowwise, transposed)
+    fn = _compiled_quantize(key)
+    try:
+        return fn(t, fmt, scaling.rowwise, transposed)
+    except Exception as e:  # noqa: BLE001 - any compiler failure: the plain-torch math is the same
+        if fn is _quantize:
+            raise
+        log.warning("compiled FP8 quantization failed for %s (%s: %s); plain torch runs instead",
+                    key, type(e).__name__, (str(e).splitlines() or [""])[0])
+        _compiled[key] = _quantize
+        return _quantize(t, fmt, scaling.rowwise, transposed)
 
 
 def quantize(t: torch.Tensor, fmt: torch.dtype = E4M3,
