@@ -7,8 +7,10 @@
    rowwise, at a shape ``_scaled_mm`` takes and one it refuses (dims not multiples of 16).
 2. Kernels at GPT-2 774M FFN shapes (16384 tokens, 1280->5120, 5120->1280) and Llama 7B's
    (4096->11008, 11008->4096): the bf16 GEMM, the FP8 GEMM alone (tensorwise, rowwise), the
-   quantization of both operands, and one layer's forward + backward (nn.Linear bf16 autocast,
-   dense FP8 tensorwise and rowwise, s-ste bf16, s-ste FP8).
+   quantization of both operands (as dispatched, and each route: the Triton kernels, the
+   compiled plain-torch passes, with their share of copy bandwidth at the least traffic), and
+   one layer's forward + backward (nn.Linear bf16 autocast, dense FP8 tensorwise and rowwise,
+   s-ste bf16, s-ste FP8).
 3. A whole gpt2-774m training step (16 x 1024 tokens, AdamW): dense bf16, dense FP8, s-ste bf16,
    s-ste FP8, with ratios against dense bf16 and dense FP8.
 
@@ -29,11 +31,13 @@ from triton.testing import do_bench
 
 from twofour import SparseLinear, make_recipe
 from twofour import fp8 as F8
-from twofour.bench import fwd_bwd_step, train_step_ms
+from twofour.bench import copy_bandwidth, fwd_bwd_step, train_step_ms
+from twofour.kernels import fp8cast
 
 SHAPES = [("gpt2-774m fc", 16384, 1280, 5120), ("gpt2-774m proj", 16384, 5120, 1280),
           ("llama-7b up", 16384, 4096, 11008), ("llama-7b down", 16384, 11008, 4096)]
 BF = torch.bfloat16
+COPY_BW = 0.0  # GB/s, measured in main()
 
 
 def rel(a: torch.Tensor, b: torch.Tensor) -> float:
@@ -115,8 +119,16 @@ def gemm_rows(t: int, k: int, n: int, row, rows: list[tuple[str, str]]) -> None:
                 raise RuntimeError("_scaled_mm refused these operands (the reference would run)")
             row(f"fp8 GEMM {sc.name} (operands quantized)",
                 lambda qx=qx, sx=sx, qw=qw, sw=sw: F8.scaled_mm(qx, sx, qw, sw, BF), gemm)
-            row(f"quantize x and W {sc.name}",
+            row(f"quantize x and W {sc.name} (dispatch)",
                 lambda sc=sc: (F8.quantize(x, F8.E4M3, sc), F8.quantize(w, F8.E4M3, sc)))
+            # the least traffic: tensorwise reads each operand twice (amax, then cast), rowwise once
+            nbytes = (x.numel() + w.numel()) * (2 * (1 if sc.rowwise else 2) + 1)
+            for route, fn in (("triton", fp8cast.quantize), ("compiled", F8._run_compiled)):
+                v = row(f"quantize x and W {sc.name}: {route}",
+                        lambda sc=sc, fn=fn: (fn(x, F8.E4M3, sc.rowwise, False), fn(w, F8.E4M3, sc.rowwise, False)))
+                if v:
+                    rows.append((f"... {route}: share of copy bandwidth ({COPY_BW:.0f} GB/s)",
+                                 f"{nbytes / v / 1e6 / COPY_BW:.0%}"))
         except Exception as e:  # noqa: BLE001
             rows.append((f"fp8 GEMM {sc.name}", err(e)))
 
@@ -207,8 +219,10 @@ def main() -> None:
     p.add_argument("--skip-step", action="store_true", help="leave out the whole training step")
     a = p.parse_args()
     t0 = time.perf_counter()
+    global COPY_BW
+    COPY_BW = copy_bandwidth()
     print(f"# FP8 bench: {torch.cuda.get_device_name()}, torch {torch.__version__}, "
-          f"_scaled_mm {'present' if F8.scaled_mm_available() else 'missing'}\n")
+          f"_scaled_mm {'present' if F8.scaled_mm_available() else 'missing'}, copy bandwidth {COPY_BW:.0f} GB/s\n")
     for part in (correctness, kernels, None if a.skip_step else train_step):
         if part is None:
             continue

@@ -22,6 +22,7 @@ from twofour.fp8 import (
     quantize_t,
     scaled_mm,
 )
+from twofour.kernels import fp8cast
 from twofour.pruning import mvue_24_padded
 
 FORMATS = [E4M3, E5M2]
@@ -206,6 +207,57 @@ def test_gpu_quantization_matches_plain_torch(fmt, scaling):
         for got, want in pairs:
             diff = (got.cpu().view(torch.uint8).int() - want.view(torch.uint8).int()).abs()
             assert diff.max() <= 1 and (diff > 0).float().mean() < 1e-3
+
+
+VARIANTS = [(TENSORWISE, False), (TENSORWISE, True), (ROWWISE, False)]
+
+
+@pytest.mark.skipif(not fp8cast.HAS_TRITON, reason="needs triton")
+@pytest.mark.parametrize("fmt", FORMATS, ids=str)
+@pytest.mark.parametrize(("scaling", "transposed"), VARIANTS, ids=["tensorwise", "tensorwise+T", "rowwise"])
+def test_triton_quantization_matches_plain_torch(device, dtype, fmt, scaling, transposed):
+    """The Triton kernels give plain torch's scales and bytes (on the GPU a quotient may round the
+    other way: one code at most), zero rows and tensors included, for shapes that fill no tile."""
+    g = torch.Generator().manual_seed(0)
+    for shape in [(70, 130), (3, 1000), (1, 5)]:
+        t = torch.randn(*shape, generator=g) * torch.logspace(-3, 2, shape[0])[:, None]
+        t[0, : shape[1] // 2] = 0
+        if shape[0] > 2:
+            t[2] = 0  # an all-zero row: scale 1 rowwise
+        t = t.to(dtype)
+        cases = [t, torch.zeros_like(t)]
+        for x in cases:
+            q, s, qt = fp8cast.quantize(x.to(device), fmt, scaling.rowwise, transposed)
+            rq, rs, rqt = quantize_t(x, fmt, scaling, transposed=transposed)
+            torch.testing.assert_close(s.cpu(), rs, rtol=1e-6 if device.type == "cuda" else 0, atol=0)
+            assert (qt is None) == (not transposed)
+            for got, want in [(q, rq)] + ([(qt, rqt)] if transposed else []):
+                diff = (got.cpu().view(torch.uint8).int() - want.view(torch.uint8).int()).abs()
+                assert diff.max() <= (1 if device.type == "cuda" else 0)
+
+
+@pytest.mark.skipif(not fp8cast.HAS_TRITON, reason="needs triton")
+@pytest.mark.parametrize("rowwise", [False, True], ids=["tensorwise", "rowwise"])
+@pytest.mark.filterwarnings("ignore:invalid value encountered")  # the interpreter's numpy on inf / inf
+def test_triton_quantization_propagates_nan_and_inf(device, rowwise):
+    """A NaN or inf makes its scale (the tensor's, or its row's) non-finite, as in plain torch;
+    other rows keep finite scales."""
+    t = torch.randn(4, 300)
+    t[1, 7], t[2, 9] = float("nan"), float("inf")
+    _, s, _ = fp8cast.quantize(t.to(device), E4M3, rowwise)
+    _, rs, _ = quantize_t(t, E4M3, ROWWISE if rowwise else TENSORWISE)
+    s = s.cpu()
+    assert torch.equal(s.isnan(), rs.isnan()) and torch.equal(s.isinf(), rs.isinf())
+    if rowwise:
+        assert s[0].isfinite() and s[3].isfinite() and s[1].isnan() and s[2].isinf()
+
+
+def test_triton_quantization_refuses_what_it_cannot_take():
+    """A non-contiguous tensor, or rowwise scales of a 1-D one: a clear error, nothing written."""
+    t = torch.randn(64, 32)
+    assert not fp8cast.supported(t.t(), False, False) and not fp8cast.supported(t[0], True, False)
+    with pytest.raises(ValueError, match="contiguous float tensor"):
+        fp8cast.quantize(t.t(), E4M3)
 
 
 @pytest.mark.gpu

@@ -30,7 +30,8 @@ from .pruning import transposable_mask_24
 from .recipes import Recipe, make_recipe
 from .runs import CKPT, read_summary
 
-__all__ = ["run_bench", "fwd_bwd_step", "preset_train_step", "train_step_ms", "train_throughput", "throughput_table"]
+__all__ = ["run_bench", "fwd_bwd_step", "preset_train_step", "train_step_ms", "train_throughput", "throughput_table",
+           "copy_bandwidth"]
 
 # (name, d_model, d_ffn, tokens) of a transformer's FFN pair; tokens = seq 1024 x micro-batch
 SHAPES = [("gpt2-124m", 768, 3072, 32768), ("gpt2-350m", 1024, 4096, 32768), ("gpt2-774m", 1280, 5120, 32768),
@@ -53,7 +54,9 @@ def _bench(fn, quick: bool) -> float:
     return do_bench(fn, warmup=10 if quick else 25, rep=50 if quick else 200, return_mode="median")
 
 
-def _copy_bandwidth(quick: bool) -> float:
+def copy_bandwidth(quick: bool = False) -> float:
+    """Device copy bandwidth in GB/s (bytes read + written by a 256 MB bf16 copy): the limit of
+    the memory-bound kernels benched against it."""
     x = torch.randn(128 * 2**20, device="cuda", dtype=torch.bfloat16)
     y = torch.empty_like(x)
     return 2 * x.numel() * 2 / _bench(lambda: y.copy_(x), quick) / 1e6  # GB/s, bytes read + written
@@ -381,7 +384,7 @@ def run_bench(args: argparse.Namespace) -> str:
     shapes = SHAPES[2:] if quick else SHAPES
     import triton  # noqa: PLC0415
 
-    bw = _copy_bandwidth(quick)
+    bw = copy_bandwidth(quick)
     tflops = _gemm_rate(quick)
     lines = [f"GPU: {torch.cuda.get_device_name()}; torch {torch.__version__}, triton {triton.__version__}, "
              f"cuSPARSELt {cusparselt.version()}, "

@@ -23,7 +23,7 @@ from dataclasses import dataclass
 import torch
 
 from . import settings
-from .kernels import ops
+from .kernels import fp8cast, ops
 from .kernels.layout import supported_shape
 from .pruning import mvue_24_padded
 
@@ -89,31 +89,45 @@ def _compiled_quantize(key: tuple):
     return fn
 
 
-def quantize_t(t: torch.Tensor, fmt: torch.dtype = E4M3, scaling: Scaling = TENSORWISE, *,
-               transposed: bool = False) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
-    """:func:`quantize`, plus (with ``transposed``, tensorwise only) ``q^T`` as a row-major copy
-    written in the same pass: the operand a linear's backward multiplies along its other axis.
-    On a GPU with the fast path on this runs compiled (:func:`_compiled_quantize`); a variant
-    whose compilation fails runs plain torch from then on (logged once)."""
-    _check_fmt(fmt)
-    if scaling.rowwise and t.dim() != 2:
-        raise ValueError(f"rowwise scaling needs a 2-D tensor, got shape {tuple(t.shape)}")
-    if transposed and (scaling.rowwise or t.dim() != 2):
-        raise ValueError("a transposed copy needs a 2-D tensor and tensorwise scaling (row scales don't transpose)")
-    t = t.detach()
-    if not (t.is_cuda and settings.fast and not torch.compiler.is_compiling()):
-        return _quantize(t, fmt, scaling.rowwise, transposed)
-    key = (t.dtype, t.dim(), t.is_contiguous(), fmt, scaling.rowwise, transposed)
+def _run_compiled(t: torch.Tensor, fmt: torch.dtype, rowwise: bool,
+                  transposed: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+    """:func:`_compiled_quantize`'s variant for ``t``; one whose compilation fails runs plain
+    torch from then on (logged once)."""
+    key = (t.dtype, t.dim(), t.is_contiguous(), fmt, rowwise, transposed)
     fn = _compiled_quantize(key)
     try:
-        return fn(t, fmt, scaling.rowwise, transposed)
+        return fn(t, fmt, rowwise, transposed)
     except Exception as e:  # noqa: BLE001 - any compiler failure: the plain-torch math is the same
         if fn is _quantize:
             raise
         log.warning("compiled FP8 quantization failed for %s (%s: %s); plain torch runs instead",
                     key, type(e).__name__, (str(e).splitlines() or [""])[0])
         _compiled[key] = _quantize
-        return _quantize(t, fmt, scaling.rowwise, transposed)
+        return _quantize(t, fmt, rowwise, transposed)
+
+
+def quantize_t(t: torch.Tensor, fmt: torch.dtype = E4M3, scaling: Scaling = TENSORWISE, *,
+               transposed: bool = False) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+    """:func:`quantize`, plus (with ``transposed``, tensorwise only) ``q^T`` as a row-major copy
+    written in the same pass: the operand a linear's backward multiplies along its other axis.
+    On a GPU with the fast path on, the Triton kernels (:mod:`twofour.kernels.fp8cast`) or the
+    compiled plain-torch passes, whichever measured faster for this variant and shape (timed
+    once, like the GEMM dispatch: ``ops.choices()`` lists them); plain torch elsewhere."""
+    _check_fmt(fmt)
+    if scaling.rowwise and t.dim() != 2:
+        raise ValueError(f"rowwise scaling needs a 2-D tensor, got shape {tuple(t.shape)}")
+    if transposed and (scaling.rowwise or t.dim() != 2):
+        raise ValueError("a transposed copy needs a 2-D tensor and tensorwise scaling (row scales don't transpose)")
+    t, rowwise = t.detach(), scaling.rowwise
+    if not (t.is_cuda and settings.fast and not torch.compiler.is_compiling()):
+        return _quantize(t, fmt, rowwise, transposed)
+    if not (ops.triton_ok(t) and fp8cast.supported(t, rowwise, transposed)):
+        return _run_compiled(t, fmt, rowwise, transposed)
+    routes = {"triton": lambda: fp8cast.quantize(t, fmt, rowwise, transposed),
+              "compiled": lambda: _run_compiled(t, fmt, rowwise, transposed)}
+    k = t.shape[-1] if t.dim() else 1
+    kind = f"fp8-quantize-{str(fmt).split('_')[1]}-{scaling.name}{'+T' if transposed else ''}"
+    return routes[ops.choose(kind, t.numel() // k, k, 0, "row", t.dtype, routes)]()
 
 
 def quantize(t: torch.Tensor, fmt: torch.dtype = E4M3,

@@ -1,0 +1,142 @@
+"""FP8 quantization with current scaling in Triton: the least memory traffic the scaling allows.
+
+Tensorwise: one kernel reduces max |t| over the whole tensor (a grid-stride loop, one atomic per
+program), a second reads ``t`` again and writes ``q = sat(t / scale)`` and, on request, ``q^T``
+row-major from the same tile (two reads and one or two FP8 writes: the scale needs the whole
+tensor's amax before the first cast). Rowwise: one kernel per band of rows reduces each row's
+amax and casts the row on a second read of it (mostly from L2). ``scale`` is
+``amax * (1 / fmax)``, 1 for an all-zero tensor or row, NaN or inf where the amax is: the same
+bytes as ``twofour.fp8``'s plain-torch reference (the GPU's division may round a quotient the
+other way: one code at most).
+
+The amax is reduced on the float32 bit patterns of ``|t|`` as int32: for non-negative floats
+their order is the integer order, and a NaN (sign cleared by ``abs``) sorts above inf, so NaN
+propagates through the max and the atomic without a separate check.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+from .compress import HAS_TRITON
+
+__all__ = ["quantize", "supported"]
+
+if HAS_TRITON:
+    import triton
+    import triton.language as tl
+
+    @triton.jit
+    def _amax_kernel(x_ptr, amax_ptr, n, iters, BLOCK: tl.constexpr):
+        """amax_ptr (int32, zeroed) = max over programs of the bits of max |x|."""
+        pid = tl.program_id(0)
+        progs = tl.num_programs(0)
+        acc = tl.zeros([BLOCK], dtype=tl.int32)
+        for i in range(iters):
+            offs = (i * progs + pid).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+            x = tl.load(x_ptr + offs, mask=offs < n, other=0.0).to(tl.float32)
+            acc = tl.maximum(acc, tl.abs(x).to(tl.int32, bitcast=True))
+        tl.atomic_max(amax_ptr, tl.max(acc, 0))
+
+    @triton.jit
+    def _to_grid(v, MBITS: tl.constexpr, EMIN: tl.constexpr):
+        """``v`` (float32, within the format's range) rounded to the nearest FP8 value, ties to
+        even, still in float32: the cast that follows is exact. Done here rather than by the
+        cast, so that Triton's interpreter (whose float32 -> FP8 cast drops the carry of a
+        rounding into the exponent) runs the GPU's arithmetic."""
+        bits = v.to(tl.int32, bitcast=True)
+        e = tl.maximum(((bits >> 23) & 0xFF) - 127, EMIN)  # subnormals: EMIN's step
+        step = ((e - MBITS + 127) << 23).to(tl.float32, bitcast=True)  # 2^(e - MBITS), exact
+        r = ((tl.abs(v) / step + 12582912.0) - 12582912.0) * step  # + 1.5 * 2^23 - 1.5 * 2^23: half to even
+        return (r.to(tl.int32, bitcast=True) | ((bits >> 31) << 31)).to(tl.float32, bitcast=True)  # v's sign, -0 too
+
+    @triton.jit
+    def _scale_of(amax_bits, INV_FMAX: tl.constexpr):
+        a = amax_bits.to(tl.float32, bitcast=True)
+        return tl.where(a == 0.0, 1.0, a * INV_FMAX)
+
+    @triton.jit
+    def _cast_kernel(x_ptr, q_ptr, qt_ptr, amax_ptr, scale_ptr, M, N, FMAX: tl.constexpr, INV_FMAX: tl.constexpr,
+                     MBITS: tl.constexpr, EMIN: tl.constexpr, TRANS: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr):
+        """q = sat(x / scale) for one BM x BN tile of the row-major (M, N) x; with TRANS also
+        q^T into the row-major (N, M) qt."""
+        pid_m = tl.program_id(0)
+        pid_n = tl.program_id(1)
+        scale = _scale_of(tl.load(amax_ptr), INV_FMAX)
+        if (pid_m == 0) & (pid_n == 0):
+            tl.store(scale_ptr, scale)
+        rm = pid_m.to(tl.int64) * BM + tl.arange(0, BM)
+        rn = pid_n.to(tl.int64) * BN + tl.arange(0, BN)
+        mask = (rm[:, None] < M) & (rn[None, :] < N)
+        x = tl.load(x_ptr + rm[:, None] * N + rn[None, :], mask=mask, other=0.0).to(tl.float32)
+        q = _to_grid(tl.clamp(x / scale, -FMAX, FMAX, propagate_nan=tl.PropagateNan.ALL), MBITS, EMIN)
+        q = q.to(q_ptr.dtype.element_ty)
+        tl.store(q_ptr + rm[:, None] * N + rn[None, :], q, mask=mask)
+        if TRANS:
+            tl.store(qt_ptr + rn[:, None] * M + rm[None, :], tl.trans(q), mask=tl.trans(mask))
+
+    @triton.jit
+    def _rowwise_kernel(x_ptr, q_ptr, scale_ptr, M, N, FMAX: tl.constexpr, INV_FMAX: tl.constexpr,
+                        MBITS: tl.constexpr, EMIN: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr):
+        """Each row of a BM-row band: its amax, its scale, then the row cast on a second read."""
+        rm = tl.program_id(0).to(tl.int64) * BM + tl.arange(0, BM)
+        rmask = rm < M
+        acc = tl.zeros([BM, BN], dtype=tl.int32)
+        for n0 in range(0, N, BN):
+            rn = n0 + tl.arange(0, BN)
+            mask = rmask[:, None] & (rn[None, :] < N)
+            x = tl.load(x_ptr + rm[:, None] * N + rn[None, :], mask=mask, other=0.0).to(tl.float32)
+            acc = tl.maximum(acc, tl.abs(x).to(tl.int32, bitcast=True))
+        scale = _scale_of(tl.max(acc, 1), INV_FMAX)
+        tl.store(scale_ptr + rm, scale, mask=rmask)
+        for n0 in range(0, N, BN):
+            rn = n0 + tl.arange(0, BN)
+            mask = rmask[:, None] & (rn[None, :] < N)
+            x = tl.load(x_ptr + rm[:, None] * N + rn[None, :], mask=mask, other=0.0).to(tl.float32)
+            q = _to_grid(tl.clamp(x / scale[:, None], -FMAX, FMAX, propagate_nan=tl.PropagateNan.ALL), MBITS, EMIN)
+            tl.store(q_ptr + rm[:, None] * N + rn[None, :], q.to(q_ptr.dtype.element_ty), mask=mask)
+
+
+def supported(t: torch.Tensor, rowwise: bool, transposed: bool) -> bool:
+    """Whether :func:`quantize` takes ``t``: Triton here, a contiguous float tensor with elements,
+    2-D for rowwise scales or a transposed copy."""
+    return (HAS_TRITON and t.is_contiguous() and t.numel() > 0 and t.is_floating_point()
+            and (t.dim() == 2 or not (rowwise or transposed)))
+
+
+def _programs(t: torch.Tensor) -> int:
+    if t.is_cuda:
+        return 4 * torch.cuda.get_device_properties(t.device).multi_processor_count
+    return 4  # the interpreter: a few programs, so the grid-stride loop and the atomic are exercised
+
+
+def quantize(t: torch.Tensor, fmt: torch.dtype, rowwise: bool = False,
+             transposed: bool = False) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+    """``(q, scale, q^T row-major or None)`` of ``t`` in FP8 ``fmt`` with current scaling: one
+    float32 scale, or (rows, 1) with ``rowwise`` (see the module doc). ``t`` as :func:`supported`."""
+    if not supported(t, rowwise, transposed):
+        raise ValueError(f"fp8cast.quantize takes a contiguous float tensor (2-D for rowwise scales or a "
+                         f"transposed copy), got shape {tuple(t.shape)}, strides {t.stride()}, {t.dtype}")
+    fi = torch.finfo(fmt)  # mantissa bits from eps = 2^-MBITS, least normal exponent from tiny = 2^EMIN
+    consts = {"FMAX": fi.max, "INV_FMAX": 1.0 / fi.max, "MBITS": 1 - math.frexp(fi.eps)[1],
+              "EMIN": math.frexp(fi.tiny)[1] - 1}
+    n_cols = t.shape[-1] if t.dim() else 1
+    m, n = t.numel() // n_cols, n_cols
+    q = torch.empty(t.shape, dtype=fmt, device=t.device)
+    if rowwise:
+        scale = torch.empty((m, 1), dtype=torch.float32, device=t.device)
+        bm, bn = (4, 512) if t.is_cuda else (4, 64)
+        _rowwise_kernel[(triton.cdiv(m, bm),)](t, q, scale, m, n, BM=bm, BN=bn, num_warps=4, **consts)
+        return q, scale, None
+    amax = torch.zeros((), dtype=torch.int32, device=t.device)
+    block = 4096 if t.is_cuda else 256
+    progs = min(_programs(t), triton.cdiv(t.numel(), block))
+    _amax_kernel[(progs,)](t, amax, t.numel(), triton.cdiv(t.numel(), block * progs), BLOCK=block, num_warps=8)
+    scale = torch.empty((), dtype=torch.float32, device=t.device)
+    qt = torch.empty((n, m), dtype=fmt, device=t.device) if transposed else None
+    bm, bn = (64, 64) if transposed else (32, 128)
+    _cast_kernel[(triton.cdiv(m, bm), triton.cdiv(n, bn))](t, q, qt if transposed else q, amax, scale, m, n,
+                                                          TRANS=transposed, BM=bm, BN=bn, num_warps=4, **consts)
+    return q, scale, qt
