@@ -297,8 +297,9 @@ def test_checkpoints_load_safely(tmp_path, corpus, capsys):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize(("model", "fsdp"), [("tiny", False), ("tiny", True), ("llama-tiny", True)],
-                         ids=["ddp", "fsdp2", "llama-fsdp2"])
+@pytest.mark.parametrize(("model", "fsdp"), [("tiny", False), ("tiny", True), ("llama-tiny", False),
+                                             ("llama-tiny", True)],
+                         ids=["ddp", "fsdp2", "llama-ddp", "llama-fsdp2"])
 def test_torchrun_two_processes(tmp_path, corpus, model, fsdp):
     """2 CPU processes over gloo: trains, only rank 0 writes, replicas stay identical (checked in-run)."""
     out = tmp_path / "ddp"
