@@ -54,3 +54,35 @@ def test_custom_ops_pass_opcheck():
     torch.library.opcheck(torch.ops.twofour.sparse_linear.default, (x2, w.detach(), wc, wd, wtc, b, True))
     dy2 = torch.randn(32, 64, dtype=torch.bfloat16)
     torch.library.opcheck(torch.ops.twofour.sparse_linear_backward.default, (dy2, x2, wd, wtc, True, True, True))
+
+
+@pytest.mark.filterwarnings("ignore::DeprecationWarning")
+@pytest.mark.parametrize("recipe", ["dense", "s-ste"])
+def test_fp8_layer_compiles_whole(recipe):
+    """An FP8 layer compiles into one graph (no break at its GEMMs) and, compiled, gives eager's
+    output and gradients (s-ste without MVUE, whose draws differ between the two runs)."""
+    from twofour import SparseLinear  # noqa: PLC0415
+
+    torch.manual_seed(0)
+    lin = SparseLinear(64, 96, recipe=recipe, fp8=True, **({"mvue": False} if recipe != "dense" else {}))
+    x = torch.randn(2, 16, 64)
+    outs = []
+    for run in (lin, torch.compile(lin, backend="aot_eager", fullgraph=True)):
+        lin.zero_grad()
+        xr = x.clone().requires_grad_()
+        y = run(xr)
+        y.pow(2).sum().backward()
+        outs.append((y.detach(), xr.grad, lin.weight.grad.clone()))
+    for eager, compiled in zip(*outs, strict=True):
+        torch.testing.assert_close(compiled, eager, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.filterwarnings("ignore::DeprecationWarning")
+def test_fp8_scaled_mm_op_passes_opcheck():
+    from twofour.fp8 import E4M3, quantize  # noqa: PLC0415
+
+    qa, sa = quantize(torch.randn(32, 64), E4M3)
+    qb, sb = quantize(torch.randn(48, 64), E4M3)
+    # test_schema left out: it compares the FP8 inputs arithmetically, which the CPU lacks for FP8
+    torch.library.opcheck(torch.ops.twofour.scaled_mm.default, (qa, sa, qb, sb, torch.bfloat16),
+                          test_utils=("test_faketensor", "test_aot_dispatch_dynamic"))

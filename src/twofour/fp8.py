@@ -172,13 +172,8 @@ def _reference_mm(qa, sa, qb, sb, out_dtype):
     return (dequantize(qa, sa) @ dequantize(qb, sb).t()).to(out_dtype)
 
 
-@torch.compiler.disable
-def scaled_mm(qa: torch.Tensor, sa: torch.Tensor, qb: torch.Tensor, sb: torch.Tensor,
-              out_dtype: torch.dtype) -> torch.Tensor:
-    """``dequant(a) @ dequant(b)^T`` in ``out_dtype`` from quantized ``a`` (M, K) and ``b`` (N, K),
-    both row-major along K with scales from :func:`quantize`: ``torch._scaled_mm`` (a row-major,
-    b column-major, rowwise scales as (M, 1) and (1, N)) where it takes the operands, else the
-    reference. A refusal is remembered per (device, formats, scaling, shape) and logged once."""
+def _scaled_mm(qa: torch.Tensor, sa: torch.Tensor, qb: torch.Tensor, sb: torch.Tensor,
+               out_dtype: torch.dtype) -> torch.Tensor:
     m, n = qa.shape[0], qb.shape[0]
     qa, qb = qa.contiguous(), qb.contiguous()  # a row-major, b^T column-major (no-ops when already)
     key = (qa.device.type, qa.dtype, qb.dtype, sa.numel() > 1, tuple(qa.shape), n, out_dtype)
@@ -191,6 +186,27 @@ def scaled_mm(qa: torch.Tensor, sa: torch.Tensor, qb: torch.Tensor, sb: torch.Te
             log.warning("torch._scaled_mm refused %s: %s; this GEMM runs the FP8 reference instead", key,
                         str(e).splitlines()[0] if str(e) else type(e).__name__)
     return _reference_mm(qa, sa, qb, sb, out_dtype)
+
+
+# one opaque node under torch.compile (a graph break per GEMM otherwise: the refusal check is a try)
+_scaled_mm_op = torch.library.custom_op("twofour::scaled_mm", _scaled_mm, mutates_args=())
+
+
+@_scaled_mm_op.register_fake
+def _(qa, sa, qb, sb, out_dtype):
+    return qa.new_empty((qa.shape[0], qb.shape[0]), dtype=out_dtype)
+
+
+def scaled_mm(qa: torch.Tensor, sa: torch.Tensor, qb: torch.Tensor, sb: torch.Tensor,
+              out_dtype: torch.dtype) -> torch.Tensor:
+    """``dequant(a) @ dequant(b)^T`` in ``out_dtype`` from quantized ``a`` (M, K) and ``b`` (N, K),
+    both row-major along K with scales from :func:`quantize`: ``torch._scaled_mm`` (a row-major,
+    b column-major, rowwise scales as (M, 1) and (1, N)) where it takes the operands, else the
+    reference. A refusal is remembered per (device, formats, scaling, shape) and logged once.
+    Under torch's tracers this is the custom op ``twofour::scaled_mm``, so a compiled model keeps
+    the FP8 linear in one graph."""
+    args = (qa, sa, qb, sb, out_dtype)
+    return _scaled_mm_op(*args) if torch.compiler.is_compiling() else _scaled_mm(*args)
 
 
 # --------------------------------------------------------------------------------------------
