@@ -177,6 +177,27 @@ def test_layer_fp8_every_recipe(device, recipe):
     assert torch.isfinite(lin.weight.grad).all() and lin.weight.grad.abs().sum() > 0
 
 
+@pytest.mark.parametrize("recipe", ["dense", "s-ste"])
+def test_layer_fp8_rowwise_runs_the_rowwise_gemms(device, recipe):
+    """``fp8_rowwise=True``: the layer's output and gradients are the FP8 linear's with row scales."""
+    torch.manual_seed(0)
+    opts = {} if recipe == "dense" else {"mvue": False}
+    lin = SparseLinear(32, 16, recipe=recipe, fp8=True, fp8_rowwise=True, **opts).to(device)
+    x = torch.randn(4, 16, 32, device=device, requires_grad=True)
+    x_ref = x.detach().clone().requires_grad_()
+    w_ref = lin.weight.detach().clone().requires_grad_()
+    y = lin(x)
+    y_ref = fp8_linear(x_ref, w_ref, lin.bias, lin.effective_weight(), scaling=ROWWISE)
+    torch.testing.assert_close(y, y_ref, rtol=1e-5, atol=1e-5)
+    g = torch.randn_like(y)
+    y.backward(g)
+    y_ref.backward(g)
+    torch.testing.assert_close(x.grad, x_ref.grad, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(lin.weight.grad, w_ref.grad, rtol=1e-5, atol=1e-5)
+    with pytest.raises(ValueError, match="needs fp8=True"):
+        SparseLinear(32, 16, recipe=recipe, fp8_rowwise=True)
+
+
 @pytest.mark.parametrize("fmt", FORMATS, ids=str)
 def test_transposed_copy_is_the_transpose_quantized(device, fmt):
     t = torch.randn(48, 80, device=device, dtype=torch.bfloat16) * 5

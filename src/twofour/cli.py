@@ -49,7 +49,8 @@ def _run_args(p: argparse.ArgumentParser, default_out: str) -> None:
     g.add_argument("--vocab-size", type=int, default=None, help=".bin shards' vocabulary size (else read meta.pkl)")
     g = p.add_argument_group("recipe")
     g.add_argument("--opt", type=_option, action="append", default=[], metavar="KEY=VALUE",
-                   help="recipe option, repeatable: mvue=false, decay=6e-5, mask_interval=40, fp8=true, ...")
+                   help="recipe option, repeatable: mvue=false, decay=6e-5, mask_interval=40, fp8=true, "
+                        "fp8_rowwise=true, ...")
     g.add_argument("--fp8", action="store_true",
                    help="FP8 GEMMs in the FFN linears (same as --opt fp8=true; every recipe, dense included)")
     g = p.add_argument_group("optimization (defaults marked 'regime' come from --regime; see the table below)")

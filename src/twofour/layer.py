@@ -17,7 +17,7 @@ import torch
 from torch import nn
 
 from .fastpath import CompressedWeight, FastSparseLinearFn, applies, compiled_linear, compute_dtype
-from .fp8 import fp8_linear
+from .fp8 import DEFAULT_SCALING, ROWWISE, fp8_linear
 from .kernels import ops
 from .pruning import mvue_24_padded
 from .recipes import DEFAULT_RECIPE, Recipe, make_recipe
@@ -226,7 +226,8 @@ class SparseLinear(nn.Linear):
             else:  # the fused kernel's dense effective weight, built once per optimizer step
                 w_eff = self.compressed.get(self.weight, self.pruner, self.beta, self.mask, self._step,
                                             compute_dtype(x))[1]
-            return fp8_linear(x, self.weight, self.bias, w_eff, mvue=r.mvue and not self._dense)
+            return fp8_linear(x, self.weight, self.bias, w_eff, mvue=r.mvue and not self._dense,
+                              scaling=ROWWISE if r.fp8_rowwise else DEFAULT_SCALING)
         if not r.sparse:
             return super().forward(x)
         if not self._dense and applies(x, self.in_features, self.out_features):

@@ -31,6 +31,8 @@ class Recipe:
         fp8: FP8 GEMMs (e4m3 forward operands, e5m2 gradients, current amax scaling) through
             ``torch._scaled_mm`` on the effective weight, else their plain-torch reference
             (:mod:`twofour.fp8`). Every recipe takes it, ``dense`` included (the fair baseline).
+        fp8_rowwise: with ``fp8``, one scale per row of each operand along the contraction
+            dimension instead of one per tensor (finer scales; each GEMM quantizes its own copy).
         decay: SR-STE masked decay lambda, added to the gradient as ``decay * (1 - m) * W`` once per
             optimizer step, after gradient clipping (:func:`twofour.attach` does it).
         mask_interval: optimizer steps between mask refreshes (transposable masks only).
@@ -43,6 +45,7 @@ class Recipe:
     pruning: Pruner = NONE
     mvue: bool = False
     fp8: bool = False
+    fp8_rowwise: bool = False
     decay: float = 0.0
     mask_interval: int = 1
     dense_finetune: float = 0.0
@@ -60,9 +63,10 @@ class Recipe:
 
 
 # name -> (fixed fields, {option: default}) ; options not listed are refused
-_SPARSE_COMMON = {"mvue": False, "fp8": False}
+_FP8 = {"fp8": False, "fp8_rowwise": False}
+_SPARSE_COMMON = {"mvue": False, **_FP8}
 _TABLE: dict[str, tuple[dict[str, Any], dict[str, Any]]] = {
-    "dense": ({"pruning": NONE}, {"fp8": False}),
+    "dense": ({"pruning": NONE}, dict(_FP8)),
     "ste": ({"pruning": HARD}, dict(_SPARSE_COMMON)),
     "sr-ste": ({"pruning": HARD}, {**_SPARSE_COMMON, "decay": 2e-4}),
     "s-ste": ({"pruning": SOFT}, {**_SPARSE_COMMON, "mvue": True}),
@@ -117,9 +121,11 @@ def make_recipe(recipe: str | Recipe = DEFAULT_RECIPE, **options: Any) -> Recipe
 
 
 def _validate(name: str, v: dict[str, Any]) -> None:
-    for key in ("mvue", "fp8"):
+    for key in ("mvue", "fp8", "fp8_rowwise"):
         if key in v and not isinstance(v[key], bool):
             raise TypeError(f"recipe {name!r}: option {key} must be a bool, got {v[key]!r}")
+    if v.get("fp8_rowwise") and not v.get("fp8"):
+        raise ValueError(f"recipe {name!r}: fp8_rowwise=True needs fp8=True")
     if "decay" in v and (not isinstance(v["decay"], (int, float)) or v["decay"] < 0):
         raise ValueError(f"recipe {name!r}: decay must be a number >= 0, got {v['decay']!r}")
     if "mask_interval" in v and (not isinstance(v["mask_interval"], int) or v["mask_interval"] < 1):
