@@ -2,11 +2,12 @@
 ``torch._scaled_mm`` where the hardware and torch have them, and the plain-torch reference.
 
 ``quantize(t, fmt, scaling)`` returns ``(q, scale)`` with ``t ~= q * scale``: the scale is
-``amax / fmt_max`` from the tensor's (or each row's) current absolute maximum, so the largest
-value lands on the format's largest one. e4m3 is for forward operands, e5m2 for gradients.
+``amax * (1 / fmt_max)`` from the tensor's (or each row's) current absolute maximum, so the
+largest value lands on the format's largest one. e4m3 is for forward operands, e5m2 for gradients.
 :class:`FP8LinearFn` runs a linear's three GEMMs in FP8 (y = x W^T, dX = dY W, dW = dY^T X);
 each GEMM falls back to the reference (dequantize, multiply in the compute dtype) where
-``_scaled_mm`` is missing or refuses the operands.
+``_scaled_mm`` is missing or refuses the operands. On a GPU the quantization runs Triton kernels
+(:mod:`twofour.kernels.fp8cast`) or compiled passes, whichever measured faster.
 
 Overflow policy: values are saturated to the format's range, so finite inputs never overflow.
 A NaN or inf in an operand makes its amax (per tensor, or per row) non-finite, hence its scale,
