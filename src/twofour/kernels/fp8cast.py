@@ -16,6 +16,7 @@ propagates through the max and the atomic without a separate check.
 
 from __future__ import annotations
 
+import functools
 import math
 
 import torch
@@ -106,10 +107,15 @@ def supported(t: torch.Tensor, rowwise: bool, transposed: bool) -> bool:
             and (t.dim() == 2 or not (rowwise or transposed)))
 
 
+@functools.cache
+def _sms(device: int) -> int:
+    return torch.cuda.get_device_properties(device).multi_processor_count
+
+
 def _programs(t: torch.Tensor) -> int:
-    if t.is_cuda:
-        return 4 * torch.cuda.get_device_properties(t.device).multi_processor_count
-    return 4  # the interpreter: a few programs, so the grid-stride loop and the atomic are exercised
+    """Programs of the amax reduction: 4 per SM; a few under the interpreter (so that its tests
+    exercise the grid-stride loop and the atomic)."""
+    return 4 * _sms(t.device.index if t.device.index is not None else torch.cuda.current_device()) if t.is_cuda else 4
 
 
 def quantize(t: torch.Tensor, fmt: torch.dtype, rowwise: bool = False,
