@@ -68,8 +68,10 @@ def _quantize(t: torch.Tensor, fmt: torch.dtype, rowwise: bool,
     # max |t| (of each row with rowwise) in one reduction, NaN propagating
     amax = torch.linalg.vector_norm(t, float("inf"), dim=-1 if rowwise else None, keepdim=rowwise,
                                     dtype=torch.float32)
-    # times the reciprocal, as the compiler lowers a division by a constant: same bits eager and compiled
-    scale = torch.where(amax == 0, torch.ones_like(amax), amax * (1.0 / fmax))  # NaN amax stays NaN
+    # times the reciprocal, as the compiler lowers a division by a constant: same bits eager and
+    # compiled; 1 where that is 0 (all zeros, or an amax too small to scale), a NaN amax stays NaN
+    scale = amax * (1.0 / fmax)
+    scale = torch.where(scale == 0, torch.ones_like(scale), scale)
     q = (t.float() / scale).clamp(-fmax, fmax).to(fmt)
     return q, scale, (q.t().contiguous() if transposed else None)
 

@@ -5,12 +5,12 @@ program), a second reads ``t`` again and writes ``q = sat(t / scale)`` and, on r
 row-major from the same tile (two reads and one or two FP8 writes: the scale needs the whole
 tensor's amax before the first cast). Rowwise: one kernel per band of rows reduces each row's
 amax and casts the row on a second read of it (mostly from L2). ``scale`` is
-``amax * (1 / fmax)``, 1 for an all-zero tensor or row, NaN or inf where the amax is: the same
-bytes as ``twofour.fp8``'s plain-torch reference (the GPU's division may round a quotient the
-other way: one code at most).
+``amax * (1 / fmax)``, 1 where that is 0 (an all-zero tensor or row), NaN or inf where the amax
+is; quotients are IEEE-rounded (``div_rn``) and then rounded to the FP8 grid in float32: the same
+scales and bytes as ``twofour.fp8``'s plain-torch reference.
 
-The amax is reduced on the float32 bit patterns of ``|t|`` as int32: for non-negative floats
-their order is the integer order, and a NaN (sign cleared by ``abs``) sorts above inf, so NaN
+The amax is reduced on the float32 bit patterns of ``t`` with the sign bit cleared, as int32:
+for non-negative floats their order is the integer order, and a NaN sorts above inf, so NaN
 propagates through the max and the atomic without a separate check.
 """
 
@@ -30,6 +30,11 @@ if HAS_TRITON:
     import triton.language as tl
 
     @triton.jit
+    def _abs_bits(x):
+        """The float32 bits of |x| as int32 (sign bit cleared: a NaN stays a NaN above inf)."""
+        return x.to(tl.int32, bitcast=True) & 0x7FFFFFFF
+
+    @triton.jit
     def _amax_kernel(x_ptr, amax_ptr, n, iters, BLOCK: tl.constexpr):
         """amax_ptr (int32, zeroed) = max over programs of the bits of max |x|."""
         pid = tl.program_id(0)
@@ -38,7 +43,7 @@ if HAS_TRITON:
         for i in range(iters):
             offs = (i * progs + pid).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
             x = tl.load(x_ptr + offs, mask=offs < n, other=0.0).to(tl.float32)
-            acc = tl.maximum(acc, tl.abs(x).to(tl.int32, bitcast=True))
+            acc = tl.maximum(acc, _abs_bits(x))
         tl.atomic_max(amax_ptr, tl.max(acc, 0))
 
     @triton.jit
@@ -49,22 +54,26 @@ if HAS_TRITON:
         rounding into the exponent) runs the GPU's arithmetic."""
         bits = v.to(tl.int32, bitcast=True)
         e = tl.maximum(((bits >> 23) & 0xFF) - 127, EMIN)  # subnormals: EMIN's step
-        step = ((e - MBITS + 127) << 23).to(tl.float32, bitcast=True)  # 2^(e - MBITS), exact
-        r = ((tl.abs(v) / step + 12582912.0) - 12582912.0) * step  # + 1.5 * 2^23 - 1.5 * 2^23: half to even
+        step = ((e - MBITS + 127) << 23).to(tl.float32, bitcast=True)  # 2^(e - MBITS)
+        inv_step = ((MBITS - e + 127) << 23).to(tl.float32, bitcast=True)  # its exact inverse
+        r = ((tl.abs(v) * inv_step + 12582912.0) - 12582912.0) * step  # + 1.5 * 2^23 - 1.5 * 2^23: half to even
         return (r.to(tl.int32, bitcast=True) | ((bits >> 31) << 31)).to(tl.float32, bitcast=True)  # v's sign, -0 too
 
     @triton.jit
     def _scale_of(amax_bits, INV_FMAX: tl.constexpr):
-        a = amax_bits.to(tl.float32, bitcast=True)
-        return tl.where(a == 0.0, 1.0, a * INV_FMAX)
+        """amax / fmax, or 1 where that is 0 (an all-zero tensor or row, or one too small to scale)."""
+        s = amax_bits.to(tl.float32, bitcast=True) * INV_FMAX
+        return tl.where(s == 0.0, 1.0, s)
 
     @triton.jit
     def _cast_kernel(x_ptr, q_ptr, qt_ptr, amax_ptr, scale_ptr, M, N, FMAX: tl.constexpr, INV_FMAX: tl.constexpr,
                      MBITS: tl.constexpr, EMIN: tl.constexpr, TRANS: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr):
         """q = sat(x / scale) for one BM x BN tile of the row-major (M, N) x; with TRANS also
-        q^T into the row-major (N, M) qt."""
-        pid_m = tl.program_id(0)
-        pid_n = tl.program_id(1)
+        q^T into the row-major (N, M) qt. A 1-D grid over the tiles, row of tiles by row of tiles
+        (a grid's second axis holds at most 65535)."""
+        tiles_n = tl.cdiv(N, BN)
+        pid_m = tl.program_id(0) // tiles_n
+        pid_n = tl.program_id(0) % tiles_n
         scale = _scale_of(tl.load(amax_ptr), INV_FMAX)
         if (pid_m == 0) & (pid_n == 0):
             tl.store(scale_ptr, scale)
@@ -72,7 +81,7 @@ if HAS_TRITON:
         rn = pid_n.to(tl.int64) * BN + tl.arange(0, BN)
         mask = (rm[:, None] < M) & (rn[None, :] < N)
         x = tl.load(x_ptr + rm[:, None] * N + rn[None, :], mask=mask, other=0.0).to(tl.float32)
-        q = _to_grid(tl.clamp(x / scale, -FMAX, FMAX, propagate_nan=tl.PropagateNan.ALL), MBITS, EMIN)
+        q = _to_grid(tl.clamp(tl.math.div_rn(x, scale), -FMAX, FMAX, propagate_nan=tl.PropagateNan.ALL), MBITS, EMIN)
         q = q.to(q_ptr.dtype.element_ty)
         tl.store(q_ptr + rm[:, None] * N + rn[None, :], q, mask=mask)
         if TRANS:
@@ -89,22 +98,34 @@ if HAS_TRITON:
             rn = n0 + tl.arange(0, BN)
             mask = rmask[:, None] & (rn[None, :] < N)
             x = tl.load(x_ptr + rm[:, None] * N + rn[None, :], mask=mask, other=0.0).to(tl.float32)
-            acc = tl.maximum(acc, tl.abs(x).to(tl.int32, bitcast=True))
+            acc = tl.maximum(acc, _abs_bits(x))
         scale = _scale_of(tl.max(acc, 1), INV_FMAX)
         tl.store(scale_ptr + rm, scale, mask=rmask)
         for n0 in range(0, N, BN):
             rn = n0 + tl.arange(0, BN)
             mask = rmask[:, None] & (rn[None, :] < N)
             x = tl.load(x_ptr + rm[:, None] * N + rn[None, :], mask=mask, other=0.0).to(tl.float32)
-            q = _to_grid(tl.clamp(x / scale[:, None], -FMAX, FMAX, propagate_nan=tl.PropagateNan.ALL), MBITS, EMIN)
+            q = tl.clamp(tl.math.div_rn(x, scale[:, None]), -FMAX, FMAX, propagate_nan=tl.PropagateNan.ALL)
+            q = _to_grid(q, MBITS, EMIN)
             tl.store(q_ptr + rm[:, None] * N + rn[None, :], q.to(q_ptr.dtype.element_ty), mask=mask)
 
 
 def supported(t: torch.Tensor, rowwise: bool, transposed: bool) -> bool:
     """Whether :func:`quantize` takes ``t``: Triton here, a contiguous float tensor with elements,
-    2-D for rowwise scales or a transposed copy."""
+    2-D for rowwise scales or a transposed copy, and on a GPU one with FP8 types (sm89+: Triton
+    refuses e4m3 before)."""
     return (HAS_TRITON and t.is_contiguous() and t.numel() > 0 and t.is_floating_point()
-            and (t.dim() == 2 or not (rowwise or transposed)))
+            and (t.dim() == 2 or not (rowwise or transposed))
+            and (not t.is_cuda or _capability(_index(t)) >= (8, 9)))
+
+
+def _index(t: torch.Tensor) -> int:
+    return t.device.index if t.device.index is not None else torch.cuda.current_device()
+
+
+@functools.cache
+def _capability(device: int) -> tuple[int, int]:
+    return torch.cuda.get_device_capability(device)
 
 
 @functools.cache
@@ -115,7 +136,7 @@ def _sms(device: int) -> int:
 def _programs(t: torch.Tensor) -> int:
     """Programs of the amax reduction: 4 per SM; a few under the interpreter (so that its tests
     exercise the grid-stride loop and the atomic)."""
-    return 4 * _sms(t.device.index if t.device.index is not None else torch.cuda.current_device()) if t.is_cuda else 4
+    return 4 * _sms(_index(t)) if t.is_cuda else 4
 
 
 def quantize(t: torch.Tensor, fmt: torch.dtype, rowwise: bool = False,
@@ -143,6 +164,6 @@ def quantize(t: torch.Tensor, fmt: torch.dtype, rowwise: bool = False,
     scale = torch.empty((), dtype=torch.float32, device=t.device)
     qt = torch.empty((n, m), dtype=fmt, device=t.device) if transposed else None
     bm, bn = (64, 64) if transposed else (32, 128)
-    _cast_kernel[(triton.cdiv(m, bm), triton.cdiv(n, bn))](t, q, qt if transposed else q, amax, scale, m, n,
+    _cast_kernel[(triton.cdiv(m, bm) * triton.cdiv(n, bn),)](t, q, qt if transposed else q, amax, scale, m, n,
                                                           TRANS=transposed, BM=bm, BN=bn, num_warps=4, **consts)
     return q, scale, qt
