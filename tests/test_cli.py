@@ -224,6 +224,10 @@ def test_export_and_generate(tmp_path, corpus, capsys):
     assert "--device" in error_of([*args, "--device", "tpu"], capsys)
     if not torch.cuda.is_available():
         assert "needs a CUDA GPU" in error_of(["bench", "--inference"], capsys)
+        assert "needs a CUDA GPU" in error_of(["bench", "--fp8"], capsys)
+    with pytest.raises(SystemExit):  # argparse's usage error: one report at a time
+        main(["bench", "--fp8", "--inference"])
+    assert "not allowed with" in capsys.readouterr().err
 
 
 def test_export_of_a_run_that_ended_dense(tmp_path, corpus, capsys):
