@@ -110,18 +110,6 @@ class _Rows:
         return v
 
 
-def _layer_step(lin: nn.Module, x: torch.Tensor, g: torch.Tensor) -> Callable[[], None]:
-    def step() -> None:
-        with torch.autocast("cuda", dtype=BF):
-            y = lin(x)
-        y.backward(g)
-        lin.weight.grad = None
-        x.grad = None
-
-    step()  # the dispatch's measurements, once
-    return step
-
-
 def _kernel_rows(t: int, k: int, n: int, bw: float, rows: _Rows) -> None:
     """The bf16 and FP8 GEMMs alone and the quantization of their operands."""
     x = torch.randn(t, k, device="cuda", dtype=BF)
@@ -155,6 +143,7 @@ def _kernel_rows(t: int, k: int, n: int, bw: float, rows: _Rows) -> None:
 
 def _layer_rows(t: int, k: int, n: int, rows: _Rows) -> None:
     """One layer's forward + backward: nn.Linear and s-ste in bf16, dense and s-ste in FP8."""
+    from .bench import fwd_bwd_step  # noqa: PLC0415
     from .layer import SparseLinear  # noqa: PLC0415
 
     xg = torch.randn(t, k, device="cuda", requires_grad=True)
@@ -168,7 +157,8 @@ def _layer_rows(t: int, k: int, n: int, rows: _Rows) -> None:
     times: dict[str, float | None] = {}
     for name, make, vs in variants:
         try:
-            step = _layer_step(make(), xg, g)
+            step = fwd_bwd_step(make(), xg, g)  # pruning and compression counted every step
+            step()  # the dispatch's measurements, once
         except Exception as e:  # noqa: BLE001
             rows.lines.append(f"| layer fwd+bwd: {name} | {_err(e)} | |")
             continue
