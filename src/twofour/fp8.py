@@ -12,7 +12,8 @@ each GEMM falls back to the reference (dequantize, multiply in the compute dtype
 Overflow policy: values are saturated to the format's range, so finite inputs never overflow.
 A NaN or inf in an operand makes its amax (per tensor, or per row) non-finite, hence its scale,
 hence every output element that operand touches NaN or inf: a diverging run shows up as a
-non-finite loss, never as a finite-looking result. An all-zero tensor (or row) gets scale 1.
+non-finite loss, never as a finite-looking result. An all-zero tensor (or row), or one
+whose amax / fmt_max underflows to 0, gets scale 1.
 """
 
 from __future__ import annotations
