@@ -125,13 +125,29 @@ def quantize_t(t: torch.Tensor, fmt: torch.dtype = E4M3, scaling: Scaling = TENS
     t, rowwise = t.detach(), scaling.rowwise
     if not (t.is_cuda and settings.fast and not torch.compiler.is_compiling()):
         return _quantize(t, fmt, rowwise, transposed)
-    if not (ops.triton_ok(t) and fp8cast.supported(t, rowwise, transposed)):
+    kind = f"fp8-quantize-{str(fmt).split('_')[1]}-{scaling.name}{'+T' if transposed else ''}"
+    if kind in _triton_failed or not (ops.triton_ok(t) and fp8cast.supported(t, rowwise, transposed)):
         return _run_compiled(t, fmt, rowwise, transposed)
-    routes = {"triton": lambda: fp8cast.quantize(t, fmt, rowwise, transposed),
+    routes = {"triton": lambda: _run_triton(kind, t, fmt, rowwise, transposed),
               "compiled": lambda: _run_compiled(t, fmt, rowwise, transposed)}
     k = t.shape[-1] if t.dim() else 1
-    kind = f"fp8-quantize-{str(fmt).split('_')[1]}-{scaling.name}{'+T' if transposed else ''}"
     return routes[ops.choose(kind, t.numel() // k, k, 0, "row", t.dtype, routes)]()
+
+
+_triton_failed: set[str] = set()
+
+
+def _run_triton(kind: str, t: torch.Tensor, fmt: torch.dtype, rowwise: bool,
+                transposed: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+    """The Triton kernels; a variant whose kernels fail (to compile or to launch) runs the
+    compiled route from then on, logged once, rather than stopping a training run."""
+    try:
+        return fp8cast.quantize(t, fmt, rowwise, transposed)
+    except Exception as e:  # noqa: BLE001 - the compiled route computes the same bytes
+        _triton_failed.add(kind)
+        log.warning("Triton FP8 quantization failed for %s (%s: %s); the compiled route runs instead",
+                    kind, type(e).__name__, (str(e).splitlines() or [""])[0])
+        return _run_compiled(t, fmt, rowwise, transposed)
 
 
 def quantize(t: torch.Tensor, fmt: torch.dtype = E4M3,
