@@ -299,8 +299,7 @@ def test_gpu_quantization_compiles_every_variant(caplog):
                         assert rel(dequantize(q, s), t.detach().float()) < 0.1
     timed = [v["ms"] for k, v in ops.choices().items() if k.startswith("fp8-quantize")]
     assert len(timed) == 3 * 2 * 3 * 2 and all("compiled" in ms for ms in timed)
-    assert "plain torch runs instead" not in caplog.text  # no compiled variant fell back
-    assert "the compiled route runs instead" not in caplog.text  # nor did a Triton one
+    assert "FP8 quantization failed" not in caplog.text  # no compiled or Triton variant fell back
 
 
 @pytest.mark.gpu

@@ -183,3 +183,18 @@ def test_dense_only_output_skips_the_compressed_layout(device):
     assert empty.numel() == 0 and torch.equal(dense_only, dense)
     with pytest.raises(ValueError, match="neither"):
         ck.compress(dy.t(), "mvue", seed=seed, sparse_out=False)
+
+
+@pytest.mark.parametrize("pruner", ["hard", "soft", "transposable"])
+def test_pruner_compress_dense_only(pruner, device):
+    """``sparse=False``: the same dense effective weight, and no 2:4 operand written."""
+    from twofour.pruners import PRUNERS
+
+    p = PRUNERS[pruner]
+    w = torch.randn(64, 96, device=device)
+    state = p.initial_state(w)
+    beta, mask = state.get("beta"), state.get("mask")
+    wc, wd, wtc = p.compress(w, beta, mask, torch.bfloat16)
+    wc0, wd0, wtc0 = p.compress(w, beta, mask, torch.bfloat16, sparse=False)
+    assert torch.equal(wd0, wd) and wc.numel() > 0
+    assert wc0.numel() == 0 and wtc0.numel() == 0

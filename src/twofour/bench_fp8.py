@@ -135,7 +135,10 @@ def _kernel_rows(t: int, k: int, n: int, bw: float, rows: _Rows) -> None:
 
         rows.time(f"quantize x and W {sc.name}, as dispatched",
                   lambda sc=sc: (F8.quantize(x, F8.E4M3, sc), F8.quantize(w, F8.E4M3, sc)), extra=share)
-        for route, fn in (("Triton", fp8cast.quantize), ("compiled", F8._run_compiled)):
+        def compiled(t: torch.Tensor, *a: object) -> tuple:
+            return F8._compiled_quantize(F8._variant(t, *a))(t, *a)
+
+        for route, fn in (("Triton", fp8cast.quantize), ("compiled", compiled)):
             rows.time(f"quantize x and W {sc.name}, {route}",
                       lambda sc=sc, fn=fn: (fn(x, F8.E4M3, sc.rowwise, False), fn(w, F8.E4M3, sc.rowwise, False)),
                       extra=share)

@@ -56,14 +56,15 @@ class CompressedWeight:
         self._value: Compressed | None = None
 
     def get(self, weight: torch.Tensor, pruner: Pruner, beta: torch.Tensor | None, mask: torch.Tensor | None,
-            step: int, dtype: torch.dtype) -> Compressed:
-        """(compressed W_eff, dense W_eff, compressed W_eff^T or empty) for the current weight."""
+            step: int, dtype: torch.dtype, sparse: bool = True) -> Compressed:
+        """(compressed W_eff, dense W_eff, compressed W_eff^T or empty) for the current weight;
+        without ``sparse`` the dense W_eff alone (:meth:`Pruner.compress`)."""
         w = weight.detach()
-        key = (weight._version, w.data_ptr(), dtype, step)
+        key = (weight._version, w.data_ptr(), dtype, step, sparse)
         capturing = torch.cuda.is_current_stream_capturing()
         if not capturing and self._key == key:
             return self._value
-        value = pruner.compress(w, beta, mask, dtype)
+        value = pruner.compress(w, beta, mask, dtype, sparse)
         if not capturing:
             self._key, self._value = key, value
         return value

@@ -93,21 +93,24 @@ def _compiled_quantize(key: tuple):
     return fn
 
 
-def _run_compiled(t: torch.Tensor, fmt: torch.dtype, rowwise: bool,
-                  transposed: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
-    """:func:`_compiled_quantize`'s variant for ``t``; one whose compilation fails runs plain
-    torch from then on (logged once)."""
-    key = (t.dtype, t.dim(), t.is_contiguous(), fmt, rowwise, transposed)
-    fn = _compiled_quantize(key)
+def _variant(t: torch.Tensor, fmt: torch.dtype, rowwise: bool, transposed: bool) -> tuple:
+    """What a compiled quantization specializes on (shapes stay dynamic)."""
+    return t.dtype, t.dim(), t.is_contiguous(), fmt, rowwise, transposed
+
+
+_failed: set[tuple] = set()  # (route, variant) whose kernels failed to compile or launch
+
+
+def _guarded(route: str, key: tuple, fn, *args) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+    """``fn(*args)``; if it raises, this route is dropped for this variant (logged once) and plain
+    torch, which computes the same bytes, answers: a failing kernel never stops a training run."""
     try:
-        return fn(t, fmt, rowwise, transposed)
-    except Exception as e:  # noqa: BLE001 - any compiler failure: the plain-torch math is the same
-        if fn is _quantize:
-            raise
-        log.warning("compiled FP8 quantization failed for %s (%s: %s); plain torch runs instead",
-                    key, type(e).__name__, (str(e).splitlines() or [""])[0])
-        _compiled[key] = _quantize
-        return _quantize(t, fmt, rowwise, transposed)
+        return fn(*args)
+    except Exception as e:  # noqa: BLE001 - any compiler or launch failure
+        _failed.add((route, key))
+        log.warning("%s FP8 quantization failed for %s (%s: %s); it is not used from now on", route, key,
+                    type(e).__name__, (str(e).splitlines() or [""])[0])
+        return _quantize(*args)
 
 
 def quantize_t(t: torch.Tensor, fmt: torch.dtype = E4M3, scaling: Scaling = TENSORWISE, *,
@@ -123,31 +126,20 @@ def quantize_t(t: torch.Tensor, fmt: torch.dtype = E4M3, scaling: Scaling = TENS
     if transposed and (scaling.rowwise or t.dim() != 2):
         raise ValueError("a transposed copy needs a 2-D tensor and tensorwise scaling (row scales don't transpose)")
     t, rowwise = t.detach(), scaling.rowwise
+    args = (t, fmt, rowwise, transposed)
     if not (t.is_cuda and settings.fast and not torch.compiler.is_compiling()):
-        return _quantize(t, fmt, rowwise, transposed)
-    kind = f"fp8-quantize-{str(fmt).split('_')[1]}-{scaling.name}{'+T' if transposed else ''}"
-    if kind in _triton_failed or not (ops.triton_ok(t) and fp8cast.supported(t, rowwise, transposed)):
-        return _run_compiled(t, fmt, rowwise, transposed)
-    routes = {"triton": lambda: _run_triton(kind, t, fmt, rowwise, transposed),
-              "compiled": lambda: _run_compiled(t, fmt, rowwise, transposed)}
+        return _quantize(*args)
+    key = _variant(*args)
+    routes = {}
+    if ("triton", key) not in _failed and ops.triton_ok(t) and fp8cast.supported(t, rowwise, transposed):
+        routes["triton"] = lambda: _guarded("triton", key, fp8cast.quantize, *args)
+    if ("compiled", key) not in _failed:
+        routes["compiled"] = lambda: _guarded("compiled", key, _compiled_quantize(key), *args)
+    if not routes:
+        return _quantize(*args)
     k = t.shape[-1] if t.dim() else 1
+    kind = f"fp8-quantize-{str(fmt).split('_')[1]}-{scaling.name}{'+T' if transposed else ''}"
     return routes[ops.choose(kind, t.numel() // k, k, 0, "row", t.dtype, routes)]()
-
-
-_triton_failed: set[str] = set()
-
-
-def _run_triton(kind: str, t: torch.Tensor, fmt: torch.dtype, rowwise: bool,
-                transposed: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
-    """The Triton kernels; a variant whose kernels fail (to compile or to launch) runs the
-    compiled route from then on, logged once, rather than stopping a training run."""
-    try:
-        return fp8cast.quantize(t, fmt, rowwise, transposed)
-    except Exception as e:  # noqa: BLE001 - the compiled route computes the same bytes
-        _triton_failed.add(kind)
-        log.warning("Triton FP8 quantization failed for %s (%s: %s); the compiled route runs instead",
-                    kind, type(e).__name__, (str(e).splitlines() or [""])[0])
-        return _run_compiled(t, fmt, rowwise, transposed)
 
 
 def quantize(t: torch.Tensor, fmt: torch.dtype = E4M3,

@@ -66,8 +66,10 @@ class Pruner:
         raise NotImplementedError
 
     def compress(self, w: torch.Tensor, beta: torch.Tensor | None, mask: torch.Tensor | None,
-                 dtype: torch.dtype) -> Compressed:
-        """The fast path's operands, built by one fused kernel pass over ``w``."""
+                 dtype: torch.dtype, sparse: bool = True) -> Compressed:
+        """The fast path's operands, built by one fused kernel pass over ``w``: (compressed W_eff,
+        dense W_eff, compressed W_eff^T or empty); without ``sparse`` only the dense W_eff (the
+        2:4 operands empty: an FP8 layer multiplies the dense one)."""
         raise NotImplementedError
 
     def __repr__(self) -> str:
@@ -109,8 +111,8 @@ class HardPruner(Pruner):
     def effective(self, w, beta, mask):
         return w * _mask_24(w)
 
-    def compress(self, w, beta, mask, dtype):
-        wc, wd = ops.compress(w, "hard", dense_out=True, out_dtype=dtype)
+    def compress(self, w, beta, mask, dtype, sparse=True):
+        wc, wd = ops.compress(w, "hard", dense_out=True, out_dtype=dtype, sparse_out=sparse)
         return wc, wd, _no_transpose(w)
 
 
@@ -126,8 +128,8 @@ class SoftPruner(Pruner):
     def effective(self, w, beta, mask):
         return beta.to(w.dtype) * _soft_threshold_24(w)
 
-    def compress(self, w, beta, mask, dtype):
-        wc, wd = ops.compress(w, "soft", scale=beta.reshape(1), dense_out=True, out_dtype=dtype)
+    def compress(self, w, beta, mask, dtype, sparse=True):
+        wc, wd = ops.compress(w, "soft", scale=beta.reshape(1), dense_out=True, out_dtype=dtype, sparse_out=sparse)
         return wc, wd, _no_transpose(w)
 
 
@@ -153,9 +155,9 @@ class TransposablePruner(Pruner):
     def effective(self, w, beta, mask):
         return w * mask
 
-    def compress(self, w, beta, mask, dtype):
-        wc, wd = ops.compress(w, "mask", mask=mask, dense_out=True, out_dtype=dtype)
-        wtc = ops.compress(w.t(), "mask", mask=mask.t(), out_dtype=dtype)[0]
+    def compress(self, w, beta, mask, dtype, sparse=True):
+        wc, wd = ops.compress(w, "mask", mask=mask, dense_out=True, out_dtype=dtype, sparse_out=sparse)
+        wtc = ops.compress(w.t(), "mask", mask=mask.t(), out_dtype=dtype)[0] if sparse else _no_transpose(w)
         return wc, wd, wtc
 
 
