@@ -58,8 +58,7 @@ def main() -> None:
     for variant, table in tables.items():
         print(f"\n{variant}: 2 steps, kernels by device time\n{table}")
     print("\ndispatch choices:")
-    for key, val in sorted(ops.choices().items()):
-        print(f"{key}: {val['choice']} {val['ms']}")
+    print("\n".join(ops.choice_lines()))
 
 
 if __name__ == "__main__":

@@ -272,8 +272,7 @@ def main() -> None:
     run_part("4. llama-1b training step (bf16 autocast, fused AdamW, vocabulary 32000, seq 1024)", llama_steps,
              [int(b) for b in args.batches.split(",")])
     print("\n## dispatch choices (twofour.kernels.ops.choices())\n")
-    for key, value in sorted(ops.choices().items()):
-        print(f"{key}: {value['choice']}  {value['ms']}")
+    print("\n".join(ops.choice_lines()))
     print("\n## summary\n")
     print("\n".join(f"- {line}" for line in SUMMARY))
 

@@ -453,7 +453,7 @@ def run_bench(args: argparse.Namespace) -> str:
         lines.append(f"| {preset} | {batch} x 1024 | {td:.1f} | {ratio:.2f}x |")
         print(lines[-1], flush=True)
     lines += ["", "Dispatch choices measured in this run (`twofour.kernels.ops.choices()`):", "", "```"]
-    lines += [f"{k}: {v['choice']}  {v['ms']}" for k, v in sorted(ops.choices().items())] + ["```"]
+    lines += ops.choice_lines() + ["```"]
     gc.collect()  # leave the GPU's memory to the training processes
     torch.cuda.empty_cache()
     models, recipes = TRAIN_QUICK if quick else TRAIN_FULL

@@ -268,7 +268,7 @@ def inference_bench(preset: str = PRESET, *, vocab_size: int = VOCAB, context: i
                     f"| {same} |")
     rep.add("", "2:4 kernel chosen per shape (`twofour.kernels.ops.choices()`, `inf` keys: MxKxN = out x in x "
             "tokens):", "", "```")
-    rep.add(*[f"{k}: {v['choice']}  {v['ms']}" for k, v in sorted(ops.choices().items()) if k.startswith("inf")])
+    rep.add(*ops.choice_lines("inf"))
     rep.add("```")
     return "\n".join(rep.lines) + "\n"
 

@@ -10,6 +10,10 @@ with B and D in row- or column-major order, as the caller's memory already is, a
 adds a bias vector (one value per row of D) in the GEMM's epilogue: a plan built with a bias
 reads the pointer from its matmul descriptor at each call, so a call with another bias tensor
 only resets that pointer (checked on the H200, ``benchmarks/bias_epilogue.py``).
+
+cuSPARSELt has several algorithm configurations per shape (kernel tile shapes and schedules) and
+runs the first by default; a plan can be built for any of them (``config``), and the dispatch in
+:mod:`twofour.kernels.ops` measures them once per shape and keeps the fastest.
 """
 
 from __future__ import annotations
@@ -20,7 +24,7 @@ from dataclasses import dataclass
 
 import torch
 
-__all__ = ["available", "version", "Plan", "get_plan", "ROW", "COL"]
+__all__ = ["available", "version", "Plan", "get_plan", "forget_tuning", "ROW", "COL"]
 
 ROW, COL = 2, 1  # cusparseOrder_t
 _NON_TRANSPOSE = 0
@@ -73,6 +77,7 @@ class PlanKey:
     dtype: torch.dtype
     device: int
     bias: bool = False
+    config: int | None = None  # cuSPARSELt's algorithm configuration id; None: the library's default
 
 
 class Plan:
@@ -98,6 +103,13 @@ class Plan:
         if key.bias:  # the epilogue is chosen when the plan is built: give it a bias to build with
             self._set_bias(torch.zeros(key.m, dtype=key.dtype, device=dev))
         self.alg = L.matmul_alg_selection_init(h, self.mm, L.MatmulAlg.DEFAULT)
+        if key.config is not None:
+            self._set_alg_attribute(L.MatmulAlgAttribute.CONFIG_ID, key.config)
+        #: the configuration this plan runs, and how many the library has for its shape (ids 0..n-1)
+        self.config_id = self._get_alg_attribute(L.MatmulAlgAttribute.CONFIG_ID)
+        self.num_configs = self._get_alg_attribute(L.MatmulAlgAttribute.CONFIG_MAX_ID)
+        #: the plan of the fastest configuration, once measured (``ops`` sets it)
+        self.tuned: Plan | None = None
         self.plan = L.matmul_plan_init(h, self.mm, self.alg)
         self.workspace = torch.empty(max(1, L.matmul_get_workspace(h, self.plan)), dtype=torch.uint8, device=dev)
         self.compressed_size, tmp = L.sp_mma_compressed_size(h, self.plan)
@@ -105,6 +117,19 @@ class Plan:
         self._alpha = np.ones(1, dtype=np.float32)
         self._beta = np.zeros(1, dtype=np.float32)
         self._streams = np.zeros(1, dtype=np.int64)
+
+    def _set_alg_attribute(self, attribute: int, value: int) -> None:
+        import numpy as np  # noqa: PLC0415
+
+        buf = np.array([value], dtype=np.int32)
+        _lib().matmul_alg_set_attribute(self.h, self.alg, attribute, buf.ctypes.data, 4)
+
+    def _get_alg_attribute(self, attribute: int) -> int:
+        import numpy as np  # noqa: PLC0415
+
+        buf = np.zeros(1, dtype=np.int32)
+        _lib().matmul_alg_get_attribute(self.h, self.alg, attribute, buf.ctypes.data, 4)
+        return int(buf[0])
 
     def compress(self, a: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
         """cuSPARSELt's own compression of a dense 2:4 ``a`` (M x K, row-major) into its layout."""
@@ -144,14 +169,23 @@ _plans: dict[PlanKey, Plan] = {}
 
 
 def get_plan(m: int, k: int, n: int, b_order: int, d_order: int, dtype: torch.dtype,
-             device: int | None = None, bias: bool = False) -> Plan:
-    """The cached plan for this shape, orders, dtype, device and bias epilogue (built on first use)."""
+             device: int | None = None, bias: bool = False, config: int | None = None) -> Plan:
+    """The cached plan for this shape, orders, dtype, device, bias epilogue and algorithm
+    configuration (``None``: cuSPARSELt's default), built on first use."""
     if dtype not in _CUDA_DTYPE:
         raise TypeError(f"cuSPARSELt plans support bfloat16 and float16, got {dtype}")
-    key = PlanKey(m, k, n, b_order, d_order, dtype, torch.cuda.current_device() if device is None else device, bias)
+    key = PlanKey(m, k, n, b_order, d_order, dtype, torch.cuda.current_device() if device is None else device, bias,
+                  config)
     plan = _plans.get(key)
     if plan is None:
         with _lock:
             plan = _plans.get(key) or Plan(key)
             _plans[key] = plan
     return plan
+
+
+def forget_tuning() -> None:
+    """Drop every plan's measured configuration (the next call measures again)."""
+    with _lock:
+        for plan in _plans.values():
+            plan.tuned = None

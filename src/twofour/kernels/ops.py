@@ -6,7 +6,9 @@ sparse by measuring both once.
 ``spmm(a, b, m, d_col, bias)``: D (m x n) = A @ B (+ bias[:, None], in cuSPARSELt's epilogue)
 with A compressed 2:4 (cuSPARSELt layout) and B a (k, n) tensor in row- or column-major order
 (read in place, no transposes); D comes back column-major when ``d_col`` (so ``D.t()`` is a
-row-major (n, m) tensor).
+row-major (n, m) tensor). Its first call at each shape, orders and epilogue runs every one of
+cuSPARSELt's algorithm configurations and keeps the fastest (the library's default is often not:
+``benchmarks/spmm_configs.py``).
 ``compress(...)``: the fused Triton prune/MVUE + compression kernel (``compress.py``).
 """
 
@@ -25,7 +27,7 @@ from .layout import compressed_size
 from .mask import refresh_mask_
 
 __all__ = ["spmm", "compress", "refresh_mask_", "order", "fast_available", "triton_ok", "choose",
-           "choices", "set_choice", "clear_choices", "median_ms", "as_2d"]
+           "choices", "choice_lines", "set_choice", "clear_choices", "median_ms", "as_2d"]
 
 
 def order(t: torch.Tensor) -> str | None:
@@ -67,8 +69,35 @@ def _spmm(a: torch.Tensor, b: torch.Tensor, m: int, d_col: bool, bias: torch.Ten
     plan = _cs.get_plan(m, k, n, _cs.ROW if bo == "row" else _cs.COL, _cs.COL if d_col else _cs.ROW, b.dtype,
                         b.device.index, bias is not None)
     out = torch.empty((n, m) if d_col else (m, n), dtype=b.dtype, device=b.device)
-    plan.matmul(a, b, out, bias)
+    (plan.tuned or _tune(plan, a, b, out, bias)).matmul(a, b, out, bias)
     return out.t() if d_col else out
+
+
+def _tune(plan: _cs.Plan, a: torch.Tensor, b: torch.Tensor, out: torch.Tensor, bias: torch.Tensor | None) -> _cs.Plan:
+    """The plan of the fastest of cuSPARSELt's algorithm configurations for this GEMM, measured
+    once on these operands through :func:`choose` (so ``choices()`` lists it, under the kind
+    ``spmm`` with the output order, and ``set_choice`` can force one); the library's default while
+    tracing or capturing, or when every GEMM is forced to one side."""
+    if _tracing() or torch.cuda.is_current_stream_capturing() or settings.gemm != "auto":
+        return plan
+    key = plan.key
+    plans = {plan.config_id: plan}
+    for config in range(plan.num_configs):
+        if config in plans:
+            continue
+        try:
+            p = _cs.get_plan(key.m, key.k, key.n, key.b_order, key.d_order, key.dtype, key.device, key.bias, config)
+            if p.config_id != config or p.compressed_size != plan.compressed_size:
+                continue
+            p.matmul(a, b, out, bias)
+        except Exception:  # noqa: BLE001 - a configuration this shape cannot run is not a candidate
+            continue
+        plans[config] = p
+    name = choose(f"spmm-d{'col' if key.d_order == _cs.COL else 'row'}{'+bias' if key.bias else ''}", key.m, key.k,
+                  key.n, "row" if key.b_order == _cs.ROW else "col", key.dtype,
+                  {f"sparse#{c}": (lambda p=p: p.matmul(a, b, out, bias)) for c, p in plans.items()})
+    plan.tuned = plans[int(name.split("#")[1])]
+    return plan.tuned
 
 
 def _compress(x: torch.Tensor, mode: str, scale: torch.Tensor | None, mask: torch.Tensor | None,
@@ -184,11 +213,31 @@ def choices() -> dict[str, dict]:
     return json.loads(json.dumps(_choices))
 
 
+def choice_lines(prefix: str = "") -> list[str]:
+    """:func:`choices` as one line per GEMM, ``key: chosen  {candidate: ms}``, keys starting with
+    ``prefix``; a cuSPARSELt configuration choice lists only the chosen and the default (first)."""
+    lines = []
+    for key, value in sorted(_choices.items()):
+        if not key.startswith(prefix):
+            continue
+        ms = value["ms"]
+        head, _, cands = key.rpartition(":")
+        if cands.startswith("sparse#") and len(ms) > 2:
+            default = next(iter(ms))
+            key = f"{head}:{len(ms)} configurations"
+            ms = {value["choice"]: ms.get(value["choice"]), f"{default} (default)": ms[default]}
+        lines.append(f"{key}: {value['choice']}  {ms}")
+    return lines
+
+
 def set_choice(key: str, choice: str) -> None:
-    """Force ``choice`` (e.g. ``"dense"``, ``"sparse_dr"``) for the GEMM ``key`` from :func:`choices`."""
+    """Force ``choice`` (e.g. ``"dense"``, ``"sparse_dr"``, ``"sparse#3"``) for the GEMM ``key`` from
+    :func:`choices`."""
     _choices[key] = {"choice": choice, "ms": _choices.get(key, {}).get("ms", {})}
+    _cs.forget_tuning()
 
 
 def clear_choices() -> None:
     """Forget every measurement (the next call of each GEMM measures again)."""
     _choices.clear()
+    _cs.forget_tuning()
