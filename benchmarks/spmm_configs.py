@@ -2,10 +2,11 @@
 
     PYTHONPATH=src python benchmarks/spmm_configs.py [--quick]
 
-For each linear of the presets below and each of its three GEMMs as the fast path issues them
-(forward D = W x^T, dX = W^T dY^T, dW = dY^T x with the 2:4 operand first), in every order of B
-and D (``--quick``: the orders the fast path issues): every algorithm configuration cuSPARSELt
-offers for the shape is checked against the dense product, then timed (``triton.testing.do_bench``,
+For each linear of the presets below and each of its three GEMMs (forward D = W x^T, dX = W^T
+dY^T, dW = dY^T x, the 2:4 operand first; no bias), in every order of B and D (``--quick``: B
+column-major, as from a row-major x or dY, with both orders of D for the forward and dX; both
+orders of B with a row-major D for dW): every algorithm configuration cuSPARSELt offers for the
+shape is checked against the dense product, then timed (``triton.testing.do_bench``,
 median). The table gives the library's default configuration, the fastest, and dense cuBLAS on
 the same operands; the summary the geometric mean of default / fastest per GEMM kind, and then
 the dispatch's own pick through ``ops.spmm`` (which measures the configurations once per shape and keeps the fastest).
@@ -63,6 +64,8 @@ def case(kind: str, m: int, k: int, n: int, b_col: bool, d_col: bool, rep: int) 
         times[config] = do_bench(lambda p=p: p.matmul(buf, b, out), warmup=5, rep=rep, return_mode="median")
     dense_ms = do_bench((lambda: torch.mm(b.t(), dense.t())) if d_col else (lambda: torch.mm(dense, b)), warmup=5,
                         rep=rep, return_mode="median")
+    if not times:
+        raise RuntimeError(f"no cuSPARSELt configuration ran {m}x{k}x{n} (B {b_col=}, D {d_col=}) correctly: {bad}")
     best = min(times, key=times.get)
     return {"kind": kind, "shape": f"{m}x{k}x{n}", "b": "col" if b_col else "row", "d": "col" if d_col else "row",
             "n_configs": base.num_configs, "default": base.config_id, "default_ms": times.get(base.config_id, math.nan),
@@ -71,7 +74,7 @@ def case(kind: str, m: int, k: int, n: int, b_col: bool, d_col: bool, rep: int) 
 
 def main() -> None:
     ap = argparse.ArgumentParser()
-    ap.add_argument("--quick", action="store_true", help="the orders the fast path issues, fewer repetitions")
+    ap.add_argument("--quick", action="store_true", help="fewer operand orders (module doc), fewer repetitions")
     args = ap.parse_args()
     rep = 10 if args.quick else 40
     print(f"GPU: {torch.cuda.get_device_name()}; torch {torch.__version__}, cuSPARSELt {cs.version()}\n")
@@ -105,8 +108,7 @@ def main() -> None:
     ops.clear_choices()
     y = ops.spmm(buf, x.t(), 22016, True)
     err = ((y.float() - (dense @ x.t()).float()).norm() / (dense @ x.t()).float().norm()).item()
-    print(f"- ops.spmm at llama-7b gate|up fwd: relative error {err:.1e}; dispatch: "
-          f"{ {k: v for k, v in ops.choices().items() if k.startswith('spmm')} }")
+    print(f"- ops.spmm at llama-7b gate|up fwd: relative error {err:.1e}; dispatch: {ops.choice_lines('spmm')}")
 
 
 if __name__ == "__main__":

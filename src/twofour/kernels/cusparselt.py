@@ -24,7 +24,8 @@ from dataclasses import dataclass
 
 import torch
 
-__all__ = ["available", "version", "Plan", "get_plan", "forget_tuning", "ROW", "COL"]
+__all__ = ["available", "version", "Plan", "PlanKey", "get_plan", "cached_plan", "drop_plan", "forget_tuning",
+           "ROW", "COL"]
 
 ROW, COL = 2, 1  # cusparseOrder_t
 _NON_TRANSPOSE = 0
@@ -112,8 +113,8 @@ class Plan:
         self.tuned: Plan | None = None
         self.plan = L.matmul_plan_init(h, self.mm, self.alg)
         self.workspace = torch.empty(max(1, L.matmul_get_workspace(h, self.plan)), dtype=torch.uint8, device=dev)
-        self.compressed_size, tmp = L.sp_mma_compressed_size(h, self.plan)
-        self._tmp = torch.empty(max(1, tmp), dtype=torch.uint8, device=dev)
+        self.compressed_size, self._tmp_size = L.sp_mma_compressed_size(h, self.plan)
+        self._tmp: torch.Tensor | None = None  # compress()'s scratch, allocated at its first call
         self._alpha = np.ones(1, dtype=np.float32)
         self._beta = np.zeros(1, dtype=np.float32)
         self._streams = np.zeros(1, dtype=np.int64)
@@ -135,6 +136,8 @@ class Plan:
         """cuSPARSELt's own compression of a dense 2:4 ``a`` (M x K, row-major) into its layout."""
         if out is None:
             out = torch.empty(self.compressed_size, dtype=torch.uint8, device=a.device)
+        if self._tmp is None:
+            self._tmp = torch.empty(max(1, self._tmp_size), dtype=torch.uint8, device=a.device)
         _lib().sp_mma_compress(self.h, self.plan, a.data_ptr(), out.data_ptr(), self._tmp.data_ptr(),
                                torch.cuda.current_stream(a.device).cuda_stream)
         return out
@@ -184,8 +187,21 @@ def get_plan(m: int, k: int, n: int, b_order: int, d_order: int, dtype: torch.dt
     return plan
 
 
+def cached_plan(key: PlanKey) -> Plan | None:
+    """The plan for ``key`` if it was built already (nothing is built: safe while capturing)."""
+    return _plans.get(key)
+
+
+def drop_plan(plan: Plan) -> None:
+    """Remove ``plan`` from the cache (its workspace is freed once nothing refers to it)."""
+    with _lock:
+        if _plans.get(plan.key) is plan:
+            del _plans[plan.key]
+
+
 def forget_tuning() -> None:
-    """Drop every plan's measured configuration (the next call measures again)."""
+    """Drop every plan's cached configuration: the next call looks it up again in the dispatch's
+    choices (:mod:`twofour.kernels.ops`), measuring only where none is recorded."""
     with _lock:
         for plan in _plans.values():
             plan.tuned = None

@@ -14,8 +14,11 @@ cuSPARSELt's algorithm configurations and keeps the fastest (the library's defau
 
 from __future__ import annotations
 
+import dataclasses
 import json
+import logging
 import statistics
+import threading
 from collections.abc import Callable
 
 import torch
@@ -25,6 +28,8 @@ from . import compress as _ck
 from . import cusparselt as _cs
 from .layout import compressed_size
 from .mask import refresh_mask_
+
+log = logging.getLogger(__name__)
 
 __all__ = ["spmm", "compress", "refresh_mask_", "order", "fast_available", "triton_ok", "choose",
            "choices", "choice_lines", "set_choice", "clear_choices", "median_ms", "as_2d"]
@@ -73,31 +78,84 @@ def _spmm(a: torch.Tensor, b: torch.Tensor, m: int, d_col: bool, bias: torch.Ten
     return out.t() if d_col else out
 
 
+_tune_lock = threading.Lock()
+
+
 def _tune(plan: _cs.Plan, a: torch.Tensor, b: torch.Tensor, out: torch.Tensor, bias: torch.Tensor | None) -> _cs.Plan:
-    """The plan of the fastest of cuSPARSELt's algorithm configurations for this GEMM, measured
-    once on these operands through :func:`choose` (so ``choices()`` lists it, under the kind
-    ``spmm`` with the output order, and ``set_choice`` can force one); the library's default while
-    tracing or capturing, or when every GEMM is forced to one side."""
-    if _tracing() or torch.cuda.is_current_stream_capturing() or settings.gemm != "auto":
-        return plan
+    """The plan of the fastest of cuSPARSELt's algorithm configurations for this GEMM.
+
+    Measured once per shape, orders, dtype and epilogue on these operands and recorded like the
+    other choices (``choices()`` key ``spmm-d{row,col}[+bias]:MxKxN:B..:dtype:configs``, value
+    ``sparse#N``; :func:`set_choice` pins one). Each configuration's product is checked on a
+    sample of the output against the default's before it is timed; one that fails to build or
+    run, or disagrees, is left out. The choice is made by timing, so two processes can pick
+    different configurations (products equal up to the GEMM's rounding). While tracing or
+    capturing nothing is built or measured: a recorded choice whose plan exists is used, else
+    the default.
+    """
     key = plan.key
-    plans = {plan.config_id: plan}
-    for config in range(plan.num_configs):
-        if config in plans:
-            continue
-        try:
-            p = _cs.get_plan(key.m, key.k, key.n, key.b_order, key.d_order, key.dtype, key.device, key.bias, config)
-            if p.config_id != config or p.compressed_size != plan.compressed_size:
+    name = _key(f"spmm-d{'col' if key.d_order == _cs.COL else 'row'}{'+bias' if key.bias else ''}", key.m, key.k,
+                key.n, "row" if key.b_order == _cs.ROW else "col", key.dtype, ("configs",))
+
+    def config_key(config: int) -> _cs.PlanKey:
+        return dataclasses.replace(key, config=None if config == plan.config_id else config)
+
+    def recorded() -> int | None:
+        hit = _choices.get(name)
+        if hit is None:
+            return None
+        choice = hit["choice"]
+        if not (choice.startswith("sparse#") and choice[7:].isdigit()):
+            raise ValueError(f"the choice for {name} must be 'sparse#N' (a cuSPARSELt configuration), got {choice!r}")
+        return int(choice[7:])
+
+    if _tracing() or torch.cuda.is_current_stream_capturing():
+        config = recorded()
+        return (_cs.cached_plan(config_key(config)) if config is not None else None) or plan
+    with _tune_lock:
+        config = recorded()
+        if config is not None:
+            try:
+                plan.tuned = plan if config == plan.config_id else _cs.get_plan(
+                    key.m, key.k, key.n, key.b_order, key.d_order, key.dtype, key.device, key.bias, config)
+            except Exception as e:
+                raise ValueError(f"{name}: cuSPARSELt cannot run configuration {config} for this GEMM "
+                                 f"({type(e).__name__}: {e})") from e
+            return plan.tuned
+        plan.matmul(a, b, out, bias)
+        flat = out.view(-1)
+        sample = slice(None, None, max(1, flat.numel() // 65536))
+        ref = flat[sample].to(torch.float32, copy=True)
+        atol = 1e-2 * ref.abs().max().item() + 1e-6
+        plans = {plan.config_id: plan}
+        for config in range(plan.num_configs):
+            if config in plans:
                 continue
-            p.matmul(a, b, out, bias)
-        except Exception:  # noqa: BLE001 - a configuration this shape cannot run is not a candidate
-            continue
-        plans[config] = p
-    name = choose(f"spmm-d{'col' if key.d_order == _cs.COL else 'row'}{'+bias' if key.bias else ''}", key.m, key.k,
-                  key.n, "row" if key.b_order == _cs.ROW else "col", key.dtype,
-                  {f"sparse#{c}": (lambda p=p: p.matmul(a, b, out, bias)) for c, p in plans.items()})
-    plan.tuned = plans[int(name.split("#")[1])]
-    return plan.tuned
+            p = None
+            try:
+                p = _cs.get_plan(key.m, key.k, key.n, key.b_order, key.d_order, key.dtype, key.device, key.bias,
+                                 config)
+                p.matmul(a, b, out, bias)
+            except Exception as e:  # noqa: BLE001 - a configuration this shape cannot run is not a candidate
+                log.debug("cuSPARSELt configuration %d left out for %s: %s: %s", config, key, type(e).__name__, e)
+                if p is not None:
+                    _cs.drop_plan(p)
+                continue
+            if p.config_id != config or p.compressed_size != plan.compressed_size or not torch.allclose(
+                    flat[sample].float(), ref, rtol=2e-2, atol=atol):
+                log.warning("cuSPARSELt configuration %d gave another product than the default for %s; left out",
+                            config, key)
+                _cs.drop_plan(p)
+                continue
+            plans[config] = p
+        times = {c: median_ms(lambda p=p: p.matmul(a, b, out, bias)) for c, p in plans.items()}
+        best = min(times, key=times.get)
+        _choices[name] = {"choice": f"sparse#{best}", "ms": {f"sparse#{c}": round(t, 4) for c, t in times.items()}}
+        for c, p in plans.items():
+            if c not in (best, plan.config_id):
+                _cs.drop_plan(p)
+        plan.tuned = plans[best]
+        return plan.tuned
 
 
 def _compress(x: torch.Tensor, mode: str, scale: torch.Tensor | None, mask: torch.Tensor | None,
@@ -215,18 +273,18 @@ def choices() -> dict[str, dict]:
 
 def choice_lines(prefix: str = "") -> list[str]:
     """:func:`choices` as one line per GEMM, ``key: chosen  {candidate: ms}``, keys starting with
-    ``prefix``; a cuSPARSELt configuration choice lists only the chosen and the default (first)."""
+    ``prefix``; a choice among cuSPARSELt's configurations lists the chosen and the default (the
+    first measured) and how many were timed."""
     lines = []
     for key, value in sorted(_choices.items()):
         if not key.startswith(prefix):
             continue
-        ms = value["ms"]
-        head, _, cands = key.rpartition(":")
-        if cands.startswith("sparse#") and len(ms) > 2:
+        ms, note = value["ms"], ""
+        if key.endswith(":configs") and len(ms) > 2:
             default = next(iter(ms))
-            key = f"{head}:{len(ms)} configurations"
+            note = f" of {len(ms)} configurations"
             ms = {value["choice"]: ms.get(value["choice"]), f"{default} (default)": ms[default]}
-        lines.append(f"{key}: {value['choice']}  {ms}")
+        lines.append(f"{key}: {value['choice']}  {ms}{note}")
     return lines
 
 
