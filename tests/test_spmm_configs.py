@@ -126,3 +126,11 @@ def test_set_choice_keys_are_what_choice_lines_print(fake):
     ops.spmm(a, b, 8, True)
     key = ops.choice_lines()[0].split(": ")[0]
     assert key in ops.choices()
+
+
+def test_nan_in_the_data_is_not_a_disagreement(fake):
+    a, b, _ = operands()
+    a[0, 0] = float("nan")
+    ops.spmm(a, b, 8, False)
+    ((_, value),) = ops.choices().items()
+    assert set(value["ms"]) == {"sparse#0", "sparse#1", "sparse#3"}  # only the wrong one left out
