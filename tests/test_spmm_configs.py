@@ -39,12 +39,15 @@ def fake(monkeypatch):
     ran: list[int] = []
     built: list = []
 
-    def get_plan(m, k, n, b_order, d_order, dtype, device=None, bias=False, config=None):
-        key = real_cs.PlanKey(m, k, n, b_order, d_order, dtype, 0 if device is None else device, bias, config)
+    def plan_for(key):
         if key not in plans:
             built.append(key)
             plans[key] = FakePlan(key, ran)
         return plans[key]
+
+    def get_plan(m, k, n, b_order, d_order, dtype, device=None, bias=False, config=None):
+        return plan_for(real_cs.PlanKey(m, k, n, b_order, d_order, dtype, 0 if device is None else device, bias,
+                                        config))
 
     def drop_plan(plan):
         plans.pop(plan.key, None)
@@ -54,7 +57,8 @@ def fake(monkeypatch):
             p.tuned = None
 
     cs = types.SimpleNamespace(ROW=real_cs.ROW, COL=real_cs.COL, PlanKey=real_cs.PlanKey, get_plan=get_plan,
-                               cached_plan=plans.get, drop_plan=drop_plan, forget_tuning=forget_tuning)
+                               plan_for=plan_for, cached_plan=plans.get, drop_plan=drop_plan,
+                               forget_tuning=forget_tuning)
     monkeypatch.setattr(ops, "_cs", cs)
     monkeypatch.setattr(ops, "median_ms", lambda fn: (ran.clear(), fn(), TIMES[ran[-1]])[-1])
     monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: False)

@@ -24,8 +24,8 @@ from dataclasses import dataclass
 
 import torch
 
-__all__ = ["available", "version", "Plan", "PlanKey", "get_plan", "cached_plan", "drop_plan", "forget_tuning",
-           "ROW", "COL"]
+__all__ = ["available", "version", "Plan", "PlanKey", "get_plan", "plan_for", "cached_plan", "drop_plan",
+           "forget_tuning", "ROW", "COL"]
 
 ROW, COL = 2, 1  # cusparseOrder_t
 _NON_TRANSPOSE = 0
@@ -175,10 +175,14 @@ def get_plan(m: int, k: int, n: int, b_order: int, d_order: int, dtype: torch.dt
              device: int | None = None, bias: bool = False, config: int | None = None) -> Plan:
     """The cached plan for this shape, orders, dtype, device, bias epilogue and algorithm
     configuration (``None``: cuSPARSELt's default), built on first use."""
-    if dtype not in _CUDA_DTYPE:
-        raise TypeError(f"cuSPARSELt plans support bfloat16 and float16, got {dtype}")
-    key = PlanKey(m, k, n, b_order, d_order, dtype, torch.cuda.current_device() if device is None else device, bias,
-                  config)
+    return plan_for(PlanKey(m, k, n, b_order, d_order, dtype, torch.cuda.current_device() if device is None else device,
+                            bias, config))
+
+
+def plan_for(key: PlanKey) -> Plan:
+    """The cached plan for ``key`` (built on first use): :func:`get_plan` by its key."""
+    if key.dtype not in _CUDA_DTYPE:
+        raise TypeError(f"cuSPARSELt plans support bfloat16 and float16, got {key.dtype}")
     plan = _plans.get(key)
     if plan is None:
         with _lock:

@@ -139,6 +139,15 @@ def _programs(t: torch.Tensor) -> int:
     return 4 * _sms(_index(t)) if t.is_cuda else 4
 
 
+@functools.cache
+def _constants(fmt: torch.dtype) -> dict[str, float | int]:
+    """The kernels' constants of an FP8 format: its largest value and that value's reciprocal, its
+    mantissa bits (from eps = 2^-MBITS) and least normal exponent (from tiny = 2^EMIN)."""
+    fi = torch.finfo(fmt)
+    return {"FMAX": fi.max, "INV_FMAX": 1.0 / fi.max, "MBITS": 1 - math.frexp(fi.eps)[1],
+            "EMIN": math.frexp(fi.tiny)[1] - 1}
+
+
 def quantize(t: torch.Tensor, fmt: torch.dtype, rowwise: bool = False,
              transposed: bool = False) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
     """``(q, scale, q^T row-major or None)`` of ``t`` in FP8 ``fmt`` with current scaling: one
@@ -146,9 +155,7 @@ def quantize(t: torch.Tensor, fmt: torch.dtype, rowwise: bool = False,
     if not supported(t, rowwise, transposed):
         raise ValueError(f"fp8cast.quantize takes a contiguous float tensor (2-D for rowwise scales or a "
                          f"transposed copy), got shape {tuple(t.shape)}, strides {t.stride()}, {t.dtype}")
-    fi = torch.finfo(fmt)  # mantissa bits from eps = 2^-MBITS, least normal exponent from tiny = 2^EMIN
-    consts = {"FMAX": fi.max, "INV_FMAX": 1.0 / fi.max, "MBITS": 1 - math.frexp(fi.eps)[1],
-              "EMIN": math.frexp(fi.tiny)[1] - 1}
+    consts = _constants(fmt)
     n_cols = t.shape[-1] if t.dim() else 1
     m, n = t.numel() // n_cols, n_cols
     q = torch.empty(t.shape, dtype=fmt, device=t.device)

@@ -116,8 +116,7 @@ def _tune(plan: _cs.Plan, a: torch.Tensor, b: torch.Tensor, out: torch.Tensor, b
         config = recorded()
         if config is not None:
             try:
-                plan.tuned = plan if config == plan.config_id else _cs.get_plan(
-                    key.m, key.k, key.n, key.b_order, key.d_order, key.dtype, key.device, key.bias, config)
+                plan.tuned = _cs.plan_for(config_key(config))
             except Exception as e:
                 raise ValueError(f"{name}: cuSPARSELt cannot run configuration {config} for this GEMM "
                                  f"({type(e).__name__}: {e})") from e
@@ -134,8 +133,7 @@ def _tune(plan: _cs.Plan, a: torch.Tensor, b: torch.Tensor, out: torch.Tensor, b
                 continue
             p = None
             try:
-                p = _cs.get_plan(key.m, key.k, key.n, key.b_order, key.d_order, key.dtype, key.device, key.bias,
-                                 config)
+                p = _cs.plan_for(config_key(config))
                 p.matmul(a, b, out, bias)
             except Exception as e:  # noqa: BLE001 - a configuration this shape cannot run is not a candidate
                 log.debug("cuSPARSELt configuration %d left out for %s: %s: %s", config, key, type(e).__name__, e)
@@ -149,9 +147,8 @@ def _tune(plan: _cs.Plan, a: torch.Tensor, b: torch.Tensor, out: torch.Tensor, b
                 _cs.drop_plan(p)
                 continue
             plans[config] = p
-        times = {c: median_ms(lambda p=p: p.matmul(a, b, out, bias)) for c, p in plans.items()}
-        best = min(times, key=times.get)
-        _choices[name] = {"choice": f"sparse#{best}", "ms": {f"sparse#{c}": round(t, 4) for c, t in times.items()}}
+        best = int(_measure(name, {f"sparse#{c}": (lambda p=p: p.matmul(a, b, out, bias))
+                                   for c, p in plans.items()})[7:])
         for c, p in plans.items():
             if c not in (best, plan.config_id):
                 _cs.drop_plan(p)
@@ -261,6 +258,12 @@ def choose(kind: str, m: int, k: int, n: int, b_order: str, dtype: torch.dtype,
         return hit["choice"]
     if _tracing() or torch.cuda.is_current_stream_capturing():
         return next((c for c in candidates if c.startswith("sparse")), next(iter(candidates)))
+    return _measure(key, candidates)
+
+
+def _measure(key: str, candidates: dict[str, Callable[[], object]]) -> str:
+    """Time every candidate (:func:`median_ms`), record the times and the fastest under ``key``,
+    and return its name."""
     times = {name: median_ms(fn) for name, fn in candidates.items()}
     best = min(times, key=times.get)
     _choices[key] = {"choice": best, "ms": {k2: round(v, 4) for k2, v in times.items()}}
