@@ -357,6 +357,10 @@ def test_every_option_is_checked(tmp_path, corpus, capsys):
         assert says in error_of([*base, opt, value], capsys), opt
     assert "--seeds" in error_of(["compare", *SMALL, "--data", corpus, "--seeds", "1,x"], capsys)
     assert "--resume" in error_of([*base, "--reschedule"], capsys)
+    assert "add --compile" in error_of([*base, "--compile-mode", "reduce-overhead"], capsys)
+    with pytest.raises(SystemExit):  # argparse names the valid modes
+        main([*base, "--compile", "--compile-mode", "fastest"])
+    assert "reduce-overhead" in capsys.readouterr().err
     assert not (tmp_path / "x").exists()  # nothing written for a run that can't start
 
 

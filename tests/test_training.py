@@ -235,3 +235,21 @@ def test_validation_windows_do_not_depend_on_the_seed():
     model = tiny_gpt()
     losses = [evaluate(model, data, cfg, "cpu", contextlib.nullcontext()) for cfg in (a, b)]
     assert losses[0] == losses[1] and losses[0] > 0
+
+
+def test_a_sparse_gpu_run_without_the_fast_path_is_warned_about(monkeypatch):
+    """A sparse recipe on a GPU without the fast path's bindings gets a message (it runs the slower
+    reference math); none for dense, the CPU, a fast path present, or one turned off on purpose."""
+    from twofour import make_recipe, settings  # noqa: PLC0415
+    from twofour.kernels import ops  # noqa: PLC0415
+    from twofour.train import slow_path_warning  # noqa: PLC0415
+
+    cuda, sste = torch.device("cuda"), make_recipe("s-ste")
+    monkeypatch.setattr(ops, "fast_available", lambda: False)
+    assert "pip install 'twofour[gpu]'" in slow_path_warning(cuda, sste)
+    assert slow_path_warning(cuda, make_recipe("dense")) is None
+    assert slow_path_warning(torch.device("cpu"), sste) is None
+    with settings.override(fast=False):
+        assert slow_path_warning(cuda, sste) is None
+    monkeypatch.setattr(ops, "fast_available", lambda: True)
+    assert slow_path_warning(cuda, sste) is None

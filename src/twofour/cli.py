@@ -37,7 +37,7 @@ def _option(text: str) -> tuple[str, Any]:
 
 
 def _run_args(p: argparse.ArgumentParser, default_out: str) -> None:
-    from .config import REGIMES, TrainConfig  # noqa: PLC0415
+    from .config import COMPILE_MODES, REGIMES, TrainConfig  # noqa: PLC0415
     from .model import PRESETS  # noqa: PLC0415
 
     d = TrainConfig()
@@ -72,6 +72,9 @@ def _run_args(p: argparse.ArgumentParser, default_out: str) -> None:
     g.add_argument("--no-bf16", dest="bf16", action="store_false", help="no bf16 autocast on the GPU")
     g.add_argument("--compile", action=argparse.BooleanOptionalAction, default=d.compile,
                    help="torch.compile the model (default: off)")
+    g.add_argument("--compile-mode", default=d.compile_mode, choices=COMPILE_MODES,
+                   help="torch.compile's mode with --compile; reduce-overhead (CUDA graphs) takes the host's "
+                        "per-kernel time out of the step (default %(default)s)")
     g.add_argument("--seed", type=int, default=d.seed, help="model init and data order (default %(default)s)")
     g.add_argument("--device", default=d.device, help="auto, cpu, cuda or cuda:N (default %(default)s)")
     g.add_argument("--fsdp", action=argparse.BooleanOptionalAction, default=d.fsdp,

@@ -86,6 +86,7 @@ class TrainConfig:
     grad_clip: float = 1.0
     bf16: bool = True  # bf16 autocast on the GPU (the CPU always runs float32)
     compile: bool = False
+    compile_mode: str = "default"  # torch.compile's mode (COMPILE_MODES) with `compile`
     seed: int = 1337
     eval_interval: int = 100
     eval_iters: int = 10
@@ -153,6 +154,10 @@ class TrainConfig:
             raise TrainError(f"--lr must be > 0, got {self.lr}")
         if not (len(self.betas) == 2 and all(0 <= b < 1 for b in self.betas)):
             raise TrainError(f"betas must be two numbers in [0, 1), got {self.betas!r}")
+        if self.compile_mode not in COMPILE_MODES:
+            raise TrainError(f"unknown --compile-mode {self.compile_mode!r}; valid modes: {', '.join(COMPILE_MODES)}")
+        if self.compile_mode != "default" and not self.compile:
+            raise TrainError(f"--compile-mode {self.compile_mode} applies to a compiled run: add --compile")
         if not _DEVICE.fullmatch(str(self.device)):
             raise TrainError(f"unknown --device {self.device!r}; use auto, cpu, cuda or cuda:N")
         if self.resume and self.overwrite:
@@ -190,6 +195,10 @@ class TrainConfig:
 
 
 _DEVICE = re.compile(r"auto|cpu|cuda(:\d+)?")
+#: torch.compile's modes. "reduce-overhead" replays the step's kernels as CUDA graphs: no host
+#: time per kernel, which pays where the host, not the GPU, sets the pace (sparse layers at small
+#: widths, whose custom ops cost the host more than a dense GEMM does).
+COMPILE_MODES = ("default", "reduce-overhead", "max-autotune", "max-autotune-no-cudagraphs")
 
 
 def resolve_device(name: str, local_rank: int = 0) -> torch.device:
@@ -209,7 +218,8 @@ def resolve_device(name: str, local_rank: int = 0) -> torch.device:
 LAUNCH_OPTIONS = frozenset({"out_dir", "resume", "reschedule", "overwrite", "stop_at", "progress"})
 #: How a run executes and reports, not what it trains: a resumed run keeps its checkpoint's value
 #: unless one is given.
-ADJUSTABLE_OPTIONS = frozenset({"log_interval", "eval_interval", "ckpt_interval", "device", "compile", "fsdp"})
+ADJUSTABLE_OPTIONS = frozenset({"log_interval", "eval_interval", "ckpt_interval", "device", "compile", "compile_mode",
+                                "fsdp"})
 _OPTION_NAMES = {"out_dir": "--out", "recipe_options": "--opt", "bf16": "--no-bf16", "progress": "--no-progress"}
 
 

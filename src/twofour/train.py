@@ -17,6 +17,7 @@ import contextlib
 import json
 import os
 import time
+import warnings
 from pathlib import Path
 from typing import Any
 
@@ -24,10 +25,11 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-from . import __version__, attach, sparse_layers, sparsify
+from . import __version__, attach, settings, sparse_layers, sparsify
 from .config import TrainConfig, TrainError, lr_at, resolve_device
 from .console import Interrupted, Progress, StopRequest
 from .data import TokenData, load_data
+from .kernels import ops
 from .model import ATTN_PATTERNS, FFN_IN_PATTERNS, FFN_PATTERNS, PRESETS
 from .optim import STEPAdamW
 from .recipes import Recipe
@@ -90,10 +92,22 @@ def evaluate(model, data: TokenData, cfg: TrainConfig, device, autocast) -> floa
     for batch in starts:
         rows = np.stack([np.asarray(data.val[s : s + cfg.seq_len + 1], dtype=np.int64) for s in batch])
         t = torch.from_numpy(rows).to(device)
+        torch.compiler.cudagraph_mark_step_begin()  # each call a new step for compiled CUDA graphs
         with autocast:
             total += model(t[:, :-1], t[:, 1:])[1].float()
     model.train()
     return total.item() / cfg.eval_iters  # one host sync
+
+
+def slow_path_warning(device: torch.device, recipe: Recipe) -> str | None:
+    """What to tell a user whose sparse run on a GPU can't take the fast path (cuSPARSELt
+    bindings or Triton missing) and so runs the reference math, slower than dense; else None.
+    Nothing when the fast path was turned off on purpose (``TWOFOUR_FAST=0``)."""
+    if device.type != "cuda" or not recipe.sparse or not settings.fast or ops.fast_available():
+        return None
+    return ("twofour: the 2:4 fast path is unavailable here (it needs an sm80+ GPU, Triton and nvmath-python's "
+            "cuSPARSELt bindings: pip install 'twofour[gpu]'), so the sparse layers run the plain-torch "
+            "reference math, slower than dense")
 
 
 def train(cfg: TrainConfig, data: TokenData | None = None) -> dict[str, Any]:
@@ -103,6 +117,9 @@ def train(cfg: TrainConfig, data: TokenData | None = None) -> dict[str, Any]:
     recipe = cfg.recipe_object()
     rank, world, local_rank = _dist()
     device = resolve_device(cfg.device, local_rank)
+    slow = slow_path_warning(device, recipe)
+    if slow and rank == 0:
+        warnings.warn(slow, stacklevel=2)
     if data is None:
         data = load_data(cfg.data, cfg.vocab_size)
     data.check(cfg.seq_len)
@@ -146,7 +163,7 @@ def train(cfg: TrainConfig, data: TokenData | None = None) -> dict[str, Any]:
     if world > 1 and not cfg.fsdp:
         ids = [local_rank] if device.type == "cuda" else None
         model = torch.nn.parallel.DistributedDataParallel(model, device_ids=ids)
-    fwd = torch.compile(model) if cfg.compile else model
+    fwd = torch.compile(model, mode=cfg.compile_mode) if cfg.compile else model
     use_bf16 = cfg.bf16 and device.type == "cuda"
     autocast = torch.autocast("cuda", dtype=torch.bfloat16) if use_bf16 else contextlib.nullcontext()
 
@@ -175,6 +192,9 @@ def train(cfg: TrainConfig, data: TokenData | None = None) -> dict[str, Any]:
                 for micro in range(accum):
                     x, y = data.batch("train", cfg.batch_size, cfg.seq_len, data_gen, device)
                     sync = micro == accum - 1 or not isinstance(model, torch.nn.parallel.DistributedDataParallel)
+                    # a new step for --compile-mode reduce-overhead's CUDA graphs (a no-op otherwise):
+                    # the previous call's outputs are consumed already
+                    torch.compiler.cudagraph_mark_step_begin()
                     with (contextlib.nullcontext() if sync else model.no_sync()), autocast:
                         loss = fwd(x, y)[1] / accum
                     loss.backward()

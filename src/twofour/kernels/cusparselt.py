@@ -14,12 +14,18 @@ only resets that pointer (checked on the H200, ``benchmarks/bias_epilogue.py``).
 cuSPARSELt has several algorithm configurations per shape (kernel tile shapes and schedules) and
 runs the first by default; a plan can be built for any of them (``config``), and the dispatch in
 :mod:`twofour.kernels.ops` measures them once per shape and keeps the fastest.
+
+Plans live for the process and may be built inside ``torch.compile(mode="reduce-overhead")``,
+which routes every allocation of the thread that warms up or records a CUDA graph into the
+graph's memory pool (where a tensor outliving the graph's outputs is an error): a plan's own
+memory is allocated on a helper thread, and a plan holds no reference to the caller's tensors.
 """
 
 from __future__ import annotations
 
 import functools
 import threading
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
 import torch
@@ -30,6 +36,15 @@ __all__ = ["available", "version", "Plan", "PlanKey", "get_plan", "plan_for", "c
 ROW, COL = 2, 1  # cusparseOrder_t
 _NON_TRANSPOSE = 0
 _CUDA_DTYPE = {torch.bfloat16: 14, torch.float16: 2}
+
+
+_allocator = ThreadPoolExecutor(max_workers=1, thread_name_prefix="twofour-cusparselt")
+
+
+def _plan_memory(nbytes: int, device: torch.device) -> torch.Tensor:
+    """``nbytes`` (at least 1) of device memory for a plan, allocated on a helper thread so that
+    it never lands in a CUDA graph's pool (see the module's docstring)."""
+    return _allocator.submit(torch.empty, max(1, nbytes), dtype=torch.uint8, device=device).result()
 
 
 @functools.cache
@@ -112,7 +127,7 @@ class Plan:
         #: the plan of the fastest configuration, once measured (``ops`` sets it)
         self.tuned: Plan | None = None
         self.plan = L.matmul_plan_init(h, self.mm, self.alg)
-        self.workspace = torch.empty(max(1, L.matmul_get_workspace(h, self.plan)), dtype=torch.uint8, device=dev)
+        self.workspace = _plan_memory(L.matmul_get_workspace(h, self.plan), dev)
         self.compressed_size, self._tmp_size = L.sp_mma_compressed_size(h, self.plan)
         self._tmp: torch.Tensor | None = None  # compress()'s scratch, allocated at its first call
         self._alpha = np.ones(1, dtype=np.float32)
@@ -137,13 +152,15 @@ class Plan:
         if out is None:
             out = torch.empty(self.compressed_size, dtype=torch.uint8, device=a.device)
         if self._tmp is None:
-            self._tmp = torch.empty(max(1, self._tmp_size), dtype=torch.uint8, device=a.device)
+            self._tmp = _plan_memory(self._tmp_size, a.device)
         _lib().sp_mma_compress(self.h, self.plan, a.data_ptr(), out.data_ptr(), self._tmp.data_ptr(),
                                torch.cuda.current_stream(a.device).cuda_stream)
         return out
 
     def _set_bias(self, bias: torch.Tensor) -> None:
-        self._bias = bias  # kept alive while the descriptor points at it
+        # only the address: cuSPARSELt reads it when a matmul is issued, and a later call with a
+        # tensor at another address sets it again (holding the tensor would keep, e.g., a CUDA
+        # graph's buffer alive past the graph's outputs)
         self._bias_ptr[0] = bias.data_ptr()
         _lib().matmul_desc_set_attribute(self.h, self.mm, _lib().MatmulDescAttribute.BIAS_POINTER,
                                          self._bias_ptr.ctypes.data, 8)
