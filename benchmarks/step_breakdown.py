@@ -1,7 +1,7 @@
 """What a sparse GPT training step adds to, and saves from, the dense step, by kind of kernel (GPU).
 
     PYTHONPATH=src python benchmarks/step_breakdown.py [--presets gpt2-124m:32,gpt2-774m:16]
-        [--vocab-size 256] [--variants dense,s-ste,s-ste-gemm-dense]
+        [--vocab-size 256] [--variants dense,s-ste,s-ste-gemm-dense] [--compile]
 
 For each preset (micro-batch after the colon) and variant: the step's time (median of 10 steps,
 each timed on its own as the dispatch times its candidates, ``ops.median_ms``), the device time
@@ -10,7 +10,9 @@ for the host), and the host's time to issue a step. Then
 each kind of kernel's device time per step, against dense: where the 2:4 GEMMs save and what
 the pruning, compression, MVUE and mask refresh cost. ``s-ste-gemm-dense`` runs the fast path
 with every GEMM dense (``settings.override(gemm="dense")``): the sparse step's overhead alone.
-The vocabulary defaults to 256, as ``twofour train`` on text (byte-level) uses.
+The vocabulary defaults to 256, as ``twofour train`` on text (byte-level) uses. ``--compile``
+runs each step through ``torch.compile(model)`` (as ``twofour train --compile``) and prints the
+graph breaks Dynamo counted.
 """
 
 from __future__ import annotations
@@ -20,6 +22,7 @@ import re
 
 import torch
 from layer_profile import host_ms  # benchmarks/ is the script's folder
+from torch._dynamo.utils import counters
 from torch.autograd import DeviceType
 from torch.profiler import ProfilerActivity, profile
 
@@ -70,6 +73,7 @@ def main() -> None:
     ap.add_argument("--vocab-size", type=int, default=256)
     ap.add_argument("--variants", default="dense,s-ste,s-ste-gemm-dense")
     ap.add_argument("--top", type=int, default=8, help="kernels listed by their change against dense")
+    ap.add_argument("--compile", action="store_true", help="torch.compile(model), as twofour train --compile")
     args = ap.parse_args()
     for spec in args.presets.split(","):
         preset, batch = spec.split(":")
@@ -77,13 +81,21 @@ def main() -> None:
         for variant in args.variants.split(","):
             recipe = make_recipe(variant.removesuffix("-gemm-dense"))
             with settings.override(gemm="dense" if variant.endswith("gemm-dense") else "auto"):
-                model, step = preset_train_step(preset, int(batch), recipe, vocab_size=args.vocab_size)
+                torch._dynamo.reset()
+                counters["graph_break"].clear()
+                model, step = preset_train_step(preset, int(batch), recipe, vocab_size=args.vocab_size,
+                                                compile=args.compile)
                 for _ in range(3):
                     step()
+                if args.compile:
+                    breaks = sum(counters["graph_break"].values())
+                    print(f"{preset} {variant}: {breaks} graph breaks; "
+                          + "; ".join(f"{n}x {r[:90]}" for r, n in counters["graph_break"].most_common(4)))
                 results[variant] = (ops.median_ms(step, 10), host_ms(step, 5), *kernel_ms(step))
             del model, step
             torch.cuda.empty_cache()
-        print(f"\n### {preset}, micro-batch {batch} x 1024, vocabulary {args.vocab_size}\n")
+        mode = ", torch.compile" if args.compile else ""
+        print(f"\n### {preset}, micro-batch {batch} x 1024, vocabulary {args.vocab_size}{mode}\n")
         print("| variant | step ms | kernel ms | host ms to issue | ratio to dense |\n|---|---|---|---|---|")
         base = results["dense"][0] if "dense" in results else None
         for v, (ms, host, kinds, _) in results.items():

@@ -3,6 +3,7 @@
 
     PYTHONPATH=src python benchmarks/train_throughput.py [--models gpt2-124m,gpt2-774m]
         [--batch-size 32,16] [--recipes dense,ste,s-ste] [--repeats 3] [--steps 40] [--out FILE]
+        [--compile-modes default,reduce-overhead]
         [-- ARGS FOR EVERY twofour train RUN, e.g. --data DIR]
 
 The logic (and the meaning of each column) is ``twofour.bench.train_throughput``'s, also the
@@ -37,13 +38,16 @@ def main() -> None:
     modes = ap.add_mutually_exclusive_group()
     modes.add_argument("--no-compile", action="store_true", help="eager runs only")
     modes.add_argument("--compile-only", action="store_true", help="--compile runs only")
+    ap.add_argument("--compile-modes", default="default",
+                    help="torch.compile modes of the compiled runs, comma-separated (default %(default)s)")
     ap.add_argument("--workdir", default=None, help="keep the runs' folders here (default: a temporary folder)")
     ap.add_argument("--out", default=None, help="also write the table to this file")
     args = ap.parse_args(argv[: argv.index("--")] if "--" in argv else argv)
     models = [m.strip() for m in args.models.split(",") if m.strip()]
     recipes = [r.strip() for r in args.recipes.split(",") if r.strip()]
     batches = [int(b) for b in args.batch_size.split(",")] if args.batch_size else None
-    compile_modes = (False,) if args.no_compile else (True,) if args.compile_only else (False, True)
+    compiled = [True if m == "default" else m for m in args.compile_modes.split(",") if m.strip()]
+    compile_modes = [False] if args.no_compile else compiled if args.compile_only else [False, *compiled]
     rows = train_throughput(models, recipes, compile_modes=compile_modes, repeats=args.repeats, steps=args.steps,
                             batch_sizes=batches, seq_len=args.seq_len, workdir=args.workdir, extra_args=extra)
     device = torch.cuda.get_device_name() if torch.cuda.is_available() else platform.processor() or "CPU"

@@ -44,6 +44,33 @@ def test_train_throughput_raises_on_a_failed_run(corpus):
     assert "unknown recipe 'no-such-recipe'" in msg.splitlines()[-1]  # the run's own stderr
 
 
+def test_train_throughput_compile_modes_and_the_fastest_dense(monkeypatch):
+    """A string mode runs ``--compile --compile-mode`` it; the ratio to compiled dense is to the
+    fastest compiled dense over the modes run (the fastest dense a user can run)."""
+    from twofour import bench  # noqa: PLC0415
+
+    speed = {("dense", "eager"): 100.0, ("dense", "default"): 200.0, ("dense", "reduce-overhead"): 250.0,
+             ("s-ste", "eager"): 110.0, ("s-ste", "default"): 190.0, ("s-ste", "reduce-overhead"): 240.0}
+    cmds = []
+
+    def fake_run(cmd, out):
+        cmds.append(cmd)
+        mode = cmd[cmd.index("--compile-mode") + 1] if "--compile-mode" in cmd else \
+            "default" if "--compile" in cmd else "eager"
+        return speed[(cmd[cmd.index("--recipe") + 1], mode)]
+
+    monkeypatch.setattr(bench, "_train_once", fake_run)
+    rows = train_throughput(["tiny"], ["dense", "s-ste"], compile_modes=(False, True, "reduce-overhead"), repeats=1,
+                            steps=2, batch_sizes=[2], progress=False)
+    assert [r["mode"] for r in rows[:3]] == ["eager", "compiled", "compiled (reduce-overhead)"]
+    assert sum("--compile-mode" in c for c in cmds) == 2 and sum("--compile" in c for c in cmds) == 4
+    by = {(r["recipe"], r["mode"]): r for r in rows}
+    assert by[("s-ste", "compiled")]["vs_dense"] == pytest.approx(190 / 200)
+    assert by[("s-ste", "compiled (reduce-overhead)")]["vs_dense_compiled"] == pytest.approx(240 / 250)
+    assert by[("dense", "compiled")]["vs_dense_compiled"] == pytest.approx(200 / 250)
+    assert by[("s-ste", "eager")]["vs_dense_compiled"] == pytest.approx(110 / 250)
+
+
 def test_train_throughput_checks_its_arguments():
     with pytest.raises(ValueError, match="one per model"):
         train_throughput(["tiny", "gpt2-124m"], ["dense"], batch_sizes=[2])

@@ -43,6 +43,9 @@ DENSE, S_STE, T_SR_STE = make_recipe("dense"), make_recipe("s-ste"), make_recipe
 # twofour train section: (model, micro-batch) at seq 1024 and the recipes, quick and full
 TRAIN_QUICK = ([("gpt2-124m", 32)], ("dense", "s-ste"))
 TRAIN_FULL = ([("gpt2-124m", 32), ("gpt2-774m", 16)], ("dense", "ste", "s-ste"))
+#: the modes of twofour bench's real-loop runs: eager, --compile, and --compile with CUDA graphs
+#: (the sparse step's custom ops cost the host more than dense GEMMs: docs/PERFORMANCE.md)
+REAL_LOOP_MODES = (False, True, "reduce-overhead")
 #: micro-batch per preset when train_throughput isn't given one (seq 1024 in bf16 on an 80 GB GPU)
 TRAIN_BATCH = {"tiny": 16, "gpt2-124m": 32, "gpt2-350m": 16, "gpt2-774m": 16, "gpt2-1.5b": 8, "llama-tiny": 16,
                "llama-125m": 32, "llama-350m": 16, "llama-1b": 8}
@@ -209,11 +212,13 @@ def _swiglu_kernel_rows(z: torch.Tensor, dh: torch.Tensor, bw: float, quick: boo
 
 
 def preset_train_step(preset: str, batch: int, recipe: Recipe, *, transposed_output: bool = True,
-                      advance: bool = True, vocab_size: int = 50304) -> tuple[nn.Module, Callable[[], None]]:
+                      advance: bool = True, vocab_size: int = 50304,
+                      compile: bool | str = False) -> tuple[nn.Module, Callable[[], None]]:
     """A model ``preset`` (GPT or Llama; vocabulary ``vocab_size``, sequence 1024) on the GPU with
     ``recipe`` on its FFN linears (dense bf16 left as nn.Linear; the first, fc or gate|up, with
     ``transposed_output``), fused AdamW and, with ``advance``, ``attach()``; returns the model and
-    a function that runs one training step on a fixed random batch."""
+    a function that runs one training step on a fixed random batch, through ``torch.compile(model)``
+    with ``compile`` (as ``twofour train --compile`` runs it; a string is torch.compile's ``mode``)."""
     from .model import FFN_IN_PATTERNS, FFN_PATTERNS, PRESETS  # noqa: PLC0415
     from .sparsify import attach, sparsify  # noqa: PLC0415
 
@@ -226,10 +231,12 @@ def preset_train_step(preset: str, batch: int, recipe: Recipe, *, transposed_out
     if advance:
         attach(model, opt)
     idx = torch.randint(0, vocab_size, (batch, 1024), device="cuda")
+    mode = compile if isinstance(compile, str) else None
+    fwd = torch.compile(model, mode=mode) if compile else model
 
     def step():
         with torch.autocast("cuda", dtype=torch.bfloat16):
-            loss = model(idx, idx)[1]
+            loss = fwd(idx, idx)[1]
         loss.backward()
         opt.step()
         opt.zero_grad(set_to_none=True)
@@ -280,8 +287,13 @@ def _gemm_rate(quick: bool) -> float:
     return 2 * 8192**3 / _bench(lambda: a @ a, quick) / 1e9
 
 
-def _mode(compiled: bool) -> str:
-    return "compiled" if compiled else "eager"
+def _mode(compiled: bool | str) -> str:
+    """A run's mode as the table shows it: eager, compiled, or compiled with a torch.compile mode."""
+    return f"compiled ({compiled})" if isinstance(compiled, str) else "compiled" if compiled else "eager"
+
+
+def _compile_args(compiled: bool | str) -> list[str]:
+    return ["--compile", *(["--compile-mode", compiled] if isinstance(compiled, str) else [])] if compiled else []
 
 
 def _train_once(cmd: list[str], out: Path) -> float:
@@ -299,13 +311,15 @@ def _train_once(cmd: list[str], out: Path) -> float:
     return float(tok_s)
 
 
-def train_throughput(models: Sequence[str], recipes: Sequence[str], *, compile_modes: Sequence[bool] = (False, True),
+def train_throughput(models: Sequence[str], recipes: Sequence[str], *,
+                     compile_modes: Sequence[bool | str] = (False, True),
                      repeats: int = 3, steps: int = 40, batch_sizes: Sequence[int] | None = None,
                      seq_len: int = 1024, workdir: str | Path | None = None, extra_args: Sequence[str] = (),
                      progress: bool = True) -> list[dict]:
     """Tokens/s of ``twofour train`` as a user runs it (one fresh process per run), per model,
-    recipe and mode (eager, ``--compile``): the runs' summary.json ``tokens_per_s`` (the loop's
-    own median after its warm-up/compile steps), median, min and max over ``repeats``.
+    recipe and mode (``compile_modes``: False eager, True ``--compile``, a string ``--compile
+    --compile-mode`` that mode): the runs' summary.json ``tokens_per_s`` (the loop's own median
+    after its warm-up/compile steps), median, min and max over ``repeats``.
 
     Each repeat runs every configuration once, in the same order (repeats outermost), so drift
     (clocks, heat, other load) hits every configuration alike. ``batch_sizes``: one micro-batch
@@ -317,8 +331,9 @@ def train_throughput(models: Sequence[str], recipes: Sequence[str], *, compile_m
 
     Returns one dict per (model, recipe, mode), in that order: model, batch_size, seq_len, recipe,
     compile, mode, tokens_per_s (every repeat's), median, min, max, and the ratios of medians
-    vs_dense (to dense of the same model and mode) and vs_dense_compiled (to compiled dense, the
-    fastest dense a user can run); a ratio is None where its dense wasn't measured.
+    vs_dense (to dense of the same model and mode) and vs_dense_compiled (to the fastest compiled
+    dense of the model over the modes measured, the fastest dense a user can run); a ratio is None
+    where its dense wasn't measured.
     """
     if batch_sizes is None:
         batch_sizes = [TRAIN_BATCH.get(m, 16) for m in models]
@@ -337,7 +352,7 @@ def train_throughput(models: Sequence[str], recipes: Sequence[str], *, compile_m
                 out = root / f"{model}-b{batch}-{recipe}-{_mode(compiled)}-r{rep}"
                 cmd = [sys.executable, "-m", "twofour", "train", "--model", model, "--recipe", recipe,
                        "--steps", str(steps), "--batch-size", str(batch), "--seq-len", str(seq_len),
-                       *(["--compile"] if compiled else []), "--eval-interval", str(steps),
+                       *_compile_args(compiled), "--eval-interval", str(steps),
                        "--ckpt-interval", str(steps), "--out", str(out), "--overwrite", "--no-progress",
                        *extra_args]
                 tok_s = _train_once(cmd, out)
@@ -349,7 +364,9 @@ def train_throughput(models: Sequence[str], recipes: Sequence[str], *, compile_m
     med = {key: statistics.median(v) for key, v in measured.items()}
     rows = []
     for (model, batch, recipe, compiled), values in measured.items():
-        dense, dense_c = med.get((model, batch, "dense", compiled)), med.get((model, batch, "dense", True))
+        dense = med.get((model, batch, "dense", compiled))
+        dense_c = max((v for (m, b, r, c), v in med.items() if (m, b, r) == (model, batch, "dense") and c),
+                      default=None)
         m = med[(model, batch, recipe, compiled)]
         rows.append({"model": model, "batch_size": batch, "seq_len": seq_len, "recipe": recipe, "compile": compiled,
                      "mode": _mode(compiled), "tokens_per_s": values, "median": m, "min": min(values),
@@ -459,13 +476,15 @@ def run_bench(args: argparse.Namespace) -> str:
     models, recipes = TRAIN_QUICK if quick else TRAIN_FULL
     repeats, steps = 3, 40
     lines += ["", "### twofour train: tokens/s of the real loop", "",
-              f"`twofour train --steps {steps} [--compile]` as a user runs it, each run a fresh process (default "
+              f"`twofour train --steps {steps} [--compile [--compile-mode reduce-overhead]]` as a user runs it, each "
+              "run a fresh process (default "
               "data, bf16 autocast, fused AdamW, the recipe on the FFN linears, its own dispatch choices); tokens/s "
               "is the run's `summary.json` `tokens_per_s` (the loop's median after its warm-up/compile steps); "
               f"median (min-max) of {repeats} runs, the configurations interleaved in each repeat. Ratios of "
-              "medians: to dense in the same mode, and to compiled dense (the fastest dense a user can run).", ""]
-    rows = train_throughput([m for m, _ in models], recipes, repeats=repeats, steps=steps,
-                            batch_sizes=[b for _, b in models], seq_len=1024)
+              "medians: to dense in the same mode, and to the fastest compiled dense (the fastest dense a user can "
+              "run).", ""]
+    rows = train_throughput([m for m, _ in models], recipes, compile_modes=REAL_LOOP_MODES, repeats=repeats,
+                            steps=steps, batch_sizes=[b for _, b in models], seq_len=1024)
     lines.append(throughput_table(rows))
     report = "\n".join(lines) + "\n"
     print("\n" + report)
