@@ -46,7 +46,8 @@ def main() -> None:
     models = [m.strip() for m in args.models.split(",") if m.strip()]
     recipes = [r.strip() for r in args.recipes.split(",") if r.strip()]
     batches = [int(b) for b in args.batch_size.split(",")] if args.batch_size else None
-    compiled = [True if m == "default" else m for m in args.compile_modes.split(",") if m.strip()]
+    names = [m.strip() for m in args.compile_modes.split(",") if m.strip()]
+    compiled = [True if m == "default" else m for m in names]
     compile_modes = [False] if args.no_compile else compiled if args.compile_only else [False, *compiled]
     rows = train_throughput(models, recipes, compile_modes=compile_modes, repeats=args.repeats, steps=args.steps,
                             batch_sizes=batches, seq_len=args.seq_len, workdir=args.workdir, extra_args=extra)

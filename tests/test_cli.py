@@ -347,6 +347,21 @@ def test_resume_takes_the_runs_settings(tmp_path, corpus, capsys):
     assert main(["train", "--out", str(tmp_path / "rel"), "--resume", "--data", rel, "--no-progress"]) == 0
 
 
+def test_resume_without_compile_drops_the_saved_compile_mode():
+    """A run saved with --compile --compile-mode M and resumed with --no-compile runs eager (its
+    mode goes back to default) instead of failing; a mode given on resume is kept."""
+    from twofour.config import TrainConfig, resumed_config  # noqa: PLC0415
+
+    saved = TrainConfig(compile=True, compile_mode="reduce-overhead").to_dict()
+    eager = resumed_config(saved, TrainConfig(compile=False), given={"compile"})
+    assert not eager.compile and eager.compile_mode == "default"
+    eager.validate()
+    kept = resumed_config(saved, TrainConfig(), given=set())
+    assert kept.compile and kept.compile_mode == "reduce-overhead"
+    other = resumed_config(saved, TrainConfig(compile_mode="max-autotune"), given={"compile_mode"})
+    assert other.compile and other.compile_mode == "max-autotune"
+
+
 def test_every_option_is_checked(tmp_path, corpus, capsys):
     base = ["train", *SMALL, "--data", corpus, "--out", str(tmp_path / "x")]
     for opt, value, says in [("--device", "tpu", "--device"), ("--warmup", "-3", "--warmup"),
@@ -358,6 +373,9 @@ def test_every_option_is_checked(tmp_path, corpus, capsys):
     assert "--seeds" in error_of(["compare", *SMALL, "--data", corpus, "--seeds", "1,x"], capsys)
     assert "--resume" in error_of([*base, "--reschedule"], capsys)
     assert "add --compile" in error_of([*base, "--compile-mode", "reduce-overhead"], capsys)
+    # CUDA graphs hold a step's gradients in their own buffers: one micro-batch a step only
+    assert "--grad-accum 1" in error_of([*base, "--compile", "--compile-mode", "reduce-overhead", "--grad-accum", "2"],
+                                        capsys)
     with pytest.raises(SystemExit):  # argparse names the valid modes
         main([*base, "--compile", "--compile-mode", "fastest"])
     assert "reduce-overhead" in capsys.readouterr().err

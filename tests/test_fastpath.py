@@ -4,6 +4,7 @@ import copy
 
 import pytest
 import torch
+from torch._dynamo.utils import counters
 
 from twofour import SparseLinear, settings, sparsify
 from twofour.kernels import ops
@@ -199,6 +200,7 @@ def test_compile_reduce_overhead_trains_like_eager(recipe):
     runs = [(model, torch.compile(model, mode="reduce-overhead")), (ref, ref)]  # compiled first: it builds the plans
     opts = [torch.optim.SGD(m.parameters(), lr=0.05) for m, _ in runs]
     x = torch.randn(4, 64, 352, device="cuda")
+    counters["inductor"].clear()
     with settings.override(gemm="sparse"):
         for _ in range(4):
             outs = []
@@ -212,6 +214,7 @@ def test_compile_reduce_overhead_trains_like_eager(recipe):
                 opt.zero_grad(set_to_none=True)
             for got, want in zip(*outs, strict=True):
                 assert rel(got, want) < 2e-2
+    assert counters["inductor"]["cudagraph_skips"] == 0  # the step did run as CUDA graphs
 
 
 @pytest.mark.parametrize("recipe", ["ste", "s-ste"])

@@ -199,6 +199,10 @@ _DEVICE = re.compile(r"auto|cpu|cuda(:\d+)?")
 #: time per kernel, which pays where the host, not the GPU, sets the pace (sparse layers at small
 #: widths, whose custom ops cost the host more than a dense GEMM does).
 COMPILE_MODES = ("default", "reduce-overhead", "max-autotune", "max-autotune-no-cudagraphs")
+#: the modes that capture CUDA graphs: run in one process with one micro-batch a step (a graph's
+#: gradients are its own buffers, overwritten by the next micro-batch's replay; DDP and FSDP2
+#: with them are not tested)
+CUDA_GRAPH_MODES = ("reduce-overhead", "max-autotune")
 
 
 def resolve_device(name: str, local_rank: int = 0) -> torch.device:
@@ -251,6 +255,8 @@ def resumed_config(saved: dict[str, Any], cfg: TrainConfig, given: set[str] | No
                              f"option out{hint}, or start a new run with another --out")
         else:
             merged[name] = mine if explicit else theirs
+    if not merged["compile"] and not (given is None or "compile_mode" in given):
+        merged["compile_mode"] = "default"  # resumed with --no-compile: the saved mode goes with it
     return TrainConfig(**merged)
 
 

@@ -214,7 +214,11 @@ def cached_plan(key: PlanKey) -> Plan | None:
 
 
 def drop_plan(plan: Plan) -> None:
-    """Remove ``plan`` from the cache (its workspace is freed once nothing refers to it)."""
+    """Remove ``plan`` from the cache (its workspace is freed once nothing refers to it). Waits
+    for the device first: the workspace was allocated on the helper thread's stream, not the
+    one that ran the plan, so the allocator would not wait for that stream's work."""
+    if not torch.cuda.is_current_stream_capturing():
+        torch.cuda.synchronize(plan.key.device)
     with _lock:
         if _plans.get(plan.key) is plan:
             del _plans[plan.key]
