@@ -53,12 +53,6 @@ def _free() -> None:
     torch.cuda.empty_cache()
 
 
-def _ms(fn: Callable[[], object], quick: bool) -> float:
-    from triton.testing import do_bench  # noqa: PLC0415
-
-    return do_bench(fn, warmup=10 if quick else 15, rep=30 if quick else 60, return_mode="median")
-
-
 def _correctness(out: list[str]) -> None:
     out += ["### Correctness: FP8 linear vs its reference (dequantized operands, float32) and vs dense bf16", "",
             "| scaling | T x K -> N | y vs ref | dX vs ref | dW vs ref | y vs dense | dX vs dense | dW vs dense "
@@ -99,8 +93,10 @@ class _Rows:
 
     def time(self, what: str, fn: Callable[[], object], base: float | None = None, *,
              extra: Callable[[float], str] | None = None) -> float | None:
+        from .bench import _bench  # noqa: PLC0415 - the bf16 bench's timing, shared
+
         try:
-            v = _ms(fn, self.quick)
+            v = _bench(fn, self.quick)
         except Exception as e:  # noqa: BLE001 - a row's failure is its result
             self.lines.append(f"| {what} | {_err(e)} | |")
             return None

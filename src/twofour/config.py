@@ -166,6 +166,11 @@ class TrainConfig:
             raise TrainError("--reschedule only applies to a resumed run (with --resume)")
 
     @property
+    def cuda_graphs(self) -> bool:
+        """Whether the compiled model replays CUDA graphs (a :data:`CUDA_GRAPH_MODES` mode)."""
+        return self.compile and self.compile_mode in CUDA_GRAPH_MODES
+
+    @property
     def peak_lr(self) -> float:
         """The peak learning rate: ``lr`` if given, else the regime's, else the preset's."""
         if self.lr is not None:
@@ -196,8 +201,8 @@ class TrainConfig:
 
 _DEVICE = re.compile(r"auto|cpu|cuda(:\d+)?")
 #: torch.compile's modes. "reduce-overhead" replays the step's kernels as CUDA graphs: no host
-#: time per kernel, which pays where the host, not the GPU, sets the pace (sparse layers at small
-#: widths, whose custom ops cost the host more than a dense GEMM does).
+#: time per kernel (a sparse layer's custom ops cost the host more than a dense GEMM does; the
+#: real loop's gain from it is in docs/PERFORMANCE.md).
 COMPILE_MODES = ("default", "reduce-overhead", "max-autotune", "max-autotune-no-cudagraphs")
 #: the modes that capture CUDA graphs: run in one process with one micro-batch a step (a graph's
 #: gradients are its own buffers, overwritten by the next micro-batch's replay; DDP and FSDP2

@@ -18,6 +18,7 @@ whose amax / fmt_max underflows to 0, gets scale 1.
 
 from __future__ import annotations
 
+import functools
 import logging
 import types
 from dataclasses import dataclass
@@ -138,8 +139,15 @@ def quantize_t(t: torch.Tensor, fmt: torch.dtype = E4M3, scaling: Scaling = TENS
     if not routes:
         return _quantize(*args)
     k = t.shape[-1] if t.dim() else 1
-    kind = f"fp8-quantize-{str(fmt).split('_')[1]}-{scaling.name}{'+T' if transposed else ''}"
-    return routes[ops.choose(kind, t.numel() // k, k, 0, "row", t.dtype, routes)]()
+    return routes[ops.choose(_dispatch_kind(fmt, rowwise, transposed), t.numel() // k, k, 0, "row", t.dtype,
+                             routes)]()
+
+
+@functools.cache
+def _dispatch_kind(fmt: torch.dtype, rowwise: bool, transposed: bool) -> str:
+    """The quantization's name in the dispatch's choices (built once per variant, not per call)."""
+    scaling = ROWWISE if rowwise else TENSORWISE
+    return f"fp8-quantize-{str(fmt).split('_')[1]}-{scaling.name}{'+T' if transposed else ''}"
 
 
 def quantize(t: torch.Tensor, fmt: torch.dtype = E4M3,

@@ -26,7 +26,7 @@ import torch
 import torch.distributed as dist
 
 from . import __version__, attach, settings, sparse_layers, sparsify
-from .config import CUDA_GRAPH_MODES, TrainConfig, TrainError, lr_at, resolve_device
+from .config import TrainConfig, TrainError, lr_at, resolve_device
 from .console import Interrupted, Progress, StopRequest
 from .data import TokenData, load_data
 from .kernels import ops
@@ -92,7 +92,7 @@ def evaluate(model, data: TokenData, cfg: TrainConfig, device, autocast) -> floa
     for batch in starts:
         rows = np.stack([np.asarray(data.val[s : s + cfg.seq_len + 1], dtype=np.int64) for s in batch])
         t = torch.from_numpy(rows).to(device)
-        if cfg.compile:  # each call a new step for compiled CUDA graphs (a no-op without them)
+        if cfg.cuda_graphs:  # each call a new step for the CUDA graphs
             torch.compiler.cudagraph_mark_step_begin()
         with autocast:
             total += model(t[:, :-1], t[:, 1:])[1].float()
@@ -117,8 +117,7 @@ def train(cfg: TrainConfig, data: TokenData | None = None) -> dict[str, Any]:
     cfg.validate()
     recipe = cfg.recipe_object()
     rank, world, local_rank = _dist()
-    graphs = cfg.compile and cfg.compile_mode in CUDA_GRAPH_MODES
-    if graphs and (world > 1 or cfg.micro_batches(world) > 1):
+    if cfg.cuda_graphs and (world > 1 or cfg.micro_batches(world) > 1):
         raise TrainError(f"--compile-mode {cfg.compile_mode} (CUDA graphs) runs in one process with one micro-batch "
                          f"a step; this run has {world} process(es) and {cfg.micro_batches(world)} micro-batches: "
                          "use --grad-accum 1 and no torchrun, or another --compile-mode")
@@ -198,7 +197,7 @@ def train(cfg: TrainConfig, data: TokenData | None = None) -> dict[str, Any]:
                 for micro in range(accum):
                     x, y = data.batch("train", cfg.batch_size, cfg.seq_len, data_gen, device)
                     sync = micro == accum - 1 or not isinstance(model, torch.nn.parallel.DistributedDataParallel)
-                    if graphs:  # a new step for the CUDA graphs: the previous call's outputs are consumed
+                    if cfg.cuda_graphs:  # a new step for the CUDA graphs: the previous call's outputs are consumed
                         torch.compiler.cudagraph_mark_step_begin()
                     with (contextlib.nullcontext() if sync else model.no_sync()), autocast:
                         loss = fwd(x, y)[1] / accum

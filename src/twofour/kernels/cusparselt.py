@@ -43,8 +43,16 @@ _allocator = ThreadPoolExecutor(max_workers=1, thread_name_prefix="twofour-cuspa
 
 def _plan_memory(nbytes: int, device: torch.device) -> torch.Tensor:
     """``nbytes`` (at least 1) of device memory for a plan, allocated on a helper thread so that
-    it never lands in a CUDA graph's pool (see the module's docstring)."""
-    return _allocator.submit(torch.empty, max(1, nbytes), dtype=torch.uint8, device=device).result()
+    it never lands in a CUDA graph's pool (see the module's docstring), on the caller's current
+    stream so that freeing it waits for that stream's work as any tensor's would (while that
+    stream captures, on the helper's own: such a plan is the base plan of its GEMM, never dropped)."""
+    stream = None if torch.cuda.is_current_stream_capturing() else torch.cuda.current_stream(device)
+
+    def alloc() -> torch.Tensor:
+        with torch.cuda.stream(stream):  # None: the helper thread's current stream
+            return torch.empty(max(1, nbytes), dtype=torch.uint8, device=device)
+
+    return _allocator.submit(alloc).result()
 
 
 @functools.cache
@@ -214,11 +222,7 @@ def cached_plan(key: PlanKey) -> Plan | None:
 
 
 def drop_plan(plan: Plan) -> None:
-    """Remove ``plan`` from the cache (its workspace is freed once nothing refers to it). Waits
-    for the device first: the workspace was allocated on the helper thread's stream, not the
-    one that ran the plan, so the allocator would not wait for that stream's work."""
-    if not torch.cuda.is_current_stream_capturing():
-        torch.cuda.synchronize(plan.key.device)
+    """Remove ``plan`` from the cache (its workspace is freed once nothing refers to it)."""
     with _lock:
         if _plans.get(plan.key) is plan:
             del _plans[plan.key]
