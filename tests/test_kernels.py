@@ -167,12 +167,31 @@ def test_mask_refresh_matches_reference(shape, wdtype, device):
     assert flips.item() == 0 and torch.equal(mask, want)
 
 
+def test_mask_refresh_of_many_layers_in_one_call(device):
+    """Layers of several shapes and weight dtypes in one call: each gets its own reference mask
+    and flip count; a second call over unchanged weights counts none."""
+    torch.manual_seed(1)
+    shapes = [(64, 128), (37, 8), (4, 2052), (16, 4)]
+    ws = [torch.randn(s, device=device).to(d) for s, d in zip(shapes, [torch.float32, torch.bfloat16] * 2)]
+    olds = [mask_24(torch.randn(s, device=device)) for s in shapes]
+    masks = [m.clone() for m in olds]
+    flips = [torch.full((), 7, dtype=torch.long, device=device) for _ in shapes]
+    ops.refresh_masks_(ws, masks, flips)
+    for w, old, mask, f in zip(ws, olds, masks, flips, strict=True):
+        want = mask_24(w)
+        assert torch.equal(mask, want) and f.item() == (want != old).sum().item() > 0
+    ops.refresh_masks_(ws, masks, flips)
+    assert [f.item() for f in flips] == [0] * len(shapes)
+
+
 def test_mask_refresh_bad_input():
     w = torch.randn(8, 8)
     with pytest.raises(ValueError, match="bool mask"):
         ops.refresh_mask_(w, torch.zeros(8, 8, dtype=torch.uint8), torch.zeros((), dtype=torch.long))
     with pytest.raises(ValueError, match="contiguous"):
         ops.refresh_mask_(w.t(), mask_24(w), torch.zeros((), dtype=torch.long))
+    with pytest.raises(ValueError, match="1 weights, 2 masks"):
+        ops.refresh_masks_([w], [mask_24(w)] * 2, [torch.zeros((), dtype=torch.long)])
 
 
 def test_dense_only_output_skips_the_compressed_layout(device):

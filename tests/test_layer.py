@@ -166,6 +166,32 @@ def test_to_cuda_moves_buffers():
     assert lin.flips.is_cuda and torch.equal(lin.mask, transposable_mask_24(lin.weight))
 
 
+@pytest.mark.parametrize("mask_interval", [1, 2])
+def test_model_advance_matches_each_layer_advance(mask_interval, device):
+    """twofour.advance(model) (the grouped refresh) leaves every layer as its own advance() does:
+    masks, flip counts, step counters, on steps with and without a refresh."""
+    def model():
+        torch.manual_seed(0)
+        return nn.Sequential(layer_for("s-ste", device, in_f=64, out_f=32), layer_for("ste", device, in_f=32, out_f=64),
+                             layer_for("t-sr-ste", device, in_f=32, out_f=32, mask_interval=mask_interval),
+                             layer_for("dense", device))
+    grouped, single = model(), model()
+    for step in range(3):
+        for m in (grouped, single):
+            torch.manual_seed(step)
+            with torch.no_grad():
+                for p in m.parameters():
+                    p.add_(torch.randn_like(p) * 0.5)
+        twofour.advance(grouped)
+        for layer in single:
+            layer.advance()
+        for a, b in zip(grouped, single, strict=True):
+            for name in ("mask", "flips", "step"):
+                x, y = getattr(a, name), getattr(b, name)
+                assert (x is None and y is None) or torch.equal(x, y)
+        assert sum(layer.flips.item() for layer in grouped[:2]) > 0
+
+
 def test_bad_shape_raises():
     with pytest.raises(ValueError, match="in_features=30"):
         SparseLinear(30, 16, recipe="ste")

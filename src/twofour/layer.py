@@ -168,25 +168,48 @@ class SparseLinear(nn.Linear):
         """Move the recipe on by one optimizer step: masks, flip count, phases.
 
         ``sparse_phase`` (from an Adam-aware optimizer such as STEPAdamW) turns a STEP layer's
-        sparse phase on once the optimizer has switched.
+        sparse phase on once the optimizer has switched. :func:`twofour.advance` does the same for
+        every layer of a model, with one kernel launch for all the masks.
         """
+        if not self._next_step(sparse_phase):
+            return
+        self.step.fill_(self._step)
+        if self._refresh_due():
+            if self.fused_refresh_ok:
+                ops.refresh_mask_(self.weight.detach(), self.mask, self.flips)  # one fused kernel, no host sync
+            else:
+                self.refresh_mask_()
+        else:
+            self.flips.zero_()
+
+    def _next_step(self, sparse_phase: bool | None) -> bool:
+        """Count one optimizer step and move the phases on (host state only; the ``step`` buffer is
+        the caller's to update). False for a dense recipe, which keeps no state."""
         r = self.recipe
         if not r.sparse:
-            return
+            return False
         self._step += 1
-        self.step.fill_(self._step)
         if r.starts_dense and sparse_phase:
             self._set_dense(False)
         if r.dense_finetune and r.total_steps and self._step >= r.total_steps * (1 - r.dense_finetune):
             self._set_dense(True)
-        if self._dense or not self.pruner.refresh_due(self._step, r.mask_interval):
-            self.flips.zero_()
-            return
-        w = self.weight.detach()
-        if self.pruner.fused_refresh and ops.triton_ok(w) and w.is_contiguous() and self.mask.device == w.device:
-            ops.refresh_mask_(w, self.mask, self.flips)  # one fused kernel, no host sync
-            return
-        new = self.pruner.mask(w)
+        return True
+
+    def _refresh_due(self) -> bool:
+        return not self._dense and self.pruner.refresh_due(self._step, self.recipe.mask_interval)
+
+    @property
+    def fused_refresh_ok(self) -> bool:
+        """Whether the mask refresh can run as the fused GPU kernel (a plain contiguous CUDA
+        weight with Triton present, a recipe whose mask is a top-2 of |W|)."""
+        w = self.weight
+        return (self.pruner.fused_refresh and ops.triton_ok(w) and w.is_contiguous() and not hasattr(w, "to_local")
+                and self.mask.device == w.device)
+
+    @torch.no_grad()
+    def refresh_mask_(self) -> None:
+        """Recompute the mask from the current weight in plain torch and count the flips."""
+        new = self.pruner.mask(self.weight.detach())
         self.flips.copy_((new != self.mask).sum())
         self.mask.copy_(new)
 

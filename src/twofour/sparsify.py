@@ -11,6 +11,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from .kernels import ops
 from .layer import SparseLinear
 from .optim import STEPAdamW
 from .recipes import DEFAULT_RECIPE, Recipe, make_recipe
@@ -104,8 +105,31 @@ def advance(model: nn.Module, optimizer: torch.optim.Optimizer | None = None) ->
     :func:`attach` call it for you.
     """
     sparse_phase = optimizer.switched if isinstance(optimizer, STEPAdamW) else None
-    for _, layer in sparse_layers(model):
-        layer.advance(sparse_phase)
+    moved = [layer for _, layer in sparse_layers(model) if layer._next_step(sparse_phase)]
+    if not moved:
+        return
+    # the step counters, the counters of layers not refreshed now, and the fused refreshes, each
+    # as one launch per device and dtype (a model has tens of layers; a launch each costs host time)
+    _foreach(torch._foreach_add_, [layer.step for layer in moved], 1)
+    due = [layer for layer in moved if layer._refresh_due()]
+    _foreach(torch._foreach_zero_, [layer.flips for layer in set(moved) - set(due)])
+    fused = [layer for layer in due if layer.fused_refresh_ok]
+    by_device: dict[torch.device, list[SparseLinear]] = {}
+    for layer in fused:
+        by_device.setdefault(layer.weight.device, []).append(layer)
+    for layers in by_device.values():
+        ops.refresh_masks_([m.weight.detach() for m in layers], [m.mask for m in layers], [m.flips for m in layers])
+    for layer in set(due) - set(fused):
+        layer.refresh_mask_()
+
+
+def _foreach(fn, tensors: list[torch.Tensor], *args) -> None:
+    """``fn`` (a ``torch._foreach_*_`` op) on ``tensors``, one call per device and dtype."""
+    groups: dict[tuple, list[torch.Tensor]] = {}
+    for t in tensors:
+        groups.setdefault((t.device, t.dtype), []).append(t)
+    for group in groups.values():
+        fn(group, *args)
 
 
 @torch.no_grad()

@@ -1,14 +1,19 @@
-"""The per-step mask refresh of a SparseLinear in one Triton kernel: the new 2:4 mask of the
-weight (2 largest |w| of every group of 4, ties to the lower index, as ``pruning.mask_24``)
-written over the old one, and the number of positions that changed added to a device counter.
+"""The per-step mask refresh of SparseLinear layers in one Triton kernel launch: each layer's new
+2:4 mask (2 largest |w| of every group of 4, ties to the lower index, as ``pruning.mask_24``)
+written over the old one, and the number of positions that changed added to that layer's device
+counter.
 
 The plain-torch version (``pruning._mask_24``, a comparison and a sum) builds a 4 x 4
 comparison per group and ran at 0.58 ms a layer on the H200 (42 ms of a 259 ms gpt2-774m step
-for its 72 FFN layers, docs/notes/fastpath-experiments.md); this kernel reads the weight and the old mask once
-and writes the new mask. Tested against the reference on the CPU under Triton's interpreter.
+for its 72 FFN layers, docs/notes/fastpath-experiments.md); this kernel reads each weight and old
+mask once and writes the new mask. All the layers of a model go in one launch (the kernel reads
+their addresses from a table on the device), so that a step's refresh costs one launch of host
+time, not three a layer. Tested against the reference on the CPU under Triton's interpreter.
 """
 
 from __future__ import annotations
+
+from collections.abc import Sequence
 
 import torch
 
@@ -29,35 +34,82 @@ if HAS_TRITON:
         return ((new != old) & ok).to(tl.int32)
 
     @triton.jit
-    def _refresh_kernel(w, mask, flips, n_groups, BG: tl.constexpr):
-        g = tl.program_id(0) * BG + tl.arange(0, BG)
-        ok = g < n_groups
-        off = g.to(tl.int64) * 4
-        a0 = tl.abs(tl.load(w + off, mask=ok, other=0.0).to(tl.float32))
-        a1 = tl.abs(tl.load(w + off + 1, mask=ok, other=0.0).to(tl.float32))
-        a2 = tl.abs(tl.load(w + off + 2, mask=ok, other=0.0).to(tl.float32))
-        a3 = tl.abs(tl.load(w + off + 3, mask=ok, other=0.0).to(tl.float32))
-        k0, k1, k2, k3 = _rank_keep(a0, a1, a2, a3)
-        changed = (_swap(mask, off, k0, ok) + _swap(mask, off + 1, k1, ok) + _swap(mask, off + 2, k2, ok)
-                   + _swap(mask, off + 3, k3, ok))
-        tl.atomic_add(flips, tl.sum(changed, axis=0).to(tl.int64))
+    def _refresh_kernel(table, w0, n_layers, BG: tl.constexpr):
+        """Program (b, i): groups b*BG.. of layer i. ``table`` holds, for n layers, the weights'
+        addresses, the masks', the counters' and the group counts; ``w0`` (the first weight) gives
+        the weights' element type."""
+        i = tl.program_id(1)
+        n_groups = tl.load(table + 3 * n_layers + i)
+        g = tl.program_id(0).to(tl.int64) * BG + tl.arange(0, BG)
+        if tl.program_id(0).to(tl.int64) * BG < n_groups:
+            w = tl.load(table + i).to(w0.dtype)
+            mask = tl.load(table + n_layers + i).to(tl.pointer_type(tl.uint8))
+            flips = tl.load(table + 2 * n_layers + i).to(tl.pointer_type(tl.int64))
+            ok = g < n_groups
+            off = g * 4
+            a0 = tl.abs(tl.load(w + off, mask=ok, other=0.0).to(tl.float32))
+            a1 = tl.abs(tl.load(w + off + 1, mask=ok, other=0.0).to(tl.float32))
+            a2 = tl.abs(tl.load(w + off + 2, mask=ok, other=0.0).to(tl.float32))
+            a3 = tl.abs(tl.load(w + off + 3, mask=ok, other=0.0).to(tl.float32))
+            k0, k1, k2, k3 = _rank_keep(a0, a1, a2, a3)
+            changed = (_swap(mask, off, k0, ok) + _swap(mask, off + 1, k1, ok) + _swap(mask, off + 2, k2, ok)
+                       + _swap(mask, off + 3, k3, ok))
+            tl.atomic_add(flips, tl.sum(changed, axis=0).to(tl.int64))
 
 
-__all__ = ["refresh_mask_"]
+__all__ = ["refresh_mask_", "refresh_masks_"]
+
+_BG = 1024  # groups of 4 per program
+_tables: dict[tuple, torch.Tensor] = {}  # the address tables on the device, by their contents
+
+
+def _table(weights: Sequence[torch.Tensor], masks: Sequence[torch.Tensor],
+           flips: Sequence[torch.Tensor]) -> torch.Tensor:
+    """The kernel's table on the device, built once per set of addresses and sizes: a model's
+    weights are updated in place, so the same table serves every step (a blocking copy the first
+    time only)."""
+    key = (weights[0].device, *(t.data_ptr() for t in (*weights, *masks, *flips)),
+           *(w.numel() // 4 for w in weights))
+    table = _tables.get(key)
+    if table is None:
+        if len(_tables) >= 64:
+            _tables.clear()
+        table = _tables[key] = torch.tensor(key[1:], dtype=torch.int64, device=weights[0].device)
+    return table
+
+
+def refresh_masks_(weights: Sequence[torch.Tensor], masks: Sequence[torch.Tensor],
+                   flips: Sequence[torch.Tensor]) -> None:
+    """For every i: ``flips[i] = (mask_24(weights[i]) != masks[i]).sum(); masks[i][:] =
+    mask_24(weights[i])``, in place, on the device, in one kernel launch per weight dtype. Each
+    weight a contiguous float tensor, its mask a contiguous bool tensor of its shape, its counter
+    a one-element int64 tensor, all on one device."""
+    if not HAS_TRITON:
+        raise RuntimeError("refresh_masks_ needs Triton (pip install triton)")
+    if not len(weights) == len(masks) == len(flips):
+        raise ValueError(f"refresh_masks_: {len(weights)} weights, {len(masks)} masks and {len(flips)} counters")
+    for w, mask, f in zip(weights, masks, flips, strict=True):
+        if not (w.is_contiguous() and mask.is_contiguous() and mask.shape == w.shape and mask.dtype == torch.bool
+                and w.shape[-1] % 4 == 0 and f.numel() == 1 and f.dtype == torch.int64
+                and w.device == mask.device == f.device == weights[0].device):
+            raise ValueError(f"refresh_masks_: needs a contiguous weight with last dimension a multiple of 4, a "
+                             f"bool mask of its shape and an int64 counter on its device; got {tuple(w.shape)} on "
+                             f"{w.device}, {mask.dtype} {tuple(mask.shape)} on {mask.device}, {f.dtype} "
+                             f"{tuple(f.shape)} on {f.device}")
+    if not weights:
+        return
+    torch._foreach_zero_(list(flips))
+    for dtype in dict.fromkeys(w.dtype for w in weights):
+        idx = [i for i, w in enumerate(weights) if w.dtype == dtype and w.numel()]
+        if not idx:
+            continue
+        ws = [weights[i] for i in idx]
+        table = _table(ws, [masks[i].view(torch.uint8) for i in idx], [flips[i] for i in idx])
+        blocks = max(triton.cdiv(w.numel() // 4, _BG) for w in ws)
+        _refresh_kernel[(blocks, len(ws))](table, ws[0], len(ws), BG=_BG, num_warps=4)
 
 
 def refresh_mask_(w: torch.Tensor, mask: torch.Tensor, flips: torch.Tensor) -> None:
-    """``flips = (mask_24(w) != mask).sum(); mask[:] = mask_24(w)``, in place, on the device:
-    ``w`` a contiguous float tensor, ``mask`` a contiguous bool tensor of its shape, ``flips``
-    a one-element int64 tensor."""
-    if not HAS_TRITON:
-        raise RuntimeError("refresh_mask_ needs Triton (pip install triton)")
-    if not (w.is_contiguous() and mask.is_contiguous() and mask.shape == w.shape and mask.dtype == torch.bool
-            and w.shape[-1] % 4 == 0 and flips.numel() == 1 and flips.dtype == torch.int64):
-        raise ValueError(f"refresh_mask_: needs a contiguous weight with last dimension a multiple of 4, a bool "
-                         f"mask of its shape and an int64 counter; got {tuple(w.shape)}, {mask.dtype} "
-                         f"{tuple(mask.shape)}, {flips.dtype} {tuple(flips.shape)}")
-    n_groups = w.numel() // 4
-    bg = 1024
-    flips.zero_()
-    _refresh_kernel[(triton.cdiv(n_groups, bg),)](w, mask.view(torch.uint8), flips, n_groups, BG=bg, num_warps=4)
+    """``flips = (mask_24(w) != mask).sum(); mask[:] = mask_24(w)`` for one layer
+    (:func:`refresh_masks_`)."""
+    refresh_masks_([w], [mask], [flips])
