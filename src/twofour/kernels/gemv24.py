@@ -246,12 +246,12 @@ def _launch(x, values, positions, bias, y, cfg) -> None:
 
 def _tune(x, values, positions, bias, y) -> tuple[int, ...]:
     """The fastest fitting config for this shape, timed as the dispatch times its candidates
-    (:func:`twofour.kernels.ops.median_ms`: median of 5 after 2 warm-ups)."""
+    (:func:`twofour.kernels.ops.median_ms`)."""
     fitting = [c for c in CONFIGS if _fits(_block_tokens(x.shape[0]), c)] or list(CONFIGS[:1])
     times, errors = {}, {}
     for cfg in fitting:  # a variant this GPU's Triton can't build is left out, with a warning
         try:
-            times[cfg] = median_ms(lambda cfg=cfg: _launch(x, values, positions, bias, y, cfg), reps=5)
+            times[cfg] = median_ms(lambda cfg=cfg: _launch(x, values, positions, bias, y, cfg))
         except Exception as e:  # noqa: BLE001 (compiler errors have no common type)
             errors[cfg] = f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"
     if not times:

@@ -27,11 +27,11 @@ from .. import settings
 from . import compress as _ck
 from . import cusparselt as _cs
 from .layout import compressed_size
-from .mask import refresh_mask_
+from .mask import refresh_mask_, refresh_masks_
 
 log = logging.getLogger(__name__)
 
-__all__ = ["spmm", "compress", "refresh_mask_", "order", "fast_available", "triton_ok", "choose",
+__all__ = ["spmm", "compress", "refresh_mask_", "refresh_masks_", "order", "fast_available", "triton_ok", "choose",
            "choices", "choice_lines", "set_choice", "clear_choices", "median_ms", "as_2d"]
 
 
@@ -223,19 +223,32 @@ def _tracing() -> bool:
     return torch.compiler.is_compiling() or detect_fake_mode() is not None
 
 
-def median_ms(fn: Callable[[], object], reps: int = 7) -> float:
-    """Median CUDA-event time of ``fn`` in ms over ``reps`` calls, each timed on its own (synchronized),
-    after 2 warm-up calls: how the dispatch times its candidates."""
+_LEAD_CYCLES = 150_000  # about 80 us of device time at Hopper's clocks: longer than one call's launch
+
+
+def median_ms(fn: Callable[[], object], reps: int = 5, calls: int = 4) -> float:
+    """Median over ``reps`` windows of the CUDA-event time per call of ``fn``, each window
+    ``calls`` calls back to back behind a short device-side wait, after 2 warm-up calls: how the
+    dispatch times its candidates.
+
+    The wait keeps the device busy while the host launches the window's first call, and later
+    calls launch while earlier ones run, as in a training loop whose GPU runs ahead of the host:
+    a candidate's host time counts only where it is longer than its device time (timing each
+    call alone from an idle device would add its whole launch cost, which under
+    ``torch.compile`` and CUDA graphs the loop does not pay)."""
     for _ in range(2):
         fn()
+    torch.cuda.synchronize()
     times = []
     for _ in range(reps):
         start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        torch.cuda._sleep(_LEAD_CYCLES)
         start.record()
-        fn()
+        for _ in range(calls):
+            fn()
         end.record()
         end.synchronize()
-        times.append(start.elapsed_time(end))
+        times.append(start.elapsed_time(end) / calls)
     return statistics.median(times)
 
 
