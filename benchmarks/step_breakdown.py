@@ -4,8 +4,10 @@
         [--vocab-size 256] [--variants dense,s-ste,s-ste-gemm-dense] [--compile [--compile-mode M]]
         [--gaps] [--host]
 
-For each preset (micro-batch after the colon) and variant: the step's time (median of 10 steps,
-each timed on its own as the dispatch times its candidates, ``ops.median_ms``), the device time
+For each preset (micro-batch after the colon) and variant: the dispatch's choices, the step's time
+(median of 10 steps, each timed on its own behind a short device-side wait,
+``ops.median_ms(calls=1)``; and per step over windows of 4 steps in a row, as the loop runs them,
+the host free to run ahead), the device time
 of its kernels (summed from torch.profiler over 2 steps; below the step time when the GPU waits
 for the host), and the host's time to issue a step. Then
 each kind of kernel's device time per step, against dense: where the 2:4 GEMMs save and what
@@ -162,9 +164,12 @@ def main() -> None:
                     breaks = sum(counters["graph_break"].values())
                     print(f"{preset} {variant}: {breaks} graph breaks; "
                           + "; ".join(f"{n}x {r[:90]}" for r, n in counters["graph_break"].most_common(4)))
-                ms, host = ops.median_ms(step, 10), host_ms(step, 5)
+                ms, host = ops.median_ms(step, 10, calls=1), host_ms(step, 5)
+                in_a_row = ops.median_ms(step, 3, calls=4)
                 kinds, names, gaps = profile_step(step)
-                results[variant] = (ms, host, kinds, names)
+                results[variant] = (ms, in_a_row, host, kinds, names)
+                print(f"{preset} {variant}: dispatch choices\n  "
+                      + "\n  ".join(line for line in ops.choice_lines() if ":configs" not in line.split(": ")[0]))
                 if args.gaps:
                     print(f"\n{preset} {variant}, where the GPU waits:\n" + "\n".join(gaps) + f"\n  {sync_check(step)}")
                 if args.host:
@@ -173,20 +178,21 @@ def main() -> None:
             torch.cuda.empty_cache()
         mode = f", torch.compile ({args.compile_mode or 'default'})" if compiled else ""
         print(f"\n### {preset}, micro-batch {batch} x 1024, vocabulary {args.vocab_size}{mode}\n")
-        print("| variant | step ms | kernel ms | host ms to issue | ratio to dense |\n|---|---|---|---|---|")
-        base = results["dense"][0] if "dense" in results else None
-        for v, (ms, host, kinds, _) in results.items():
-            ratio = f"{base / ms:.3f}x" if base else "n/a"
-            print(f"| {v} | {ms:.1f} | {sum(kinds.values()):.1f} | {host:.1f} | {ratio} |")
+        print("| variant | step ms, alone | step ms, 4 in a row | kernel ms | host ms to issue | ratio to dense, "
+              "alone / in a row |\n|---|---|---|---|---|---|")
+        base = results.get("dense")
+        for v, (ms, in_a_row, host, kinds, _) in results.items():
+            ratio = f"{base[0] / ms:.3f}x / {base[1] / in_a_row:.3f}x" if base else "n/a"
+            print(f"| {v} | {ms:.1f} | {in_a_row:.1f} | {sum(kinds.values()):.1f} | {host:.1f} | {ratio} |")
         variants = list(results)
         print("\n| kernel kind | " + " | ".join(f"{v} ms" for v in variants) + " |")
         print("|---" * (len(variants) + 1) + "|")
         for kind in [k for k, _ in KINDS] + ["other elementwise and reductions"]:
-            cells = [f"{results[v][2].get(kind, 0.0):.2f}" for v in variants]
+            cells = [f"{results[v][3].get(kind, 0.0):.2f}" for v in variants]
             print(f"| {kind} | " + " | ".join(cells) + " |")
         if "dense" in results and len(variants) > 1:
             other = variants[1]
-            dn, sn = results["dense"][3], results[other][3]
+            dn, sn = results["dense"][4], results[other][4]
             delta = {n: sn.get(n, 0.0) - dn.get(n, 0.0) for n in set(dn) | set(sn)}
             print(f"\nkernels whose time changes most, {other} - dense (ms per step; GEMMs, then the rest):")
             gemm = ("dense GEMM", "2:4 GEMM (cuSPARSELt)")

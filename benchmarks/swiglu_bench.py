@@ -1,6 +1,6 @@
 """The gated FFN (SwiGLU) on the GPU: correctness first, then the times the Llama issue asks for.
 
-    PYTHONPATH=src python benchmarks/swiglu_bench.py [--quick] [--no-compile] [--batches 16,8,4]
+    PYTHONPATH=src python benchmarks/swiglu_bench.py [--quick] [--no-compile] [--batches 16,8,4] [--profile]
 
 1. The fused SwiGLU kernels against the plain-torch reference (bf16, fp16, fp32; z row-major and
    z^T; odd shapes), and the SwiGLU FFN block on the fast path against the reference path
@@ -13,6 +13,9 @@
    ste, s-ste and t-sr-ste.
 4. A whole llama-1b training step (bf16 autocast, fused AdamW, vocabulary 32000, seq 1024):
    dense against s-ste and t-sr-ste on the FFN linears, at the largest of --batches that fits.
+
+``--profile`` runs only this: the 7B block's kernels, dense against s-ste (torch.profiler), by
+kind and by kernel.
 
 Each part catches its own errors and prints them, so one failure does not hide the rest; a
 summary against the targets (FFN block >= 1.25x, step >= 1.10x, activation >= 70% of copy
@@ -219,6 +222,43 @@ def block_ms(variant: str, d: int, h: int, x: torch.Tensor, g: torch.Tensor, rep
     return do_bench(step, rep=rep, return_mode="median")
 
 
+def block_profile(variants: tuple[str, ...] = ("dense", "s-ste"), top: int = 14) -> None:
+    """Device time of the 7B block's kernels per call (torch.profiler over 3 calls), dense
+    against each sparse variant: by kind, then the kernels whose time changes most."""
+    from step_breakdown import KINDS, profile_step  # noqa: PLC0415 - benchmarks/ is the script's folder
+
+    d, h = PRESETS["llama-7b"].config.n_embd, PRESETS["llama-7b"].config.hidden
+    x = torch.randn(T7, d, device="cuda", requires_grad=True)
+    g = torch.randn(T7, d, device="cuda", dtype=torch.bfloat16)
+    results = {}
+    for variant in variants:
+        mlp = GatedMLP(d, h).cuda()
+        if variant != "dense":
+            sparsify(mlp, variant, include=("gate_up", "down"), transposed_output=("gate_up",))
+        step = fwd_bwd_step(mlp, x, g)
+        for _ in range(3):
+            step()
+        ms = do_bench(step, rep=100, return_mode="median")
+        kinds, names, gaps = profile_step(step, 3)
+        results[variant] = (ms, kinds, names)
+        print(f"{variant}: {ms:.2f} ms a call (do_bench), kernels {sum(kinds.values()):.2f} ms; {gaps[0]}")
+        del mlp, step
+        gc.collect()
+        torch.cuda.empty_cache()
+    print("\n| kernel kind | " + " | ".join(f"{v} ms" for v in results) + " |\n" + "|---" * (len(results) + 1) + "|")
+    for kind in [k for k, _ in KINDS] + ["other elementwise and reductions"]:
+        print(f"| {kind} | " + " | ".join(f"{r[1].get(kind, 0.0):.3f}" for r in results.values()) + " |")
+    dense = results[variants[0]][2]
+    for variant in variants[1:]:
+        names = results[variant][2]
+        print(f"\n{variant}: every kernel, ms a call (dense ms where the name matches):")
+        for n, ms in sorted(names.items(), key=lambda kv: -kv[1])[:top]:
+            print(f"  {ms:7.3f}  ({dense.get(n, 0.0):6.3f})  {n[:120]}")
+        print("dense's kernels, ms a call:")
+        for n, ms in sorted(dense.items(), key=lambda kv: -kv[1])[:top]:
+            print(f"  {ms:7.3f}  {n[:120]}")
+
+
 def step_ms(batch: int, recipe: str) -> float:
     """Median of 12 llama-1b training steps, each timed by CUDA events, after 3 warm-up steps."""
     return train_step_ms("llama-1b", batch, make_recipe(recipe), vocab_size=32000)
@@ -253,7 +293,13 @@ def main() -> None:
     ap.add_argument("--quick", action="store_true", help="the 7B FFN shape only, fewer repetitions")
     ap.add_argument("--no-compile", action="store_true", help="skip torch.compile's reference activation")
     ap.add_argument("--batches", default="16,8,4", help="llama-1b micro-batches to try, largest first")
+    ap.add_argument("--profile", action="store_true",
+                    help="only where the 7B block's time goes: its kernels, dense against s-ste")
     args = ap.parse_args()
+    if args.profile:
+        block_profile()
+        print("\n" + "\n".join(ops.choice_lines()))
+        return
     rep = 100 if args.quick else 200
     import triton
 
