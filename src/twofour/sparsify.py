@@ -112,15 +112,16 @@ def advance(model: nn.Module, optimizer: torch.optim.Optimizer | None = None) ->
     # as one launch per device and dtype (a model has tens of layers; a launch each costs host time)
     _foreach(torch._foreach_add_, [layer.step for layer in moved], 1)
     due = [layer for layer in moved if layer._refresh_due()]
-    _foreach(torch._foreach_zero_, [layer.flips for layer in set(moved) - set(due)])
+    _foreach(torch._foreach_zero_, [layer.flips for layer in moved if layer not in due])
     fused = [layer for layer in due if layer.fused_refresh_ok]
     by_device: dict[torch.device, list[SparseLinear]] = {}
     for layer in fused:
         by_device.setdefault(layer.weight.device, []).append(layer)
     for layers in by_device.values():
         ops.refresh_masks_([m.weight.detach() for m in layers], [m.mask for m in layers], [m.flips for m in layers])
-    for layer in set(due) - set(fused):
-        layer.refresh_mask_()
+    for layer in due:  # in the model's order: under FSDP2 each gathers its weight from every rank
+        if layer not in fused:
+            layer.refresh_mask_()
 
 
 def _foreach(fn, tensors: list[torch.Tensor], *args) -> None:
