@@ -11,6 +11,7 @@ straight through to the master weight. SR-STE's masked decay is added once per o
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from typing import Any
 
 import torch
@@ -22,7 +23,7 @@ from .kernels import ops
 from .pruning import mvue_24_padded
 from .recipes import DEFAULT_RECIPE, Recipe, make_recipe
 
-__all__ = ["SparseLinear", "RECIPE_BUFFERS"]
+__all__ = ["SparseLinear", "RECIPE_BUFFERS", "advance_layers"]
 
 #: The buffers a SparseLinear keeps its recipe state in (None, and not saved, where unused).
 RECIPE_BUFFERS = ("step", "flips", "dense", "beta", "mask")
@@ -169,18 +170,9 @@ class SparseLinear(nn.Linear):
 
         ``sparse_phase`` (from an Adam-aware optimizer such as STEPAdamW) turns a STEP layer's
         sparse phase on once the optimizer has switched. :func:`twofour.advance` does the same for
-        every layer of a model, with one kernel launch for all the masks.
+        every layer of a model at once (:func:`advance_layers`).
         """
-        if not self._next_step(sparse_phase):
-            return
-        self.step.fill_(self._step)
-        if self._refresh_due():
-            if self.fused_refresh_ok:
-                ops.refresh_mask_(self.weight.detach(), self.mask, self.flips)  # one fused kernel, no host sync
-            else:
-                self.refresh_mask_()
-        else:
-            self.flips.zero_()
+        advance_layers([self], sparse_phase)
 
     def _next_step(self, sparse_phase: bool | None) -> bool:
         """Count one optimizer step and move the phases on (host state only; the ``step`` buffer is
@@ -198,16 +190,14 @@ class SparseLinear(nn.Linear):
     def _refresh_due(self) -> bool:
         return not self._dense and self.pruner.refresh_due(self._step, self.recipe.mask_interval)
 
-    @property
-    def fused_refresh_ok(self) -> bool:
-        """Whether the mask refresh can run as the fused GPU kernel (a plain contiguous CUDA
-        weight with Triton present, a recipe whose mask is a top-2 of |W|)."""
+    def _fused_refresh_ok(self) -> bool:
+        """The mask refresh can run as the fused GPU kernel: a plain contiguous CUDA weight with
+        Triton present (not an FSDP2 shard), a recipe whose mask is a top-2 of |W|."""
         w = self.weight
         return (self.pruner.fused_refresh and ops.triton_ok(w) and w.is_contiguous() and not hasattr(w, "to_local")
                 and self.mask.device == w.device)
 
-    @torch.no_grad()
-    def refresh_mask_(self) -> None:
+    def _refresh_mask_torch(self) -> None:
         """Recompute the mask from the current weight in plain torch and count the flips."""
         new = self.pruner.mask(self.weight.detach())
         self.flips.copy_((new != self.mask).sum())
@@ -268,3 +258,27 @@ class SparseLinear(nn.Linear):
         opts = ", ".join(f"{k}={v}" for k, v in self.recipe.to_dict().items() if k not in ("name", "pruning"))
         extra = ", transposed_output=True" if self.transposed_output else ""
         return f"{super().extra_repr()}, recipe={self.recipe.name}({opts}){extra}"
+
+
+@torch.no_grad()
+def advance_layers(layers: Iterable[SparseLinear], sparse_phase: bool | None = None) -> None:
+    """Move each of ``layers`` on by one optimizer step (:meth:`SparseLinear.advance`), with one
+    launch for all the step counters, one for the flip counters of layers not refreshed this step
+    and one fused kernel launch per device and weight dtype for the masks refreshed on the GPU (a
+    model has tens of layers, and each launch costs host time)."""
+    moved = [layer for layer in layers if layer._next_step(sparse_phase)]
+    if not moved:
+        return
+    torch._foreach_add_([layer.step for layer in moved], 1)
+    due = [layer for layer in moved if layer._refresh_due()]
+    due_set = set(due)
+    idle = [layer.flips for layer in moved if layer not in due_set]
+    if idle:
+        torch._foreach_zero_(idle)
+    fused = [layer for layer in due if layer._fused_refresh_ok()]
+    fused_set = set(fused)
+    if fused:
+        ops.refresh_masks_([m.weight.detach() for m in fused], [m.mask for m in fused], [m.flips for m in fused])
+    for layer in due:  # in the model's order: under FSDP2 each gathers its weight from every rank
+        if layer not in fused_set:
+            layer._refresh_mask_torch()

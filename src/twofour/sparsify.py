@@ -11,8 +11,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from .kernels import ops
-from .layer import SparseLinear
+from .layer import SparseLinear, advance_layers
 from .optim import STEPAdamW
 from .recipes import DEFAULT_RECIPE, Recipe, make_recipe
 
@@ -105,32 +104,7 @@ def advance(model: nn.Module, optimizer: torch.optim.Optimizer | None = None) ->
     :func:`attach` call it for you.
     """
     sparse_phase = optimizer.switched if isinstance(optimizer, STEPAdamW) else None
-    moved = [layer for _, layer in sparse_layers(model) if layer._next_step(sparse_phase)]
-    if not moved:
-        return
-    # the step counters, the counters of layers not refreshed now, and the fused refreshes, each
-    # as one launch per device and dtype (a model has tens of layers; a launch each costs host time)
-    _foreach(torch._foreach_add_, [layer.step for layer in moved], 1)
-    due = [layer for layer in moved if layer._refresh_due()]
-    _foreach(torch._foreach_zero_, [layer.flips for layer in moved if layer not in due])
-    fused = [layer for layer in due if layer.fused_refresh_ok]
-    by_device: dict[torch.device, list[SparseLinear]] = {}
-    for layer in fused:
-        by_device.setdefault(layer.weight.device, []).append(layer)
-    for layers in by_device.values():
-        ops.refresh_masks_([m.weight.detach() for m in layers], [m.mask for m in layers], [m.flips for m in layers])
-    for layer in due:  # in the model's order: under FSDP2 each gathers its weight from every rank
-        if layer not in fused:
-            layer.refresh_mask_()
-
-
-def _foreach(fn, tensors: list[torch.Tensor], *args) -> None:
-    """``fn`` (a ``torch._foreach_*_`` op) on ``tensors``, one call per device and dtype."""
-    groups: dict[tuple, list[torch.Tensor]] = {}
-    for t in tensors:
-        groups.setdefault((t.device, t.dtype), []).append(t)
-    for group in groups.values():
-        fn(group, *args)
+    advance_layers((layer for _, layer in sparse_layers(model)), sparse_phase)
 
 
 @torch.no_grad()

@@ -81,28 +81,27 @@ def _table(weights: Sequence[torch.Tensor], masks: Sequence[torch.Tensor],
 def refresh_masks_(weights: Sequence[torch.Tensor], masks: Sequence[torch.Tensor],
                    flips: Sequence[torch.Tensor]) -> None:
     """For every i: ``flips[i] = (mask_24(weights[i]) != masks[i]).sum(); masks[i][:] =
-    mask_24(weights[i])``, in place, on the device, in one kernel launch per weight dtype. Each
-    weight a contiguous float tensor, its mask a contiguous bool tensor of its shape, its counter
-    a one-element int64 tensor, all on one device."""
+    mask_24(weights[i])``, in place, on the device, in one kernel launch per device and weight
+    dtype. Each weight a contiguous float tensor, its mask a contiguous bool tensor of its shape,
+    its counter a one-element int64 tensor, the three on one device."""
     if not HAS_TRITON:
         raise RuntimeError("refresh_masks_ needs Triton (pip install triton)")
     if not len(weights) == len(masks) == len(flips):
         raise ValueError(f"refresh_masks_: {len(weights)} weights, {len(masks)} masks and {len(flips)} counters")
-    for w, mask, f in zip(weights, masks, flips, strict=True):
+    groups: dict[tuple, list[int]] = {}
+    for i, (w, mask, f) in enumerate(zip(weights, masks, flips, strict=True)):
         if not (w.is_contiguous() and mask.is_contiguous() and mask.shape == w.shape and mask.dtype == torch.bool
                 and w.shape[-1] % 4 == 0 and f.numel() == 1 and f.dtype == torch.int64
-                and w.device == mask.device == f.device == weights[0].device):
+                and w.device == mask.device == f.device):
             raise ValueError(f"refresh_masks_: needs a contiguous weight with last dimension a multiple of 4, a "
                              f"bool mask of its shape and an int64 counter on its device; got {tuple(w.shape)} on "
                              f"{w.device}, {mask.dtype} {tuple(mask.shape)} on {mask.device}, {f.dtype} "
                              f"{tuple(f.shape)} on {f.device}")
-    if not weights:
-        return
-    torch._foreach_zero_(list(flips))
-    for dtype in dict.fromkeys(w.dtype for w in weights):
-        idx = [i for i, w in enumerate(weights) if w.dtype == dtype and w.numel()]
-        if not idx:
-            continue
+        if w.numel():
+            groups.setdefault((w.device, w.dtype), []).append(i)
+    if flips:
+        torch._foreach_zero_(list(flips))
+    for idx in groups.values():
         ws = [weights[i] for i in idx]
         table = _table(ws, [masks[i].view(torch.uint8) for i in idx], [flips[i] for i in idx])
         blocks = max(triton.cdiv(w.numel() // 4, _BG) for w in ws)
