@@ -35,3 +35,23 @@ def test_rejects_bad_input():
         compress_reference(torch.zeros(8, 16))
     with pytest.raises(ValueError, match="exactly two"):
         compress_reference(torch.ones(8, 32))
+
+
+DUMP_E4M3 = Path(__file__).parent / "data" / "cusparselt_compressed_e4m3_h100.pt"
+
+
+def test_e4m3_matches_bytes_written_by_cusparselt():
+    """benchmarks/probe_layout_fp8.py compressed these e4m3 matrices (random non-zero bytes kept)
+    on the GPU, padding rows included; every byte must agree, and decompressing gives them back."""
+    for rec in torch.load(DUMP_E4M3):
+        m, k = rec["m"], rec["k"]
+        for dense, comp in zip(rec["dense"], rec["comp"]):
+            a = dense.view(torch.float8_e4m3fn)
+            assert compressed_size(m, k, 1) == comp.numel()
+            assert torch.equal(compress_reference(a), comp)
+            assert torch.equal(decompress_reference(comp, m, k, torch.float8_e4m3fn).view(torch.uint8), dense)
+
+
+def test_e4m3_needs_whole_64_column_tiles():
+    with pytest.raises(ValueError, match="multiple of 64"):
+        compress_reference(torch.zeros(64, 32).to(torch.float8_e4m3fn))

@@ -6,7 +6,11 @@ operand order and costs ~20-30 us per call. Every plan computes
 
     D (M x N) = A (M x K, 2:4 along K, row-major, compressed) @ B (K x N)
 
-with B and D in row- or column-major order, as the caller's memory already is, and optionally
+with B and D in row- or column-major order, as the caller's memory already is. A and B are
+bf16, fp16 or FP8 (e4m3, where the GPU has FP8 sparse tensor cores: sm89 and sm90), D is A's
+dtype or another (bf16 from FP8 operands; the GEMM does not scale them:
+``benchmarks/fp8_spmm.py`` found cuSPARSELt 0.8 on the H100 refusing per-row alpha for FP8 and
+ignoring device-side operand scales). A plan optionally
 adds a bias vector (one value per row of D) in the GEMM's epilogue: a plan built with a bias
 reads the pointer from its matmul descriptor at each call, so a call with another bias tensor
 only resets that pointer (checked on the H200, ``benchmarks/bias_epilogue.py``).
@@ -31,11 +35,14 @@ from dataclasses import dataclass
 import torch
 
 __all__ = ["available", "version", "Plan", "PlanKey", "get_plan", "plan_for", "cached_plan", "drop_plan",
-           "forget_tuning", "ROW", "COL"]
+           "forget_tuning", "compress", "ROW", "COL"]
 
 ROW, COL = 2, 1  # cusparseOrder_t
 _NON_TRANSPOSE = 0
-_CUDA_DTYPE = {torch.bfloat16: 14, torch.float16: 2}
+# cudaDataType_t of the operand dtypes (A, B) and output dtypes (D) a plan takes
+_CUDA_DTYPE = {torch.bfloat16: 14, torch.float16: 2, torch.float8_e4m3fn: 28, torch.float8_e5m2: 29,
+               torch.float32: 0}
+_INPUTS = (torch.bfloat16, torch.float16, torch.float8_e4m3fn, torch.float8_e5m2)
 
 
 _allocator = ThreadPoolExecutor(max_workers=1, thread_name_prefix="twofour-cusparselt")
@@ -102,6 +109,11 @@ class PlanKey:
     device: int
     bias: bool = False
     config: int | None = None  # cuSPARSELt's algorithm configuration id; None: the library's default
+    out_dtype: torch.dtype | None = None  # D's dtype; None: A's and B's
+
+    @property
+    def d_dtype(self) -> torch.dtype:
+        return self.dtype if self.out_dtype is None else self.out_dtype
 
 
 class Plan:
@@ -114,18 +126,18 @@ class Plan:
         self.h = h = _handle(key.device)
         dt = _CUDA_DTYPE[key.dtype]
 
-        def dense(rows, cols, order):
-            return L.dense_descriptor_init(h, rows, cols, cols if order == ROW else rows, 16, dt, order)
+        def dense(rows, cols, order, dtype):
+            return L.dense_descriptor_init(h, rows, cols, cols if order == ROW else rows, 16, dtype, order)
 
-        self.a = L.structured_descriptor_init(h, key.m, key.k, key.k, 16, dt, ROW, L.Sparsity.SPARSITY_50_PERCENT)
-        self.b = dense(key.k, key.n, key.b_order)
-        self.d = dense(key.m, key.n, key.d_order)
+        self.a = _structured(h, key.m, key.k, key.dtype)
+        self.b = dense(key.k, key.n, key.b_order, dt)
+        self.d = dense(key.m, key.n, key.d_order, _CUDA_DTYPE[key.d_dtype])
         self.mm = L.matmul_descriptor_init(h, _NON_TRANSPOSE, _NON_TRANSPOSE, self.a, self.b, self.d, self.d,
                                            L.ComputeType.COMPUTE_32F)
         dev = torch.device("cuda", key.device)
         self._bias_ptr = np.zeros(1, dtype=np.int64)
         if key.bias:  # the epilogue is chosen when the plan is built: give it a bias to build with
-            self._set_bias(torch.zeros(key.m, dtype=key.dtype, device=dev))
+            self._set_bias(torch.zeros(key.m, dtype=key.d_dtype, device=dev))
         self.alg = L.matmul_alg_selection_init(h, self.mm, L.MatmulAlg.DEFAULT)
         if key.config is not None:
             self._set_alg_attribute(L.MatmulAlgAttribute.CONFIG_ID, key.config)
@@ -177,11 +189,12 @@ class Plan:
                bias: torch.Tensor | None = None) -> torch.Tensor:
         """D = A @ B (+ bias[:, None]) on the current stream; ``b`` and ``d`` are raw memory in the
         plan's orders; ``bias`` (M values, D's dtype) is given exactly when the plan has one."""
-        if (bias is not None) != self.key.bias:
-            raise ValueError(f"this plan was built {'with' if self.key.bias else 'without'} a bias epilogue")
+        key = self.key
+        if (bias is not None) != key.bias:
+            raise ValueError(f"this plan was built {'with' if key.bias else 'without'} a bias epilogue")
         if bias is not None:
-            if bias.shape != (self.key.m,) or bias.dtype != self.key.dtype or not bias.is_contiguous():
-                raise ValueError(f"bias must be a contiguous ({self.key.m},) {self.key.dtype} tensor, got "
+            if bias.shape != (key.m,) or bias.dtype != key.d_dtype or not bias.is_contiguous():
+                raise ValueError(f"bias must be a contiguous ({key.m},) {key.d_dtype} tensor, got "
                                  f"{tuple(bias.shape)} {bias.dtype}")
             if bias.data_ptr() != self._bias_ptr[0]:
                 self._set_bias(bias)
@@ -197,17 +210,19 @@ _plans: dict[PlanKey, Plan] = {}
 
 
 def get_plan(m: int, k: int, n: int, b_order: int, d_order: int, dtype: torch.dtype,
-             device: int | None = None, bias: bool = False, config: int | None = None) -> Plan:
-    """The cached plan for this shape, orders, dtype, device, bias epilogue and algorithm
-    configuration (``None``: cuSPARSELt's default), built on first use."""
+             device: int | None = None, bias: bool = False, config: int | None = None,
+             out_dtype: torch.dtype | None = None) -> Plan:
+    """The cached plan for this shape, orders, operand and output dtypes, device, bias epilogue
+    and algorithm configuration (``None``: cuSPARSELt's default), built on first use."""
     return plan_for(PlanKey(m, k, n, b_order, d_order, dtype, torch.cuda.current_device() if device is None else device,
-                            bias, config))
+                            bias, config, None if out_dtype == dtype else out_dtype))
 
 
 def plan_for(key: PlanKey) -> Plan:
     """The cached plan for ``key`` (built on first use): :func:`get_plan` by its key."""
-    if key.dtype not in _CUDA_DTYPE:
-        raise TypeError(f"cuSPARSELt plans support bfloat16 and float16, got {key.dtype}")
+    if key.dtype not in _INPUTS or key.d_dtype not in _CUDA_DTYPE:
+        raise TypeError(f"cuSPARSELt plans take bfloat16, float16 or float8 operands and outputs of those or "
+                        f"float32, got {key.dtype} -> {key.d_dtype}")
     plan = _plans.get(key)
     if plan is None:
         with _lock:
@@ -226,6 +241,38 @@ def drop_plan(plan: Plan) -> None:
     with _lock:
         if _plans.get(plan.key) is plan:
             del _plans[plan.key]
+
+
+_descriptors: dict[tuple, int] = {}
+
+
+def _structured(h: int, m: int, k: int, dtype: torch.dtype) -> int:
+    """A structured (2:4 along K) row-major descriptor of an m x k matrix."""
+    L = _lib()
+    return L.structured_descriptor_init(h, m, k, k, 16, _CUDA_DTYPE[dtype], ROW, L.Sparsity.SPARSITY_50_PERCENT)
+
+
+def compress(a: torch.Tensor) -> torch.Tensor:
+    """cuSPARSELt's own compression of a dense 2:4 ``a`` (m x k, row-major, 2:4 along k) into the
+    layout every plan with this A reads (no plan needed: the layout depends on A alone), on the
+    current stream. The operand of FP8 plans, whose layout the Triton kernels do not write."""
+    if a.dim() != 2 or not a.is_contiguous() or a.dtype not in _INPUTS:
+        raise ValueError(f"compress needs a contiguous 2-D {'/'.join(str(d) for d in _INPUTS)} tensor, "
+                         f"got {tuple(a.shape)} {a.dtype}")
+    device = a.device.index if a.device.index is not None else torch.cuda.current_device()
+    key = (*a.shape, a.dtype, device)
+    L, h = _lib(), _handle(device)
+    with _lock:
+        entry = _descriptors.get(key)
+        if entry is None:
+            desc = _structured(h, *a.shape, a.dtype)
+            size, tmp_size = L.sp_mma_compressed_size2(h, desc)
+            entry = _descriptors[key] = (desc, size, _plan_memory(tmp_size, a.device))
+    desc, size, tmp = entry
+    out = torch.empty(size, dtype=torch.uint8, device=a.device)
+    L.sp_mma_compress2(h, desc, 1, _NON_TRANSPOSE, a.data_ptr(), out.data_ptr(), tmp.data_ptr(),
+                       torch.cuda.current_stream(a.device).cuda_stream)
+    return out
 
 
 def forget_tuning() -> None:

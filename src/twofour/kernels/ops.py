@@ -66,14 +66,16 @@ def triton_ok(t: torch.Tensor) -> bool:
     return t.is_cuda and _enabled()
 
 
-def _spmm(a: torch.Tensor, b: torch.Tensor, m: int, d_col: bool, bias: torch.Tensor | None = None) -> torch.Tensor:
+def _spmm(a: torch.Tensor, b: torch.Tensor, m: int, d_col: bool, bias: torch.Tensor | None = None,
+          out_dtype: torch.dtype | None = None) -> torch.Tensor:
     k, n = b.shape
     bo = order(b)
     if bo is None:
         b, bo = b.contiguous(), "row"
+    out_dtype = b.dtype if out_dtype is None else out_dtype
     plan = _cs.get_plan(m, k, n, _cs.ROW if bo == "row" else _cs.COL, _cs.COL if d_col else _cs.ROW, b.dtype,
-                        b.device.index, bias is not None)
-    out = torch.empty((n, m) if d_col else (m, n), dtype=b.dtype, device=b.device)
+                        b.device.index, bias is not None, out_dtype=out_dtype)
+    out = torch.empty((n, m) if d_col else (m, n), dtype=out_dtype, device=b.device)
     (plan.tuned or _tune(plan, a, b, out, bias)).matmul(a, b, out, bias)
     return out.t() if d_col else out
 
@@ -85,7 +87,7 @@ def _tune(plan: _cs.Plan, a: torch.Tensor, b: torch.Tensor, out: torch.Tensor, b
     """The plan of the fastest of cuSPARSELt's algorithm configurations for this GEMM.
 
     Measured once per shape, orders, dtype and epilogue on these operands and recorded like the
-    other choices (``choices()`` key ``spmm-d{row,col}[+bias]:MxKxN:B..:dtype:configs``, value
+    other choices (``choices()`` key ``spmm-d{row,col}[+bias][->D's dtype]:MxKxN:B..:dtype:configs``, value
     ``sparse#N``; :func:`set_choice` pins one). Each configuration's product is checked on a
     sample of the output against the default's before it is timed; one that fails to build or
     run, or disagrees, is left out. The choice is made by timing, so two processes can pick
@@ -94,8 +96,9 @@ def _tune(plan: _cs.Plan, a: torch.Tensor, b: torch.Tensor, out: torch.Tensor, b
     the default.
     """
     key = plan.key
-    name = _key(f"spmm-d{'col' if key.d_order == _cs.COL else 'row'}{'+bias' if key.bias else ''}", key.m, key.k,
-                key.n, "row" if key.b_order == _cs.ROW else "col", key.dtype, ("configs",))
+    to = "" if key.out_dtype is None else "->" + _dtype_name(key.out_dtype)
+    kind = f"spmm-d{'col' if key.d_order == _cs.COL else 'row'}{'+bias' if key.bias else ''}{to}"
+    name = _key(kind, key.m, key.k, key.n, "row" if key.b_order == _cs.ROW else "col", key.dtype, ("configs",))
 
     def config_key(config: int) -> _cs.PlanKey:
         return dataclasses.replace(key, config=None if config == plan.config_id else config)
@@ -169,9 +172,10 @@ _compress_op = torch.library.custom_op("twofour::compress", _compress, mutates_a
 
 
 @_spmm_op.register_fake
-def _(a, b, m, d_col, bias=None):
+def _(a, b, m, d_col, bias=None, out_dtype=None):
     n = b.shape[1]
-    return torch.empty_strided((m, n), (1, m) if d_col else (n, 1), dtype=b.dtype, device=b.device)
+    return torch.empty_strided((m, n), (1, m) if d_col else (n, 1), dtype=b.dtype if out_dtype is None else out_dtype,
+                               device=b.device)
 
 
 @_compress_op.register_fake
@@ -182,14 +186,17 @@ def _(x, mode, scale, mask, seed, dense_out, out_dtype, sparse_out=True):
     return buf, torch.empty((m, k) if dense_out else (0,), dtype=out_dtype, device=x.device)
 
 
-def spmm(a: torch.Tensor, b: torch.Tensor, m: int, d_col: bool, bias: torch.Tensor | None = None) -> torch.Tensor:
+def spmm(a: torch.Tensor, b: torch.Tensor, m: int, d_col: bool, bias: torch.Tensor | None = None,
+         out_dtype: torch.dtype | None = None) -> torch.Tensor:
     """D (m x n) = A @ B (+ bias[:, None]), A compressed 2:4, B (k, n) read in its own order (see
-    the module doc); ``bias`` has m values in B's dtype.
+    the module doc); ``bias`` has m values in D's dtype; D is in ``out_dtype`` (default B's dtype:
+    bf16 from FP8 operands, for example).
 
     Eager calls go straight to cuSPARSELt (a custom op's dispatch costs host time on every call);
     under torch's tracers the registered op ``twofour::spmm`` is used.
     """
-    return _spmm_op(a, b, m, d_col, bias) if torch.compiler.is_compiling() else _spmm(a, b, m, d_col, bias)
+    args = (a, b, m, d_col, bias, out_dtype)
+    return _spmm_op(*args) if torch.compiler.is_compiling() else _spmm(*args)
 
 
 def compress(x: torch.Tensor, mode: str, *, scale: torch.Tensor | None = None, mask: torch.Tensor | None = None,
@@ -210,10 +217,14 @@ def compress(x: torch.Tensor, mode: str, *, scale: torch.Tensor | None = None, m
 _choices: dict[str, dict] = {}
 
 
+def _dtype_name(dtype: torch.dtype) -> str:
+    return str(dtype).split(".")[-1]
+
+
 def _key(kind: str, m: int, k: int, n: int, b_order: str, dtype: torch.dtype, candidates=("dense", "sparse")) -> str:
     """One entry per GEMM, shape, operand order, dtype and set of candidates (a dense-only dX of
     one recipe must not answer for another recipe's sparse W^T)."""
-    return f"{kind}:{m}x{k}x{n}:B{b_order}:{str(dtype).split('.')[-1]}:{'|'.join(sorted(candidates))}"
+    return f"{kind}:{m}x{k}x{n}:B{b_order}:{_dtype_name(dtype)}:{'|'.join(sorted(candidates))}"
 
 
 def _tracing() -> bool:
