@@ -23,7 +23,7 @@ from twofour.fp8 import (
     scaled_mm,
 )
 from twofour.kernels import fp8cast, ops
-from twofour.pruning import mvue_24_padded
+from twofour.pruning import mask_24, mvue_24_padded
 
 FORMATS = [E4M3, E5M2]
 SCALING = list(SCALINGS.values())
@@ -317,6 +317,78 @@ def test_gpu_layer_fp8_on_the_fused_effective_weight(recipe):
     assert 0 < rel(y, F.linear(x, lin.effective_weight(), lin.bias)) < 0.1
     y.float().pow(2).sum().backward()
     assert torch.isfinite(lin.weight.grad).all() and lin.weight.grad.abs().sum() > 0
+
+
+def _fp8_sparse_gpu() -> bool:
+    return (torch.cuda.is_available() and torch.cuda.get_device_capability() >= (8, 9)
+            and ops.fast_available())
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("shape", [(96, 128), (320, 1024)], ids=str)
+@pytest.mark.parametrize("dtype", [torch.bfloat16, E4M3], ids=str)
+def test_gpu_plan_free_compression_writes_the_plans_bytes(shape, dtype):
+    """cuSPARSELt's plan-free compression (what the FP8 2:4 route uses) writes the bytes a plan's
+    own compression writes, and the reference layout's bytes."""
+    if not _fp8_sparse_gpu():
+        pytest.skip("needs an sm89+ GPU with the fast path")
+    from twofour.kernels import cusparselt as cs
+    from twofour.kernels.layout import compress_reference
+
+    torch.manual_seed(0)
+    m, k = shape
+    mask = mask_24(torch.randn(m, k, device="cuda"))
+    v = torch.randn(m, k, device="cuda")
+    a = ((v.abs() + 0.5) * v.sign() * mask).to(dtype)  # kept values well away from 0 (none rounds to it)
+    plan = cs.get_plan(m, k, 64, cs.COL, cs.COL, dtype, out_dtype=torch.bfloat16)
+    assert torch.equal(cs.compress(a), plan.compress(a))
+    assert torch.equal(cs.compress(a).cpu(), compress_reference(a.cpu(), mask.cpu()))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("shape", [(256, 128, 96), (64, 512, 320)])
+def test_gpu_fp8_sparse_forward_matches_reference(shape):
+    """The FP8 2:4 route of the forward GEMM (weight compressed by cuSPARSELt, operand scales in
+    its alpha vector) computes the reference product, as the dense FP8 route does; the dispatch
+    times both once and records them."""
+    if not _fp8_sparse_gpu():
+        pytest.skip("needs an sm89+ GPU with the fast path")
+    torch.manual_seed(0)
+    t, k, n = shape
+    x = torch.randn(t, k, device="cuda", dtype=torch.bfloat16) * 3
+    w = torch.randn(n, k, device="cuda") * mask_24(torch.randn(n, k, device="cuda"))
+    qx, sx = quantize(x, E4M3)
+    qw, sw = quantize(w.to(torch.bfloat16), E4M3)
+    ref = dequantize(qx, sx) @ dequantize(qw, sw).t()
+    for mode in ("sparse", "dense"):
+        with settings.override(gemm=mode):
+            y = scaled_mm(qx, sx, qw, sw, torch.bfloat16, sparse_b=True)
+        assert y.shape == (t, n) and y.is_contiguous() and y.dtype == torch.bfloat16
+        assert rel(y, ref) < 1e-2, mode
+    if settings.gemm == "auto":
+        ops.clear_choices()
+        scaled_mm(qx, sx, qw, sw, torch.bfloat16, sparse_b=True)
+        hit = [v for key, v in ops.choices().items() if key.startswith(f"fp8-fwd:{n}x{k}x{t}:")]
+        assert len(hit) == 1 and set(hit[0]["ms"]) == {"sparse", "dense"}
+
+
+@pytest.mark.gpu
+def test_gpu_fp8_sparse_layer_compiles_and_matches_dense_route():
+    """An s-ste FP8 layer with its forward on the FP8 2:4 route gives the dense FP8 route's output,
+    eager and compiled."""
+    if not _fp8_sparse_gpu():
+        pytest.skip("needs an sm89+ GPU with the fast path")
+    torch.manual_seed(0)
+    lin = SparseLinear(256, 512, recipe="s-ste", fp8=True, bias=False).cuda()
+    x = torch.randn(4, 64, 256, device="cuda")
+    out = {}
+    with torch.autocast("cuda", dtype=torch.bfloat16):
+        for mode in ("sparse", "dense"):
+            with settings.override(gemm=mode):
+                out[mode] = lin(x)
+                out[mode + "-compiled"] = torch.compile(lin, fullgraph=True)(x)
+    for name, y in out.items():
+        assert rel(y, out["dense"]) < 1e-2, name
 
 
 def test_rowwise_needs_a_matrix():

@@ -6,8 +6,18 @@
 largest value lands on the format's largest one. e4m3 is for forward operands, e5m2 for gradients.
 :class:`FP8LinearFn` runs a linear's three GEMMs in FP8 (y = x W^T, dX = dY W, dW = dY^T X);
 each GEMM falls back to the reference (dequantize, multiply in the compute dtype) where
-``_scaled_mm`` is missing or refuses the operands. On a GPU the quantization runs Triton kernels
-(:mod:`twofour.kernels.fp8cast`) or compiled passes, whichever measured faster.
+``_scaled_mm`` is missing or refuses the operands.
+
+The forward GEMM of a 2:4 weight also has an FP8 2:4 route, taken where it measures faster than
+the dense FP8 GEMM with every cost counted: the e4m3 weight compressed by cuSPARSELt, its FP8
+2:4 GEMM, and one pass over the output for the operands' scales, since cuSPARSELt 0.8 on
+sm90 refuses a per-row alpha for FP8 and ignores device-side operand scales
+(``benchmarks/fp8_spmm.py``), and a host-side alpha would need the scale on the host (a sync per
+GEMM). The backward GEMMs stay dense: cuSPARSELt builds FP8 2:4 GEMMs of two e4m3 or two e5m2
+operands, not of one of each, which is what they multiply (the probe above).
+
+On a GPU the quantization runs Triton kernels (:mod:`twofour.kernels.fp8cast`) or compiled
+passes, whichever measured faster.
 
 Overflow policy: values are saturated to the format's range, so finite inputs never overflow.
 A NaN or inf in an operand makes its amax (per tensor, or per row) non-finite, hence its scale,
@@ -26,7 +36,7 @@ from dataclasses import dataclass
 import torch
 
 from . import settings
-from .kernels import fp8cast, ops
+from .kernels import cusparselt, fp8cast, ops
 from .kernels.layout import supported_shape
 from .pruning import mvue_24_padded
 
@@ -192,8 +202,8 @@ def _reference_mm(qa, sa, qb, sb, out_dtype):
     return (dequantize(qa, sa) @ dequantize(qb, sb).t()).to(out_dtype)
 
 
-def _scaled_mm(qa: torch.Tensor, sa: torch.Tensor, qb: torch.Tensor, sb: torch.Tensor,
-               out_dtype: torch.dtype) -> torch.Tensor:
+def _dense_mm(qa: torch.Tensor, sa: torch.Tensor, qb: torch.Tensor, sb: torch.Tensor,
+              out_dtype: torch.dtype) -> torch.Tensor:
     m, n = qa.shape[0], qb.shape[0]
     qa, qb = qa.contiguous(), qb.contiguous()  # a row-major, b^T column-major (no-ops when already)
     key = (qa.device.type, qa.dtype, qb.dtype, sa.numel() > 1, tuple(qa.shape), n, out_dtype)
@@ -208,24 +218,76 @@ def _scaled_mm(qa: torch.Tensor, sa: torch.Tensor, qb: torch.Tensor, sb: torch.T
     return _reference_mm(qa, sa, qb, sb, out_dtype)
 
 
+def _sparse_mm(qa: torch.Tensor, sa: torch.Tensor, qb: torch.Tensor, sb: torch.Tensor,
+               out_dtype: torch.dtype) -> torch.Tensor:
+    """``dequant(a) @ dequant(b)^T`` with ``b`` 2:4 along K, as one FP8 2:4 GEMM: out^T = B A^T with
+    B compressed on each call and A^T read in place (``a`` row-major is A^T column-major, the
+    order cuSPARSELt's FP8 kernels take), out^T stored column-major (out row-major). The GEMM
+    cannot apply the scales read on the device (module docstring), so one pass over the output
+    multiplies by them, in float32."""
+    n = qb.shape[0]
+    out = ops.spmm(cusparselt.compress(qb.contiguous()), qa.contiguous().t(), n, True, out_dtype=out_dtype).t()
+    return out.mul_((sa * sb).reshape(1))
+
+
+_sparse_failed: set[tuple] = set()  # FP8 2:4 GEMMs cuSPARSELt could not build or run (dense from then on)
+
+
+def _sparse_applies(q24: torch.Tensor, s24: torch.Tensor, q: torch.Tensor, s: torch.Tensor,
+                    out_dtype: torch.dtype) -> bool:
+    """Whether the FP8 2:4 route can take this GEMM: the fast path here, both operands e4m3 on an
+    sm89+ GPU, K a multiple of 64 (the layout's tile) and the other sides of 32, a single scale on
+    each operand (rowwise scales would need cuSPARSELt's per-row alpha, which it refuses for FP8)."""
+    return (q24.is_cuda and q24.dtype == q.dtype == E4M3 and s.numel() == 1 and s24.numel() == 1
+            and out_dtype in (torch.bfloat16, torch.float16)
+            and q24.shape[0] % 32 == 0 and q24.shape[1] % 64 == 0 and q.shape[0] % 32 == 0
+            and torch.cuda.get_device_capability(q24.device) >= (8, 9) and ops.fast_available())
+
+
+def _scaled_mm(qa: torch.Tensor, sa: torch.Tensor, qb: torch.Tensor, sb: torch.Tensor,
+               out_dtype: torch.dtype, sparse_b: bool = False) -> torch.Tensor:
+    if not sparse_b or not _sparse_applies(qb, sb, qa, sa, out_dtype):
+        return _dense_mm(qa, sa, qb, sb, out_dtype)
+    m, k, n = qa.shape[0], qa.shape[1], qb.shape[0]
+    failed = (n, k, m, qb.device.index, out_dtype)
+    if failed in _sparse_failed:
+        return _dense_mm(qa, sa, qb, sb, out_dtype)
+
+    cands = {"sparse": lambda: _sparse_mm(qa, sa, qb, sb, out_dtype),
+             "dense": lambda: _dense_mm(qa, sa, qb, sb, out_dtype)}
+    try:
+        choice = ops.choose("fp8-fwd", n, k, m, "col", qa.dtype, cands)
+        return cands[choice]()
+    except Exception as e:  # noqa: BLE001 - cuSPARSELt refused the operands: the dense GEMM answers
+        _sparse_failed.add(failed)
+        log.warning("the FP8 2:4 GEMM failed for %s (%s: %s); it runs dense FP8 from now on", failed,
+                    type(e).__name__, (str(e).splitlines() or [""])[0])
+        return _dense_mm(qa, sa, qb, sb, out_dtype)
+
+
 # one opaque node under torch.compile (a graph break per GEMM otherwise: the refusal check is a try)
 _scaled_mm_op = torch.library.custom_op("twofour::scaled_mm", _scaled_mm, mutates_args=())
 
 
 @_scaled_mm_op.register_fake
-def _(qa, sa, qb, sb, out_dtype):
+def _(qa, sa, qb, sb, out_dtype, sparse_b=False):
     return qa.new_empty((qa.shape[0], qb.shape[0]), dtype=out_dtype)
 
 
 def scaled_mm(qa: torch.Tensor, sa: torch.Tensor, qb: torch.Tensor, sb: torch.Tensor,
-              out_dtype: torch.dtype) -> torch.Tensor:
+              out_dtype: torch.dtype, sparse_b: bool = False) -> torch.Tensor:
     """``dequant(a) @ dequant(b)^T`` in ``out_dtype`` from quantized ``a`` (M, K) and ``b`` (N, K),
     both row-major along K with scales from :func:`quantize`: ``torch._scaled_mm`` (a row-major,
     b column-major, rowwise scales as (M, 1) and (1, N)) where it takes the operands, else the
     reference. A refusal is remembered per (device, formats, scaling, shape) and logged once.
+
+    ``sparse_b``: ``b`` is 2:4 along K (a pruned weight). Where cuSPARSELt has FP8 2:4 GEMMs (sm89+,
+    e4m3 operands, ``a`` with a single scale), the GEMM also has a 2:4 route, ``b`` compressed on
+    each call, and runs whichever of the two measured faster at this shape (``ops.choices()`` key
+    ``fp8-fwd``); the product is the same up to the GEMM's rounding.
     Under torch's tracers this is the custom op ``twofour::scaled_mm``, so a compiled model keeps
     the FP8 linear in one graph."""
-    args = (qa, sa, qb, sb, out_dtype)
+    args = (qa, sa, qb, sb, out_dtype, sparse_b)
     return _scaled_mm_op(*args) if torch.compiler.is_compiling() else _scaled_mm(*args)
 
 
@@ -247,18 +309,20 @@ class FP8LinearFn(torch.autograd.Function):
     """y = x W_eff^T + b with FP8 GEMMs: forward x(e4m3) W_eff(e4m3)^T, dX = dY(e5m2) W_eff(e4m3),
     dW = dY^T(e5m2) X(e4m3) (on the MVUE 2:4 estimate of dY^T with ``mvue``), outputs in the
     compute dtype; dW passed straight through to the master ``weight``; ``grad``: whether grad
-    mode was on at the call (no backward copies otherwise). Tensorwise, each operand
+    mode was on at the call (no backward copies otherwise); ``sparse``: W_eff is 2:4 (the forward
+    GEMM may then run FP8 2:4, :func:`scaled_mm`). Tensorwise, each operand
     is quantized once, with the transposed copy its other GEMM reads written in the same pass;
     rowwise, the other axis is quantized again from the high-precision tensor."""
 
     @staticmethod
-    def forward(ctx, x, weight, bias, w_eff, mvue: bool, scaling: Scaling, cdt: torch.dtype, grad: bool = True):
+    def forward(ctx, x, weight, bias, w_eff, mvue: bool, scaling: Scaling, cdt: torch.dtype, grad: bool = True,
+                sparse: bool = False):
         x2 = x.reshape(-1, x.shape[-1])
         tw = not scaling.rowwise
         need_dx, need_dw = grad and ctx.needs_input_grad[0], grad and ctx.needs_input_grad[1]
         qx, sx, qxt = quantize_t(x2, E4M3, scaling, transposed=tw and need_dw)
         qw, sw, qwt = quantize_t(w_eff, E4M3, scaling, transposed=tw and need_dx)
-        y = scaled_mm(qx, sx, qw, sw, cdt)
+        y = scaled_mm(qx, sx, qw, sw, cdt, sparse_b=sparse)
         if bias is not None:
             y = y + bias.to(cdt)
         if tw:  # what the backward multiplies: W^T and X^T, row-major along N and T
@@ -298,16 +362,17 @@ class FP8LinearFn(torch.autograd.Function):
             dw = scaled_mm(qdt, sdt, qxt, sxt, cdt).to(ctx.w_dtype)
         if ctx.has_bias and ctx.needs_input_grad[2]:
             db = dy2.sum(0)
-        return dx, dw, db, None, None, None, None, None
+        return dx, dw, db, None, None, None, None, None, None
 
 
 def fp8_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, w_eff: torch.Tensor | None = None,
-               *, mvue: bool = False, scaling: Scaling = DEFAULT_SCALING) -> torch.Tensor:
+               *, mvue: bool = False, scaling: Scaling = DEFAULT_SCALING, sparse: bool = False) -> torch.Tensor:
     """``F.linear(x, w_eff, bias)`` with FP8 GEMMs (:class:`FP8LinearFn`), the gradient of the
     effective weight ``w_eff`` (default ``weight``) going to ``weight``. The GEMMs run in
-    autocast's dtype if on, else ``x``'s; the output has that dtype."""
+    autocast's dtype if on, else ``x``'s; the output has that dtype. ``sparse``: ``w_eff`` is 2:4
+    along its rows, so the forward GEMM may run FP8 2:4 where that measures faster."""
     dev = x.device.type
     cdt = torch.get_autocast_dtype(dev) if torch.is_autocast_enabled(dev) else x.dtype
     w_eff = weight.detach() if w_eff is None else w_eff
     with torch.autocast(dev, enabled=False):
-        return FP8LinearFn.apply(x, weight, bias, w_eff.detach(), mvue, scaling, cdt, torch.is_grad_enabled())
+        return FP8LinearFn.apply(x, weight, bias, w_eff.detach(), mvue, scaling, cdt, torch.is_grad_enabled(), sparse)

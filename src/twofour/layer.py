@@ -233,13 +233,13 @@ class SparseLinear(nn.Linear):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         r = self.recipe
-        if r.fp8:  # FP8 GEMMs (torch._scaled_mm, else their reference), dense recipe included
+        if r.fp8:  # FP8 GEMMs (torch._scaled_mm or FP8 2:4, else their reference), dense recipe included
             if self._dense or torch.compiler.is_compiling() or not applies(x, self.in_features, self.out_features):
                 w_eff = self.effective_weight()
             else:  # the fused kernel's dense effective weight (no 2:4 operands), once per optimizer step
                 w_eff = self.compressed.get(self.weight, self.pruner, self.beta, self.mask, self._step,
                                             compute_dtype(x), sparse=False)[1]
-            return fp8_linear(x, self.weight, self.bias, w_eff, mvue=r.mvue and not self._dense,
+            return fp8_linear(x, self.weight, self.bias, w_eff, mvue=r.mvue and not self._dense, sparse=not self._dense,
                               scaling=ROWWISE if r.fp8_rowwise else DEFAULT_SCALING)
         if not r.sparse:
             return super().forward(x)
