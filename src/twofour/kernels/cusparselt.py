@@ -7,8 +7,8 @@ operand order and costs ~20-30 us per call. Every plan computes
     D (M x N) = A (M x K, 2:4 along K, row-major, compressed) @ B (K x N)
 
 with B and D in row- or column-major order, as the caller's memory already is. A and B are
-bf16, fp16 or FP8 (e4m3, where the GPU has FP8 sparse tensor cores: sm89 and sm90), D is A's
-dtype or another (bf16 from FP8 operands; the GEMM does not scale them:
+bf16, fp16 or FP8 (both e4m3 or both e5m2, with B column-major, on GPUs with FP8 sparse tensor
+cores), D is A's dtype or another (bf16 from FP8 operands; the GEMM does not scale them:
 ``benchmarks/fp8_spmm.py`` found cuSPARSELt 0.8 on the H100 refusing per-row alpha for FP8 and
 ignoring device-side operand scales). A plan optionally
 adds a bias vector (one value per row of D) in the GEMM's epilogue: a plan built with a bias
