@@ -45,9 +45,9 @@ def fake(monkeypatch):
             plans[key] = FakePlan(key, ran)
         return plans[key]
 
-    def get_plan(m, k, n, b_order, d_order, dtype, device=None, bias=False, config=None):
+    def get_plan(m, k, n, b_order, d_order, dtype, device=None, bias=False, config=None, out_dtype=None):
         return plan_for(real_cs.PlanKey(m, k, n, b_order, d_order, dtype, 0 if device is None else device, bias,
-                                        config))
+                                        config, None if out_dtype == dtype else out_dtype))
 
     def drop_plan(plan):
         plans.pop(plan.key, None)
