@@ -9,12 +9,13 @@
    B e4m3).
 2. At GPT-2 774M's and Llama 7B's FFN shapes (16384 tokens; ``--quick``: 774M only), the forward
    GEMM y = x W^T with a 2:4 W: bf16 dense (cuBLAS), bf16 2:4 (cuSPARSELt), FP8 dense
-   (``torch._scaled_mm``), the FP8 2:4 GEMM alone (its fastest configuration), cuSPARSELt's
+   (``torch._scaled_mm``), the FP8 2:4 GEMM alone (in the configuration the dispatch keeps), cuSPARSELt's
    compression of the e4m3 weight, the pass that scales the output, and the FP8 2:4 route as
    ``fp8.scaled_mm`` runs it (compression, GEMM, scaling pass); with each one's share of its
    limit: the dense tensor-core peaks (H100 SXM: 989 TFLOP/s bf16, 1979 FP8; 2:4 GEMMs against
-   twice those) and copy bandwidth (2972 GB/s on the H100) for the compression (read W, write
-   half of it and the metadata) and the scaling pass (read and write the output).
+   twice those) and copy bandwidth (measured here, ``twofour.bench.copy_bandwidth``) for the
+   compression (read W, write half of it and the metadata) and the scaling pass (read and write
+   the output).
 3. ``fp8.scaled_mm(..., sparse_b=True)`` with the dispatch free (``gemm=auto``): the route it
    picked, the times it measured, and the error of each route against the reference.
 """
@@ -29,6 +30,7 @@ from triton.testing import do_bench
 
 from twofour import fp8 as F8
 from twofour import settings
+from twofour.bench import copy_bandwidth
 from twofour.kernels import cusparselt as cs
 from twofour.kernels import ops
 from twofour.pruning import hard_threshold_24
@@ -36,8 +38,7 @@ from twofour.pruning import hard_threshold_24
 BF = torch.bfloat16
 SHAPES = [("gpt2-774m fc", 16384, 1280, 5120), ("gpt2-774m proj", 16384, 5120, 1280),
           ("llama-7b up", 16384, 4096, 11008), ("llama-7b down", 16384, 11008, 4096)]
-PEAK = {"bf16": 989e12, "fp8": 1979e12}  # H100 SXM dense tensor-core peaks
-COPY_BW = 2972e9  # H100 copy bandwidth (docs/PERFORMANCE.md)
+PEAK = {"bf16": 989e12, "fp8": 1979e12}  # H100 SXM dense tensor-core peaks (NVIDIA's data sheet)
 
 
 def rel(a: torch.Tensor, b: torch.Tensor) -> float:
@@ -140,30 +141,24 @@ def scaling_modes() -> list[str]:
     return lines
 
 
-def fastest_plan_ms(wc: torch.Tensor, b: torch.Tensor, n: int, dtype: torch.dtype, out_dtype: torch.dtype) -> float:
-    """The FP8 or bf16 2:4 GEMM alone (B column-major, D column-major) in its fastest configuration."""
+def fastest_plan_ms(wc: torch.Tensor, b: torch.Tensor, n: int, out_dtype: torch.dtype) -> float:
+    """The FP8 or bf16 2:4 GEMM alone (B column-major, D column-major) in the configuration the
+    dispatch keeps (``ops.spmm`` times them all at its first call)."""
     k, t = b.shape
-    base = cs.get_plan(n, k, t, cs.COL, cs.COL, dtype, out_dtype=out_dtype)
+    ops.spmm(wc, b, n, True, out_dtype=out_dtype)
+    plan = cs.get_plan(n, k, t, cs.COL, cs.COL, b.dtype, out_dtype=out_dtype)
+    plan = plan.tuned or plan
     out = torch.empty((t, n), dtype=out_dtype, device="cuda")
-    best = float("inf")
-    for config in range(base.num_configs):
-        try:
-            p = cs.get_plan(n, k, t, cs.COL, cs.COL, dtype, config=config, out_dtype=out_dtype)
-            if p.config_id != config:
-                continue
-            p.matmul(wc, b, out)
-            torch.cuda.synchronize()
-        except Exception:  # noqa: BLE001 - a configuration this shape cannot run
-            continue
-        best = min(best, do_bench(lambda p=p: p.matmul(wc, b, out), warmup=10, rep=60))
-    return best
+    return do_bench(lambda: plan.matmul(wc, b, out), warmup=10, rep=60)
 
 
 def timings(shapes) -> list[str]:
     names = ["bf16 dense", "bf16 2:4", "FP8 dense", "FP8 2:4 GEMM", "compress e4m3 W", "scaling pass",
              "FP8 2:4 route"]
     lines = ["| at 16384 tokens | " + " | ".join(names) + " | route vs FP8 dense |", "|---" * (len(names) + 2) + "|"]
-    shares = ["| share of limit | " + " | ".join(names[:-1]) + " |", "|---" * len(names) + "|"]
+    copy_bw = copy_bandwidth() * 1e9
+    shares = [f"copy bandwidth measured here: {copy_bw / 1e9:.0f} GB/s", "",
+              "| share of limit | " + " | ".join(names[:-1]) + " |", "|---" * len(names) + "|"]
     for name, t, k, n in shapes:
         ms = shape_timings(t, k, n)
         torch.cuda.empty_cache()
@@ -173,8 +168,8 @@ def timings(shapes) -> list[str]:
         compress_bytes = n * k + n * k // 2 + n * k // 8  # read W, write half of it and the metadata
         limit = {"bf16 dense": flop / PEAK["bf16"], "bf16 2:4": flop / (2 * PEAK["bf16"]),
                  "FP8 dense": flop / PEAK["fp8"], "FP8 2:4 GEMM": flop / (2 * PEAK["fp8"]),
-                 "compress e4m3 W": compress_bytes / COPY_BW,
-                 "scaling pass": 2 * 2 * t * n / COPY_BW}
+                 "compress e4m3 W": compress_bytes / copy_bw,
+                 "scaling pass": 2 * 2 * t * n / copy_bw}
         shares.append(f"| {name} | " + " | ".join(f"{limit[c] * 1e3 / ms[c]:.0%}" for c in names[:-1]) + " |")
     return lines + [""] + shares
 
@@ -192,9 +187,9 @@ def shape_timings(t: int, k: int, n: int) -> dict[str, float]:
 
     ms = {
         "bf16 dense": bench(lambda: x @ w.t()),
-        "bf16 2:4": fastest_plan_ms(cs.compress(w), x.t(), n, BF, BF),
+        "bf16 2:4": fastest_plan_ms(cs.compress(w), x.t(), n, BF),
         "FP8 dense": bench(lambda: torch._scaled_mm(qx, qw.t(), sx, sw, out_dtype=BF)),
-        "FP8 2:4 GEMM": fastest_plan_ms(cs.compress(qw), qx.t(), n, F8.E4M3, BF),
+        "FP8 2:4 GEMM": fastest_plan_ms(cs.compress(qw), qx.t(), n, BF),
         "compress e4m3 W": bench(lambda: cs.compress(qw)),
         "scaling pass": bench(lambda: y.mul_(scale)),
     }

@@ -23,14 +23,13 @@ import torch
 
 from ..packed import group_codes
 
-__all__ = ["compressed_size", "compress_reference", "compress_codes", "decompress_reference", "supported_shape",
-           "tile_columns"]
+__all__ = ["compressed_size", "compress_reference", "compress_codes", "decompress_reference", "supported_shape"]
 
 
 _PAD_CODE = 14  # padding rows read as "keep 2 and 3" of zeros, as cuSPARSELt writes them
 
 
-def tile_columns(itemsize: int = 2) -> int:
+def _tile_columns(itemsize: int = 2) -> int:
     """Columns of one metadata tile: 32 for two-byte elements, 64 for one-byte (FP8) ones."""
     return 64 if itemsize == 1 else 32
 
@@ -38,7 +37,7 @@ def tile_columns(itemsize: int = 2) -> int:
 def supported_shape(m: int, k: int, itemsize: int = 2) -> bool:
     """Shapes whose layout this module knows: K a multiple of the tile's columns (32 for two-byte
     elements, 64 for FP8)."""
-    return m > 0 and k > 0 and k % tile_columns(itemsize) == 0
+    return m > 0 and k > 0 and k % _tile_columns(itemsize) == 0
 
 
 def compressed_size(m: int, k: int, itemsize: int = 2) -> int:
@@ -88,7 +87,7 @@ def compress_reference(a: torch.Tensor, mask: torch.Tensor | None = None) -> tor
     """
     m, k = a.shape
     if not supported_shape(m, k, a.element_size()):
-        raise ValueError(f"compressed layout known only for K a multiple of {tile_columns(a.element_size())}, "
+        raise ValueError(f"compressed layout known only for K a multiple of {_tile_columns(a.element_size())}, "
                          f"got shape {(m, k)}")
     bits = _bits(a)
     if mask is None:  # a non-zero value: any bit set besides the sign's
@@ -111,7 +110,7 @@ def compress_codes(values: torch.Tensor, codes: torch.Tensor) -> torch.Tensor:
     size = values.element_size()
     if codes.shape != (m, half // 2) or not supported_shape(m, 2 * half, size):
         raise ValueError(f"compress_codes: values {tuple(values.shape)} and codes {tuple(codes.shape)} don't "
-                         f"describe an (M, K) matrix with K a multiple of {tile_columns(size)}")
+                         f"describe an (M, K) matrix with K a multiple of {_tile_columns(size)}")
     meta = _meta_bytes(codes.to(torch.int32), size)
     return torch.cat([values.contiguous().view(torch.uint8).reshape(-1), meta])
 
