@@ -8,16 +8,19 @@
    per-row alpha vector; A and B scale modes with device pointers) and mixed formats (A e5m2,
    B e4m3).
 2. At GPT-2 774M's and Llama 7B's FFN shapes (16384 tokens; ``--quick``: 774M only), the forward
-   GEMM y = x W^T with a 2:4 W: bf16 dense (cuBLAS), bf16 2:4 (cuSPARSELt), FP8 dense
-   (``torch._scaled_mm``), the FP8 2:4 GEMM alone (in the configuration the dispatch keeps), cuSPARSELt's
-   compression of the e4m3 weight, the pass that scales the output, and the FP8 2:4 route as
-   ``fp8.scaled_mm`` runs it (compression, GEMM, scaling pass); with each one's share of its
-   limit: the dense tensor-core peaks (H100 SXM: 989 TFLOP/s bf16, 1979 FP8; 2:4 GEMMs against
-   twice those) and copy bandwidth (measured here, ``twofour.bench.copy_bandwidth``) for the
+   GEMM y = x W^T + b with a 2:4 W: bf16 dense (cuBLAS), bf16 2:4 (cuSPARSELt), FP8 dense
+   (``torch._scaled_mm``, without and with the bias in its epilogue), the FP8 2:4 GEMM alone (in
+   the configuration the dispatch keeps), the compression of the e4m3 weight by cuSPARSELt and by
+   twofour's Triton kernel (``compress_e4m3``, what the route runs), the pass that scales the
+   output and adds the bias (``fp8cast.rescale_``), and the FP8 2:4 route as ``fp8.scaled_mm``
+   runs it with the bias (compression, GEMM, scaling pass); with each one's share of its limit:
+   the dense tensor-core peaks (H100 SXM: 989 TFLOP/s bf16, 1979 FP8; 2:4 GEMMs against twice
+   those) and copy bandwidth (measured here, ``twofour.bench.copy_bandwidth``) for the
    compression (read W, write half of it and the metadata) and the scaling pass (read and write
    the output).
-3. ``fp8.scaled_mm(..., sparse_b=True)`` with the dispatch free (``gemm=auto``): the route it
-   picked, the times it measured, and the error of each route against the reference.
+3. ``fp8.scaled_mm(..., sparse_b=True)`` with the dispatch free (``gemm=auto``), without and with a
+   bias: the route it picked, the times it measured, and the error of each route against the
+   reference.
 """
 
 from __future__ import annotations
@@ -32,7 +35,8 @@ from twofour import fp8 as F8
 from twofour import settings
 from twofour.bench import copy_bandwidth
 from twofour.kernels import cusparselt as cs
-from twofour.kernels import ops
+from twofour.kernels import fp8cast, ops
+from twofour.kernels.compress import compress_e4m3
 from twofour.pruning import hard_threshold_24
 
 BF = torch.bfloat16
@@ -153,24 +157,28 @@ def fastest_plan_ms(wc: torch.Tensor, b: torch.Tensor, n: int, out_dtype: torch.
 
 
 def timings(shapes) -> list[str]:
-    names = ["bf16 dense", "bf16 2:4", "FP8 dense", "FP8 2:4 GEMM", "compress e4m3 W", "scaling pass",
-             "FP8 2:4 route"]
-    lines = ["| at 16384 tokens | " + " | ".join(names) + " | route vs FP8 dense |", "|---" * (len(names) + 2) + "|"]
+    names = ["bf16 dense", "bf16 2:4", "FP8 dense", "FP8 dense + bias", "FP8 2:4 GEMM", "compress e4m3 W, cuSPARSELt",
+             "compress e4m3 W, Triton", "scale + bias pass", "FP8 2:4 route + bias"]
+    lines = ["| at 16384 tokens | " + " | ".join(names) + " | route vs FP8 dense, with bias |",
+             "|---" * (len(names) + 2) + "|"]
     copy_bw = copy_bandwidth() * 1e9
+    parts = names[:-1]
     shares = [f"copy bandwidth measured here: {copy_bw / 1e9:.0f} GB/s", "",
-              "| share of limit | " + " | ".join(names[:-1]) + " |", "|---" * len(names) + "|"]
+              "| share of limit | " + " | ".join(parts) + " |", "|---" * (len(parts) + 1) + "|"]
     for name, t, k, n in shapes:
         ms = shape_timings(t, k, n)
         torch.cuda.empty_cache()
         lines.append(f"| {name} {k}->{n} | " + " | ".join(f"{ms[c]:.3f} ms" for c in names)
-                     + f" | {ms['FP8 dense'] / ms['FP8 2:4 route']:.2f}x |")
+                     + f" | {ms['FP8 dense + bias'] / ms['FP8 2:4 route + bias']:.2f}x |")
         flop = 2 * t * k * n
         compress_bytes = n * k + n * k // 2 + n * k // 8  # read W, write half of it and the metadata
         limit = {"bf16 dense": flop / PEAK["bf16"], "bf16 2:4": flop / (2 * PEAK["bf16"]),
-                 "FP8 dense": flop / PEAK["fp8"], "FP8 2:4 GEMM": flop / (2 * PEAK["fp8"]),
-                 "compress e4m3 W": compress_bytes / copy_bw,
-                 "scaling pass": 2 * 2 * t * n / copy_bw}
-        shares.append(f"| {name} | " + " | ".join(f"{limit[c] * 1e3 / ms[c]:.0%}" for c in names[:-1]) + " |")
+                 "FP8 dense": flop / PEAK["fp8"], "FP8 dense + bias": flop / PEAK["fp8"],
+                 "FP8 2:4 GEMM": flop / (2 * PEAK["fp8"]),
+                 "compress e4m3 W, cuSPARSELt": compress_bytes / copy_bw,
+                 "compress e4m3 W, Triton": compress_bytes / copy_bw,
+                 "scale + bias pass": (2 * 2 * t * n + 2 * n) / copy_bw}
+        shares.append(f"| {name} | " + " | ".join(f"{limit[c] * 1e3 / ms[c]:.0%}" for c in parts) + " |")
     return lines + [""] + shares
 
 
@@ -179,8 +187,9 @@ def shape_timings(t: int, k: int, n: int) -> dict[str, float]:
     x, w = operands(t, k, n)
     qx, sx = F8.quantize(x, F8.E4M3)
     qw, sw = F8.quantize(w, F8.E4M3)
-    y = torch.empty(t, n, device="cuda", dtype=BF)
-    scale = (sx * sw).reshape(1)
+    b = torch.randn(n, device="cuda", dtype=BF)
+    y = torch.randn(t, n, device="cuda", dtype=BF)
+    assert torch.equal(compress_e4m3(qw), cs.compress(qw)), "the Triton compression disagrees with cuSPARSELt's"
 
     def bench(fn) -> float:
         return do_bench(fn, warmup=10, rep=60)
@@ -189,31 +198,36 @@ def shape_timings(t: int, k: int, n: int) -> dict[str, float]:
         "bf16 dense": bench(lambda: x @ w.t()),
         "bf16 2:4": fastest_plan_ms(cs.compress(w), x.t(), n, BF),
         "FP8 dense": bench(lambda: torch._scaled_mm(qx, qw.t(), sx, sw, out_dtype=BF)),
+        "FP8 dense + bias": bench(lambda: torch._scaled_mm(qx, qw.t(), sx, sw, bias=b, out_dtype=BF)),
         "FP8 2:4 GEMM": fastest_plan_ms(cs.compress(qw), qx.t(), n, BF),
-        "compress e4m3 W": bench(lambda: cs.compress(qw)),
-        "scaling pass": bench(lambda: y.mul_(scale)),
+        "compress e4m3 W, cuSPARSELt": bench(lambda: cs.compress(qw)),
+        "compress e4m3 W, Triton": bench(lambda: compress_e4m3(qw)),
+        "scale + bias pass": bench(lambda: fp8cast.rescale_(y, sx, sw, b)),
     }
     with settings.override(gemm="sparse"):
-        ms["FP8 2:4 route"] = bench(lambda: F8.scaled_mm(qx, sx, qw, sw, BF, sparse_b=True))
+        ms["FP8 2:4 route + bias"] = bench(lambda: F8.scaled_mm(qx, sx, qw, sw, BF, sparse_b=True, bias=b))
     return ms
 
 
 def dispatch(shapes) -> list[str]:
-    lines = ["| shape | choice | ms (dispatch) | sparse route vs reference | dense vs reference |",
-             "|---|---|---|---|---|"]
+    lines = ["| shape | bias | choice | ms (dispatch) | sparse route vs reference | dense vs reference |",
+             "|---|---|---|---|---|---|"]
     for name, t, k, n in shapes:
         x, w = operands(t, k, n)
         qx, sx = F8.quantize(x, F8.E4M3)
         qw, sw = F8.quantize(w, F8.E4M3)
-        ref = F8.dequantize(qx, sx) @ F8.dequantize(qw, sw).t()
-        errs = {}
-        for mode in ("sparse", "dense"):
-            with settings.override(gemm=mode):
-                errs[mode] = rel(F8.scaled_mm(qx, sx, qw, sw, BF, sparse_b=True), ref)
-        F8.scaled_mm(qx, sx, qw, sw, BF, sparse_b=True)
-        hit = next((v for key, v in ops.choices().items() if key.startswith(f"fp8-fwd:{n}x{k}x{t}:")), None)
-        lines.append(f"| {name} | {hit['choice'] if hit else 'none'} | {hit['ms'] if hit else ''} | "
-                     f"{errs['sparse']:.1e} | {errs['dense']:.1e} |")
+        for b in (None, torch.randn(n, device="cuda", dtype=BF)):
+            ref = F8.dequantize(qx, sx) @ F8.dequantize(qw, sw).t() + (0 if b is None else b.float())
+            errs = {}
+            for mode in ("sparse", "dense"):
+                with settings.override(gemm=mode):
+                    errs[mode] = rel(F8.scaled_mm(qx, sx, qw, sw, BF, sparse_b=True, bias=b), ref)
+            F8.scaled_mm(qx, sx, qw, sw, BF, sparse_b=True, bias=b)
+            kind = "fp8-fwd" if b is None else "fp8-fwd+bias"
+            hit = next((v for key, v in ops.choices().items() if key.startswith(f"{kind}:{n}x{k}x{t}:")), None)
+            ms = ", ".join(f"{c} {v:.3f}" for c, v in hit["ms"].items()) if hit else ""
+            lines.append(f"| {name} | {'yes' if b is not None else 'no'} | {hit['choice'] if hit else 'none'} | {ms} | "
+                         f"{errs['sparse']:.1e} | {errs['dense']:.1e} |")
     return lines
 
 

@@ -104,6 +104,38 @@ def test_scaled_mm_matches_reference(device, shape, scaling):
     assert rel(y, ref) < 1e-2  # the same products, rounded once to bf16
 
 
+@pytest.mark.parametrize("scaling", SCALING, ids=lambda s: s.name)
+def test_scaled_mm_adds_the_bias(device, scaling):
+    """The bias goes into the GEMM's epilogue (or the reference's float32 sum): added once, to
+    every row."""
+    qa, sa = quantize(torch.randn(48, 64, device=device), E4M3, scaling)
+    qb, sb = quantize(torch.randn(32, 64, device=device), E4M3, scaling)
+    b = (torch.randn(32, device=device) * 10).to(torch.bfloat16)
+    y = scaled_mm(qa, sa, qb, sb, torch.bfloat16, bias=b)
+    ref = dequantize(qa, sa) @ dequantize(qb, sb).t() + b.float()
+    assert y.dtype == torch.bfloat16 and rel(y, ref) < 1e-2
+    assert rel(y - scaled_mm(qa, sa, qb, sb, torch.bfloat16), b.float().expand(48, 32)) < 2e-2
+
+
+@pytest.mark.skipif(not fp8cast.HAS_TRITON, reason="needs triton")
+@pytest.mark.parametrize("out", [torch.bfloat16, torch.float16], ids=str)
+@pytest.mark.parametrize("shape", [(64, 256), (37, 100)], ids=str)  # the second: partial tiles
+@pytest.mark.parametrize("with_bias", [False, True], ids=["no-bias", "bias"])
+def test_rescale_matches_plain_torch(device, out, shape, with_bias):
+    """The pass that scales an FP8 2:4 GEMM's output: the float32 product and sum rounded once,
+    the same bits as plain torch; a non-finite scale reaches every element."""
+    y = (torch.randn(shape, device=device) * 300).to(out)
+    sa, sb = torch.tensor(0.0173, device=device), torch.tensor(2.9, device=device)
+    bias = torch.randn(shape[1], device=device).to(out) if with_bias else None
+    want = y.float() * (sa * sb)
+    want = (want if bias is None else want + bias.float()).to(out)
+    got = fp8cast.rescale_(y.clone(), sa, sb, bias)
+    assert torch.equal(got.view(torch.int16), want.view(torch.int16))
+    assert torch.isnan(fp8cast.rescale_(y.clone(), torch.tensor(float("nan"), device=device), sb, bias)).all()
+    with pytest.raises(ValueError, match="contiguous 2-D"):
+        fp8cast.rescale_(y.t(), sa, sb)
+
+
 def reference_linear(x, w, b, scaling, mvue=False):
     """y, dX, dW of the FP8 linear, from operands dequantized in plain torch."""
     def fq(t, fmt):
@@ -343,14 +375,18 @@ def test_gpu_plan_free_compression_writes_the_plans_bytes(shape, dtype):
     plan = cs.get_plan(m, k, 64, cs.COL, cs.COL, dtype, out_dtype=torch.bfloat16)
     assert torch.equal(cs.compress(a), plan.compress(a))
     assert torch.equal(cs.compress(a).cpu(), compress_reference(a.cpu(), mask.cpu()))
+    if dtype == E4M3:  # and the Triton kernel the FP8 2:4 route runs writes the same bytes
+        from twofour.kernels.compress import compress_e4m3
+
+        assert torch.equal(compress_e4m3(a), cs.compress(a))
 
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("shape", [(256, 128, 96), (64, 512, 320)])
 def test_gpu_fp8_sparse_forward_matches_reference(shape):
-    """The FP8 2:4 route of the forward GEMM (weight compressed by cuSPARSELt, operand scales in
-    its alpha vector) computes the reference product, as the dense FP8 route does; the dispatch
-    times both once and records them."""
+    """The FP8 2:4 route of the forward GEMM (the weight compressed by the Triton kernel, the
+    operands' scales and the bias in one pass over the output) computes the reference product, as
+    the dense FP8 route does; the dispatch times both once and records them."""
     if not _fp8_sparse_gpu():
         pytest.skip("needs an sm89+ GPU with the fast path")
     torch.manual_seed(0)
@@ -359,12 +395,15 @@ def test_gpu_fp8_sparse_forward_matches_reference(shape):
     w = torch.randn(n, k, device="cuda") * mask_24(torch.randn(n, k, device="cuda"))
     qx, sx = quantize(x, E4M3)
     qw, sw = quantize(w.to(torch.bfloat16), E4M3)
+    b = torch.randn(n, device="cuda").to(torch.bfloat16)
     ref = dequantize(qx, sx) @ dequantize(qw, sw).t()
     for mode in ("sparse", "dense"):
         with settings.override(gemm=mode):
             y = scaled_mm(qx, sx, qw, sw, torch.bfloat16, sparse_b=True)
-        assert y.shape == (t, n) and y.is_contiguous() and y.dtype == torch.bfloat16
-        assert rel(y, ref) < 1e-2, mode
+            yb = scaled_mm(qx, sx, qw, sw, torch.bfloat16, sparse_b=True, bias=b)
+        for got, want in ((y, ref), (yb, ref + b.float())):
+            assert got.shape == (t, n) and got.is_contiguous() and got.dtype == torch.bfloat16
+            assert rel(got, want) < 1e-2, mode
     if settings.gemm == "auto":
         ops.clear_choices()
         scaled_mm(qx, sx, qw, sw, torch.bfloat16, sparse_b=True)

@@ -251,3 +251,52 @@ def test_every_cusparselt_configuration_computes_the_same_product(d_col, b_col):
     torch.testing.assert_close(y.float(), ref, rtol=2e-2, atol=2e-2)
     keys = [key for key in ops.choices() if key.startswith(f"spmm-d{'col' if d_col else 'row'}:{m}x{k}x{n}:")]
     assert len(keys) == 1 and ops.choices()[keys[0]]["choice"].startswith("sparse#")
+
+
+# ---- e4m3: the FP8 2:4 GEMM's sparse operand --------------------------------------------------
+
+E4M3 = torch.float8_e4m3fn
+
+
+def test_e4m3_matches_bytes_written_by_cusparselt(device):
+    """The e4m3 compression writes, byte for byte, what cuSPARSELt wrote for these matrices on an
+    H100 (benchmarks/probe_layout_fp8.py; padding rows included)."""
+    from pathlib import Path
+
+    for rec in torch.load(Path(__file__).parent / "data" / "cusparselt_compressed_e4m3_h100.pt"):
+        for dense, comp in zip(rec["dense"], rec["comp"]):
+            assert torch.equal(ck.compress_e4m3(dense.view(E4M3).to(device)).cpu(), comp), (rec["m"], rec["k"])
+
+
+@pytest.mark.parametrize("shape", [(64, 64), (70, 128), (130, 192), (33, 320)])
+def test_e4m3_random_2to4(shape, device):
+    """Random 2:4 matrices, rows not a multiple of 64 and K not a multiple of the tile width: the
+    reference layout's bytes."""
+    w = torch.randn(shape, device=device)
+    q = (w * mask_24(w)).to(E4M3)
+    assert torch.equal(ck.compress_e4m3(q).cpu(), compress_reference(q.cpu()))
+
+
+def test_e4m3_sparser_groups_and_signed_zeros_round_trip(device):
+    """Groups with fewer than two non-zeros (underflow, pruned rows) and negative zeros: what is
+    kept decompresses to the same bytes."""
+    w = torch.randn(128, 128, device=device)
+    q = (w * mask_24(w)).to(E4M3)
+    q = q.view(torch.uint8).clone()
+    q[::3, ::5] = 0  # some groups with one non-zero, or none
+    q[5] = 0x80  # a row of negative zeros
+    q[7, :4] = torch.tensor([0, 0x80, 0x7F, 0], dtype=torch.uint8)  # with a NaN, which is kept
+    buf = ck.compress_e4m3(q.view(E4M3))
+    back = decompress_reference(buf.cpu(), 128, 128, E4M3).view(torch.uint8)
+    qc = q.cpu()
+    assert torch.equal(back & 0x7F, qc & 0x7F)  # every magnitude (a dropped -0 comes back as +0)
+    assert torch.equal(back[qc & 0x7F != 0], qc[qc & 0x7F != 0])  # signs of the non-zeros
+
+
+def test_e4m3_bad_input():
+    with pytest.raises(ValueError, match="float8_e4m3fn"):
+        ck.compress_e4m3(torch.zeros(64, 64, dtype=torch.bfloat16))
+    with pytest.raises(ValueError, match="not contiguous"):
+        ck.compress_e4m3(torch.zeros(64, 128).to(E4M3).t())
+    with pytest.raises(ValueError, match="multiple of 64"):
+        ck.compress_e4m3(torch.zeros(64, 32).to(E4M3))

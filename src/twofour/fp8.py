@@ -9,12 +9,13 @@ each GEMM falls back to the reference (dequantize, multiply in the compute dtype
 ``_scaled_mm`` is missing or refuses the operands.
 
 The forward GEMM of a 2:4 weight also has an FP8 2:4 route, taken where it measures faster than
-the dense FP8 GEMM with every cost counted: the e4m3 weight compressed by cuSPARSELt, its FP8
-2:4 GEMM, and one pass over the output for the operands' scales, since cuSPARSELt 0.8 on
-sm90 refuses a per-row alpha for FP8 and ignores device-side operand scales
-(``benchmarks/fp8_spmm.py``), and a host-side alpha would need the scale on the host (a sync per
-GEMM). The backward GEMMs stay dense: cuSPARSELt builds FP8 2:4 GEMMs of two e4m3 or two e5m2
-operands, not of one of each, which is what they multiply (the probe above).
+the dense FP8 GEMM with every cost counted: the e4m3 weight compressed into cuSPARSELt's layout (a
+Triton kernel), its FP8 2:4 GEMM, and one pass over the output for the operands' scales and the
+bias, since cuSPARSELt 0.8 on sm90 refuses a per-row alpha for FP8 and ignores device-side
+operand scales (``benchmarks/fp8_spmm.py``), and a host-side alpha would need the scale on the
+host (a sync per GEMM). The dense route adds the bias in ``_scaled_mm``'s epilogue. The backward
+GEMMs stay dense: cuSPARSELt builds FP8 2:4 GEMMs of two e4m3 or two e5m2 operands, not of one of
+each, which is what they multiply (the probe above).
 
 On a GPU the quantization runs Triton kernels (:mod:`twofour.kernels.fp8cast`) or compiled
 passes, whichever measured faster.
@@ -37,6 +38,7 @@ import torch
 
 from . import settings
 from .kernels import cusparselt, fp8cast, ops
+from .kernels.compress import HAS_TRITON, compress_e4m3
 from .kernels.layout import supported_shape
 from .pruning import mvue_24_padded
 
@@ -194,40 +196,47 @@ def scaled_mm_available() -> bool:
 
 def refusals() -> frozenset[tuple]:
     """The operand kinds ``_scaled_mm`` refused so far in this process (each ran the reference):
-    (device type, A format, B format, rowwise, A shape, N, output dtype)."""
+    (device type, A format, B format, rowwise, A shape, N, output dtype, bias or not)."""
     return frozenset(_refused)
 
 
-def _reference_mm(qa, sa, qb, sb, out_dtype):
-    return (dequantize(qa, sa) @ dequantize(qb, sb).t()).to(out_dtype)
+def _reference_mm(qa, sa, qb, sb, out_dtype, bias=None):
+    out = dequantize(qa, sa) @ dequantize(qb, sb).t()
+    return (out if bias is None else out + bias.float()).to(out_dtype)
 
 
 def _dense_mm(qa: torch.Tensor, sa: torch.Tensor, qb: torch.Tensor, sb: torch.Tensor,
-              out_dtype: torch.dtype) -> torch.Tensor:
+              out_dtype: torch.dtype, bias: torch.Tensor | None = None) -> torch.Tensor:
     m, n = qa.shape[0], qb.shape[0]
     qa, qb = qa.contiguous(), qb.contiguous()  # a row-major, b^T column-major (no-ops when already)
-    key = (qa.device.type, qa.dtype, qb.dtype, sa.numel() > 1, tuple(qa.shape), n, out_dtype)
+    key = (qa.device.type, qa.dtype, qb.dtype, sa.numel() > 1, tuple(qa.shape), n, out_dtype, bias is not None)
     if scaled_mm_available() and key not in _refused:
         try:
             return torch._scaled_mm(qa, qb.t(), sa.reshape(m, 1) if sa.numel() > 1 else sa,
-                                    sb.reshape(1, n) if sb.numel() > 1 else sb, out_dtype=out_dtype)
+                                    sb.reshape(1, n) if sb.numel() > 1 else sb, bias=bias, out_dtype=out_dtype)
         except (RuntimeError, NotImplementedError, TypeError) as e:
             _refused.add(key)
-            log.warning("torch._scaled_mm refused %s: %s; this GEMM runs the FP8 reference instead", key,
-                        str(e).splitlines()[0] if str(e) else type(e).__name__)
-    return _reference_mm(qa, sa, qb, sb, out_dtype)
+            log.warning("torch._scaled_mm refused %s: %s; this GEMM runs %s instead", key,
+                        str(e).splitlines()[0] if str(e) else type(e).__name__,
+                        "without the bias, added after it" if bias is not None else "the FP8 reference")
+    if bias is not None and scaled_mm_available():  # refused with the bias epilogue: maybe not without it
+        return _dense_mm(qa, sa, qb, sb, out_dtype).add_(bias)
+    return _reference_mm(qa, sa, qb, sb, out_dtype, bias)
 
 
 def _sparse_mm(qa: torch.Tensor, sa: torch.Tensor, qb: torch.Tensor, sb: torch.Tensor,
-               out_dtype: torch.dtype) -> torch.Tensor:
-    """``dequant(a) @ dequant(b)^T`` with ``b`` 2:4 along K, as one FP8 2:4 GEMM: out^T = B A^T with
-    B compressed on each call and A^T read in place (``a`` row-major is A^T column-major, the
-    order cuSPARSELt's FP8 kernels take), out^T stored column-major (out row-major). The GEMM
-    cannot apply the scales read on the device (module docstring), so one pass over the output
-    multiplies by them, in float32."""
+               out_dtype: torch.dtype, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """``dequant(a) @ dequant(b)^T (+ bias)`` with ``b`` 2:4 along K, as one FP8 2:4 GEMM:
+    out^T = B A^T with B compressed on each call (:func:`twofour.kernels.compress.compress_e4m3`)
+    and A^T read in place (``a`` row-major is A^T column-major, the order cuSPARSELt's FP8 kernels
+    take), out^T stored column-major (out row-major). The GEMM cannot apply the scales read on the
+    device (module docstring), so one pass over the output multiplies by them and adds the bias,
+    in float32 (:func:`twofour.kernels.fp8cast.rescale_`)."""
     n = qb.shape[0]
-    out = ops.spmm(cusparselt.compress(qb.contiguous()), qa.contiguous().t(), n, True, out_dtype=out_dtype).t()
-    return out.mul_((sa * sb).reshape(1))
+    qb = qb.contiguous()
+    packed = compress_e4m3(qb) if HAS_TRITON else cusparselt.compress(qb)
+    out = ops.spmm(packed, qa.contiguous().t(), n, True, out_dtype=out_dtype).t()
+    return fp8cast.rescale_(out, sa, sb, bias)
 
 
 _sparse_failed: set[tuple] = set()  # FP8 2:4 GEMMs cuSPARSELt could not build or run (dense from then on)
@@ -245,24 +254,24 @@ def _sparse_applies(q24: torch.Tensor, s24: torch.Tensor, q: torch.Tensor, s: to
 
 
 def _scaled_mm(qa: torch.Tensor, sa: torch.Tensor, qb: torch.Tensor, sb: torch.Tensor,
-               out_dtype: torch.dtype, sparse_b: bool = False) -> torch.Tensor:
+               out_dtype: torch.dtype, sparse_b: bool = False, bias: torch.Tensor | None = None) -> torch.Tensor:
     if not sparse_b or not _sparse_applies(qb, sb, qa, sa, out_dtype):
-        return _dense_mm(qa, sa, qb, sb, out_dtype)
+        return _dense_mm(qa, sa, qb, sb, out_dtype, bias)
     m, k, n = qa.shape[0], qa.shape[1], qb.shape[0]
     failed = (n, k, m, qb.device.index, out_dtype)
     if failed in _sparse_failed:
-        return _dense_mm(qa, sa, qb, sb, out_dtype)
+        return _dense_mm(qa, sa, qb, sb, out_dtype, bias)
 
-    cands = {"sparse": lambda: _sparse_mm(qa, sa, qb, sb, out_dtype),
-             "dense": lambda: _dense_mm(qa, sa, qb, sb, out_dtype)}
+    cands = {"sparse": lambda: _sparse_mm(qa, sa, qb, sb, out_dtype, bias),
+             "dense": lambda: _dense_mm(qa, sa, qb, sb, out_dtype, bias)}
     try:
-        choice = ops.choose("fp8-fwd", n, k, m, "col", qa.dtype, cands)
+        choice = ops.choose("fp8-fwd+bias" if bias is not None else "fp8-fwd", n, k, m, "col", qa.dtype, cands)
         return cands[choice]()
     except Exception as e:  # noqa: BLE001 - cuSPARSELt refused the operands: the dense GEMM answers
         _sparse_failed.add(failed)
         log.warning("the FP8 2:4 GEMM failed for %s (%s: %s); it runs dense FP8 from now on", failed,
                     type(e).__name__, (str(e).splitlines() or [""])[0])
-        return _dense_mm(qa, sa, qb, sb, out_dtype)
+        return _dense_mm(qa, sa, qb, sb, out_dtype, bias)
 
 
 # one opaque node under torch.compile (a graph break per GEMM otherwise: the refusal check is a try)
@@ -270,16 +279,17 @@ _scaled_mm_op = torch.library.custom_op("twofour::scaled_mm", _scaled_mm, mutate
 
 
 @_scaled_mm_op.register_fake
-def _(qa, sa, qb, sb, out_dtype, sparse_b=False):
+def _(qa, sa, qb, sb, out_dtype, sparse_b=False, bias=None):
     return qa.new_empty((qa.shape[0], qb.shape[0]), dtype=out_dtype)
 
 
 def scaled_mm(qa: torch.Tensor, sa: torch.Tensor, qb: torch.Tensor, sb: torch.Tensor,
-              out_dtype: torch.dtype, sparse_b: bool = False) -> torch.Tensor:
-    """``dequant(a) @ dequant(b)^T`` in ``out_dtype`` from quantized ``a`` (M, K) and ``b`` (N, K),
-    both row-major along K with scales from :func:`quantize`: ``torch._scaled_mm`` (a row-major,
-    b column-major, rowwise scales as (M, 1) and (1, N)) where it takes the operands, else the
-    reference. A refusal is remembered per (device, formats, scaling, shape) and logged once.
+              out_dtype: torch.dtype, sparse_b: bool = False, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """``dequant(a) @ dequant(b)^T (+ bias)`` in ``out_dtype`` from quantized ``a`` (M, K) and ``b``
+    (N, K), both row-major along K with scales from :func:`quantize`: ``torch._scaled_mm`` (a
+    row-major, b column-major, rowwise scales as (M, 1) and (1, N), the bias, N values in
+    ``out_dtype``, added in its epilogue) where it takes the operands, else the reference. A
+    refusal is remembered per (device, formats, scaling, shape, bias or not) and logged once.
 
     ``sparse_b``: ``b`` is 2:4 along K (a pruned weight). Where cuSPARSELt has FP8 2:4 GEMMs (sm89+,
     e4m3 operands, ``a`` with a single scale), the GEMM also has a 2:4 route, ``b`` compressed on
@@ -287,7 +297,7 @@ def scaled_mm(qa: torch.Tensor, sa: torch.Tensor, qb: torch.Tensor, sb: torch.Te
     ``fp8-fwd``); the product is the same up to the GEMM's rounding.
     Under torch's tracers this is the custom op ``twofour::scaled_mm``, so a compiled model keeps
     the FP8 linear in one graph."""
-    args = (qa, sa, qb, sb, out_dtype, sparse_b)
+    args = (qa, sa, qb, sb, out_dtype, sparse_b, bias)
     return _scaled_mm_op(*args) if torch.compiler.is_compiling() else _scaled_mm(*args)
 
 
@@ -322,9 +332,7 @@ class FP8LinearFn(torch.autograd.Function):
         need_dx, need_dw = grad and ctx.needs_input_grad[0], grad and ctx.needs_input_grad[1]
         qx, sx, qxt = quantize_t(x2, E4M3, scaling, transposed=tw and need_dw)
         qw, sw, qwt = quantize_t(w_eff, E4M3, scaling, transposed=tw and need_dx)
-        y = scaled_mm(qx, sx, qw, sw, cdt, sparse_b=sparse)
-        if bias is not None:
-            y = y + bias.to(cdt)
+        y = scaled_mm(qx, sx, qw, sw, cdt, sparse_b=sparse, bias=None if bias is None else bias.to(cdt))
         if tw:  # what the backward multiplies: W^T and X^T, row-major along N and T
             ctx.save_for_backward(qwt, sw, qxt, sx)
         else:

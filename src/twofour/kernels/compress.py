@@ -26,7 +26,7 @@ try:
 except ImportError:  # the reference path needs no Triton
     triton = None
 
-__all__ = ["compress", "MODES", "HAS_TRITON"]
+__all__ = ["compress", "compress_e4m3", "MODES", "HAS_TRITON"]
 
 HAS_TRITON = triton is not None
 MODES = {"hard": 0, "soft": 1, "mask": 2, "mvue": 3}
@@ -212,6 +212,44 @@ if HAS_TRITON:
         x1, x3 = tl.split(odd)
         return x0, x1, x2, x3
 
+    @triton.jit
+    def _compress_e4m3_kernel(src, vals, meta, m_rows, k_cols, n_ct, BC: tl.constexpr):
+        """One 64-row band x BC columns of a row-major e4m3 matrix (read as its bytes): the two
+        largest magnitudes of each group kept (for e4m3 the order of the low 7 bits), written as
+        values and the e4m3 metadata tiles (16 rows x 64 columns in 32-bit words, layout.py)."""
+        G: tl.constexpr = BC // 4
+        CT: tl.constexpr = BC // 64
+        band, pc = tl.program_id(0), tl.program_id(1)
+        r = band * 64 + tl.arange(0, 64)[:, None]  # (64, 1)
+        c = pc * BC + tl.arange(0, BC)[None, :]  # (1, BC)
+        x = tl.load(src + r.to(tl.int64) * k_cols + c, mask=(r < m_rows) & (c < k_cols), other=0).to(tl.int32)
+        x0, x1, x2, x3 = _quads(x, G)
+        k0, k1, k2, k3 = _rank_keep(x0 & 0x7F, x1 & 0x7F, x2 & 0x7F, x3 & 0x7F)
+        i0 = tl.where(k0, 0, tl.where(k1, 1, 2))
+        i1 = tl.where(k3, 3, tl.where(k2, 2, 1))
+        y0, y1 = _pick(k0, k1, k2, k3, x0, x1, x2, x3)
+        vv = tl.reshape(tl.join(y0, y1), (64, BC // 2)).to(tl.uint8)  # (64, G, 2) -> row-major values
+        cv = pc * (BC // 2) + tl.arange(0, BC // 2)[None, :]
+        tl.store(vals + r.to(tl.int64) * (k_cols // 2) + cv, vv, mask=(r < m_rows) & (cv < k_cols // 2))
+        code = tl.where(r < m_rows, i0 | (i1 << 2), 14).to(tl.int64)  # padding rows read as "keep 2 and 3"
+        # (64 rows, G groups) -> (rt, rh, rl, ct, gq, gw, gl); nibble gl + 2*rh + 4*gq of word (rl, gw)
+        c7 = tl.reshape(code, (4, 2, 8, CT, 2, 4, 2))
+        rh = tl.arange(0, 2)[None, :, None, None, None, None, None]
+        gq = tl.arange(0, 2)[None, None, None, None, :, None, None]
+        gl = tl.arange(0, 2)[None, None, None, None, None, None, :]
+        word = tl.sum(tl.sum(tl.sum(c7 << (4 * (gl + 2 * rh + 4 * gq)), axis=6), axis=4), axis=1)  # (rt, rl, ct, gw)
+        word = tl.where(word >= 2**31, word - 2**32, word).to(tl.int32)
+        rt = tl.arange(0, 4)[:, None, None, None]
+        rl = tl.arange(0, 8)[None, :, None, None]
+        ct = pc * CT + tl.arange(0, CT)[None, None, :, None]
+        gw = tl.arange(0, 4)[None, None, None, :]
+        tl.store(meta + ((band * n_ct + ct) * 4 + rt) * 32 + rl * 4 + gw, word, mask=ct < n_ct)
+
+    _compress_e4m3_tuned = triton.autotune(
+        configs=[triton.Config({"BC": bc}, num_warps=w) for bc, w in ((64, 2), (128, 4), (256, 4), (256, 8))],
+        key=["m_rows", "k_cols"],
+    )(_compress_e4m3_kernel)
+
 
 _launch: dict[tuple, tuple[int, int]] = {}  # (shape, strides, dtype, constants) -> the tuned (BC, warps)
 
@@ -299,3 +337,37 @@ def _compress(x: torch.Tensor, mode: str, *, out_dtype: torch.dtype = torch.bflo
         bc = tile[0] if tile else BC
         _compress_kernel[(triton.cdiv(m, 64), triton.cdiv(k, bc))](*args, **consts, BC=bc)
     return buf, dense
+
+
+_launch_e4m3: dict[tuple[int, int], tuple[int, int]] = {}  # (M, K) -> the tuned (BC, warps)
+
+
+def compress_e4m3(q: torch.Tensor) -> torch.Tensor:
+    """cuSPARSELt's compressed bytes (uint8) of a row-major 2:4 e4m3 matrix ``q`` (M, K), K a
+    multiple of 64: the two largest magnitudes of each group of 4 along K kept (the non-zeros of a
+    2:4 matrix; a group with fewer keeps zeros). What an FP8 2:4 GEMM reads as its sparse operand,
+    in one pass at about copy bandwidth, where cuSPARSELt's own compression runs at a few percent
+    of it (docs/PERFORMANCE.md). On the GPU the tile width is autotuned once per shape."""
+    if not HAS_TRITON:
+        raise RuntimeError("twofour's fused compression needs Triton (pip install triton)")
+    if q.dtype != torch.float8_e4m3fn or q.dim() != 2 or not q.is_contiguous():
+        raise ValueError(f"compress_e4m3 takes a contiguous 2-D float8_e4m3fn tensor, got {tuple(q.shape)} "
+                         f"{q.dtype}{'' if q.dim() != 2 or q.is_contiguous() else ' (not contiguous)'}")
+    m, k = q.shape
+    if not supported_shape(m, k, 1):
+        raise ValueError(f"compress_e4m3: K must be a multiple of 64, got shape {(m, k)}")
+    buf = torch.empty(compressed_size(m, k, 1), dtype=torch.uint8, device=q.device)
+    nval = m * k // 2
+    args = (q.view(torch.uint8), buf[:nval], buf[nval:].view(torch.int32), m, k, k // 64)
+    if q.is_cuda:  # tuned once per shape, then launched directly (the autotuner's dispatch costs host time)
+        cfg = _launch_e4m3.get((m, k))
+        if cfg is None:
+            _compress_e4m3_tuned[lambda meta: (triton.cdiv(m, 64), triton.cdiv(k, meta["BC"]))](*args)
+            best = getattr(_compress_e4m3_tuned, "best_config", None)
+            if best is not None:
+                _launch_e4m3[(m, k)] = (best.kwargs["BC"], best.num_warps)
+        else:
+            _compress_e4m3_kernel[(triton.cdiv(m, 64), triton.cdiv(k, cfg[0]))](*args, BC=cfg[0], num_warps=cfg[1])
+    else:
+        _compress_e4m3_kernel[(triton.cdiv(m, 64), triton.cdiv(k, BC))](*args, BC=BC)
+    return buf

@@ -255,7 +255,8 @@ def _structured(h: int, m: int, k: int, dtype: torch.dtype) -> int:
 def compress(a: torch.Tensor) -> torch.Tensor:
     """cuSPARSELt's own compression of a dense 2:4 ``a`` (m x k, row-major, 2:4 along k) into the
     layout every plan with this A reads (no plan needed: the layout depends on A alone), on the
-    current stream. The operand of FP8 plans, whose layout the Triton kernels do not write."""
+    current stream. For FP8 operands, what ``compress.compress_e4m3`` (the Triton kernel the FP8
+    2:4 route runs) is checked against on the GPU, and the route's compression without Triton."""
     if a.dim() != 2 or not a.is_contiguous() or a.dtype not in _INPUTS:
         raise ValueError(f"compress needs a contiguous 2-D {'/'.join(str(d) for d in _INPUTS)} tensor, "
                          f"got {tuple(a.shape)} {a.dtype}")

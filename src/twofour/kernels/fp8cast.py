@@ -23,7 +23,10 @@ import torch
 
 from .compress import HAS_TRITON
 
-__all__ = ["quantize", "supported"]
+if HAS_TRITON:
+    from .compress import _out
+
+__all__ = ["quantize", "supported", "rescale_"]
 
 if HAS_TRITON:
     import triton
@@ -110,6 +113,27 @@ if HAS_TRITON:
             tl.store(q_ptr + rm[:, None] * N + rn[None, :], q.to(q_ptr.dtype.element_ty), mask=mask)
 
 
+    @triton.jit
+    def _rescale_kernel(y_ptr, sa_ptr, sb_ptr, bias_ptr, M, N, HAS_BIAS: tl.constexpr, OUT_BF16: tl.constexpr,
+                        BM: tl.constexpr, BN: tl.constexpr):
+        """y = y * (sa * sb) (+ bias) in float32, rounded once, in place, for one BM x BN tile of
+        the row-major (M, N) y (bf16 as its int16 bits); a 1-D grid over the tiles."""
+        tiles_n = tl.cdiv(N, BN)
+        pid_m = tl.program_id(0) // tiles_n
+        pid_n = tl.program_id(0) % tiles_n
+        rm = pid_m.to(tl.int64) * BM + tl.arange(0, BM)
+        rn = pid_n * BN + tl.arange(0, BN)
+        mask = (rm[:, None] < M) & (rn[None, :] < N)
+        off = rm[:, None] * N + rn[None, :]
+        y = tl.load(y_ptr + off, mask=mask, other=0)
+        if OUT_BF16:  # bf16 bits -> float32: the high half of the word
+            y = (y.to(tl.int32) << 16).to(tl.float32, bitcast=True)
+        y = y.to(tl.float32) * (tl.load(sa_ptr) * tl.load(sb_ptr))
+        if HAS_BIAS:
+            y += tl.load(bias_ptr + rn, mask=rn < N, other=0.0).to(tl.float32)[None, :]
+        tl.store(y_ptr + off, _out(y, OUT_BF16), mask=mask)
+
+
 def supported(t: torch.Tensor, rowwise: bool, transposed: bool) -> bool:
     """Whether :func:`quantize` takes ``t``: Triton here, a contiguous float tensor with elements,
     2-D for rowwise scales or a transposed copy, and on a GPU one with FP8 types (sm89+: Triton
@@ -174,3 +198,24 @@ def quantize(t: torch.Tensor, fmt: torch.dtype, rowwise: bool = False,
     _cast_kernel[(triton.cdiv(m, bm) * triton.cdiv(n, bn),)](t, q, qt if transposed else q, amax, scale, m, n,
                                                           TRANS=transposed, BM=bm, BN=bn, num_warps=4, **consts)
     return q, scale, qt
+
+
+def rescale_(y: torch.Tensor, sa: torch.Tensor, sb: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """``y = y * (sa * sb) + bias`` in place, in float32 with one rounding: the dequantization of an
+    FP8 GEMM's output whose kernel could not apply the operands' scales (``sa``, ``sb``: one float32
+    value each; ``bias``: N values). ``y``: a contiguous (M, N) bf16 or fp16 tensor. One pass of
+    Triton, plain torch without it (the same bytes)."""
+    if y.dim() != 2 or not y.is_contiguous() or y.dtype not in (torch.bfloat16, torch.float16):
+        raise ValueError(f"rescale_ takes a contiguous 2-D bf16 or fp16 tensor, got {tuple(y.shape)} {y.dtype}")
+    if sa.numel() != 1 or sb.numel() != 1 or (bias is not None and bias.shape != (y.shape[1],)):
+        raise ValueError("rescale_ takes one scale per operand and a bias of N values")
+    if not HAS_TRITON:
+        z = y.float() * (sa * sb).reshape(())
+        return y.copy_(z if bias is None else z + bias.float())
+    m, n = y.shape
+    bm, bn = (32, 256) if y.is_cuda else (16, 64)
+    bf16 = y.dtype == torch.bfloat16
+    _rescale_kernel[(triton.cdiv(m, bm) * triton.cdiv(n, bn),)](
+        y.view(torch.int16) if bf16 else y, sa, sb, bias if bias is not None else sa, m, n, HAS_BIAS=bias is not None,
+        OUT_BF16=bf16, BM=bm, BN=bn, num_warps=4)
+    return y
