@@ -119,6 +119,18 @@ def test_mvue_layout_variants(variant, in_place, device):
     assert torch.equal(hard, compress_reference((x * mask_24(x)).bfloat16(), mask_24(x)))
 
 
+def test_nan_stays_nan(device):
+    """A NaN the kernel keeps comes out as a NaN in both outputs (rounding to bf16 must not carry
+    the GPU's NaN bits into the sign bit)."""
+    w = torch.randn(64, 64, device=device)
+    mask = mask_24(w)
+    r, c = 3, int(mask[3].nonzero()[0])
+    w[r, c] = float("nan")
+    buf, dense = ck.compress(w, "mask", mask=mask, dense_out=True)
+    assert torch.isnan(dense[r, c]) and torch.isnan(dense).sum() == 1
+    assert torch.isnan(decompress_reference(buf.cpu(), 64, 64)[r, c])
+
+
 def test_bad_input():
     with pytest.raises(ValueError, match="multiple of 32"):
         ck.compress(torch.randn(8, 16), "hard")

@@ -85,11 +85,13 @@ if HAS_TRITON:
     @triton.jit
     def _out(x, OUT_BF16: tl.constexpr):
         """float32 -> the output's bits, rounding to nearest even (also under the interpreter,
-        whose plain bf16 cast truncates); bf16 goes out as int16 bits."""
+        whose plain bf16 cast truncates), NaN kept; bf16 goes out as int16 bits."""
         if OUT_BF16:
             bits = x.to(tl.uint32, bitcast=True)
             bits = bits + 0x7FFF + ((bits >> 16) & 1)
             y = (bits >> 16).to(tl.uint16).to(tl.int16, bitcast=True)
+            # a NaN stays a NaN (the GPU's 0x7FFFFFFF would round into the sign bit: -0)
+            y = tl.where(x != x, 0x7FC0, y).to(tl.int16)
         else:
             y = x.to(tl.float16)
         return y
