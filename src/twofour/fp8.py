@@ -13,9 +13,8 @@ the dense FP8 GEMM with every cost counted: the e4m3 weight compressed into cuSP
 Triton kernel), its FP8 2:4 GEMM, and one pass over the output for the operands' scales and the
 bias, since cuSPARSELt 0.8 on sm90 refuses a per-row alpha for FP8 and ignores device-side
 operand scales (``benchmarks/fp8_spmm.py``), and a host-side alpha would need the scale on the
-host (a sync per GEMM). The dense route adds the bias in ``_scaled_mm``'s epilogue. The backward
-GEMMs stay dense: cuSPARSELt builds FP8 2:4 GEMMs of two e4m3 or two e5m2 operands, not of one of
-each, which is what they multiply (the probe above).
+host (a sync per GEMM). The backward GEMMs stay dense: cuSPARSELt builds FP8 2:4 GEMMs of two
+e4m3 or two e5m2 operands, not of one of each, which is what they multiply (the probe above).
 
 On a GPU the quantization runs Triton kernels (:mod:`twofour.kernels.fp8cast`) or compiled
 passes, whichever measured faster.
@@ -196,7 +195,7 @@ def scaled_mm_available() -> bool:
 
 def refusals() -> frozenset[tuple]:
     """The operand kinds ``_scaled_mm`` refused so far in this process (each ran the reference):
-    (device type, A format, B format, rowwise, A shape, N, output dtype, bias or not)."""
+    (device type, A format, B format, rowwise, A shape, N, output dtype)."""
     return frozenset(_refused)
 
 
@@ -209,18 +208,16 @@ def _dense_mm(qa: torch.Tensor, sa: torch.Tensor, qb: torch.Tensor, sb: torch.Te
               out_dtype: torch.dtype, bias: torch.Tensor | None = None) -> torch.Tensor:
     m, n = qa.shape[0], qb.shape[0]
     qa, qb = qa.contiguous(), qb.contiguous()  # a row-major, b^T column-major (no-ops when already)
-    key = (qa.device.type, qa.dtype, qb.dtype, sa.numel() > 1, tuple(qa.shape), n, out_dtype, bias is not None)
+    key = (qa.device.type, qa.dtype, qb.dtype, sa.numel() > 1, tuple(qa.shape), n, out_dtype)
     if scaled_mm_available() and key not in _refused:
         try:
-            return torch._scaled_mm(qa, qb.t(), sa.reshape(m, 1) if sa.numel() > 1 else sa,
-                                    sb.reshape(1, n) if sb.numel() > 1 else sb, bias=bias, out_dtype=out_dtype)
+            out = torch._scaled_mm(qa, qb.t(), sa.reshape(m, 1) if sa.numel() > 1 else sa,
+                                   sb.reshape(1, n) if sb.numel() > 1 else sb, out_dtype=out_dtype)
+            return out if bias is None else out.add_(bias)
         except (RuntimeError, NotImplementedError, TypeError) as e:
             _refused.add(key)
-            log.warning("torch._scaled_mm refused %s: %s; this GEMM runs %s instead", key,
-                        str(e).splitlines()[0] if str(e) else type(e).__name__,
-                        "without the bias, added after it" if bias is not None else "the FP8 reference")
-    if bias is not None and scaled_mm_available():  # refused with the bias epilogue: maybe not without it
-        return _dense_mm(qa, sa, qb, sb, out_dtype).add_(bias)
+            log.warning("torch._scaled_mm refused %s: %s; this GEMM runs the FP8 reference instead", key,
+                        str(e).splitlines()[0] if str(e) else type(e).__name__)
     return _reference_mm(qa, sa, qb, sb, out_dtype, bias)
 
 
@@ -287,9 +284,9 @@ def scaled_mm(qa: torch.Tensor, sa: torch.Tensor, qb: torch.Tensor, sb: torch.Te
               out_dtype: torch.dtype, sparse_b: bool = False, bias: torch.Tensor | None = None) -> torch.Tensor:
     """``dequant(a) @ dequant(b)^T (+ bias)`` in ``out_dtype`` from quantized ``a`` (M, K) and ``b``
     (N, K), both row-major along K with scales from :func:`quantize`: ``torch._scaled_mm`` (a
-    row-major, b column-major, rowwise scales as (M, 1) and (1, N), the bias, N values in
-    ``out_dtype``, added in its epilogue) where it takes the operands, else the reference. A
-    refusal is remembered per (device, formats, scaling, shape, bias or not) and logged once.
+    row-major, b column-major, rowwise scales as (M, 1) and (1, N); the bias, N values in
+    ``out_dtype``, added to its output) where it takes the operands, else the reference. A
+    refusal is remembered per (device, formats, scaling, shape) and logged once.
 
     ``sparse_b``: ``b`` is 2:4 along K (a pruned weight). Where cuSPARSELt has FP8 2:4 GEMMs (sm89+,
     e4m3 operands, ``a`` with a single scale), the GEMM also has a 2:4 route, ``b`` compressed on
