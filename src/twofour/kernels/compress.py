@@ -97,6 +97,63 @@ if HAS_TRITON:
         return y
 
     @triton.jit
+    def _mvue_weights(a0, a1, a2, a3):
+        """MVUE's draw weights: the magnitudes plus a floor relative to the group's largest, so
+        that no inclusion probability is zero (and an all-zero group draws uniformly)."""
+        eps = 1e-6 * tl.maximum(tl.maximum(a0, a1), tl.maximum(a2, a3)) + 1e-30
+        return a0 + eps, a1 + eps, a2 + eps, a3 + eps
+
+    @triton.jit
+    def _group_uniforms(seed_ptr, r, pc, k_cols, G: tl.constexpr, ROUNDS: tl.constexpr):
+        """Two uniforms per group of a (64, 4G) tile at rows ``r``, column block ``pc``: one
+        Philox call gives 4 x 32 bits, two groups' two uniforms (counter: row, group pair)."""
+        pair = (r * (k_cols // 8) + pc * (G // 2) + tl.arange(0, G // 2)[None, :]).to(tl.int32)
+        b0, b1, b2, b3 = tl.randint4x(tl.load(seed_ptr), pair, ROUNDS)
+        return _uniform(tl.reshape(tl.join(b0, b2), (64, G))), _uniform(tl.reshape(tl.join(b1, b3), (64, G)))
+
+    @triton.jit
+    def _mvue_keep(a0, a1, a2, a3, u1, u2):
+        """MVUE's kept pair: two draws without replacement, a_i/S then a_j/(S - a_i)."""
+        f0, f1, f2, f3 = _draw(a0, a1, a2, a3, u1)
+        h0, h1, h2, h3 = _draw(tl.where(f0, 0.0, a0), tl.where(f1, 0.0, a1), tl.where(f2, 0.0, a2),
+                               tl.where(f3, 0.0, a3), u2)
+        return f0 | h0, f1 | h1, f2 | h2, f3 | h3
+
+    @triton.jit
+    def _mvue_rescale(y0, y1, k0, k1, k2, k3, a0, a1, a2, a3):
+        """The kept y / p, p_k = a_k/S * (1 + sum_{i != k} q_i - q_k), q_i = a_i / (S - a_i)."""
+        s01, s23 = a0 + a1, a2 + a3
+        q0, q1 = a0 * _rcp(a1 + s23), a1 * _rcp(a0 + s23)  # S - a_i summed directly
+        q2, q3 = a2 * _rcp(s01 + a3), a3 * _rcp(s01 + a2)
+        qs = q0 + q1 + q2 + q3
+        ak0, ak1 = _pick(k0, k1, k2, k3, a0, a1, a2, a3)
+        qk0, qk1 = _pick(k0, k1, k2, k3, q0, q1, q2, q3)
+        s = s01 + s23
+        return y0 * s * _rcp(ak0 * (1 + qs - qk0)), y1 * s * _rcp(ak1 * (1 + qs - qk1))
+
+    @triton.jit
+    def _store_compressed(v0, v1, i0, i1, r, band, pc, m_rows, k_cols, n_ct, vals, meta, BC: tl.constexpr):
+        """Write a (64, BC) band's kept values ``v0``, ``v1`` (the output's bits, (64, BC/4) each)
+        and the positions ``i0`` < ``i1`` of each group in cuSPARSELt's 16-bit layout
+        (``layout.py``): values row-major, metadata words packed by reshapes."""
+        CT: tl.constexpr = BC // 32
+        vv = tl.reshape(tl.join(v0, v1), (64, BC // 2))  # (64, G, 2) -> row-major values
+        cv = pc * (BC // 2) + tl.arange(0, BC // 2)[None, :]
+        tl.store(vals + r * (k_cols // 2) + cv, vv, mask=(r < m_rows) & (cv < k_cols // 2))
+        code = tl.where(r < m_rows, i0 | (i1 << 2), 14)  # padding rows read as "keep 2 and 3"
+        # (64 rows, G groups) -> (rt, rh, rl, ct, gh, gl); nibble rh + 2*gh of word (rl, gl)
+        c6 = tl.reshape(code, (4, 2, 8, CT, 2, 4))
+        rh = tl.arange(0, 2)[None, :, None, None, None, None]
+        gh = tl.arange(0, 2)[None, None, None, None, :, None]
+        word = tl.sum(tl.sum(c6 << (4 * (rh + 2 * gh)), axis=4), axis=1)  # (rt, rl, ct, gl)
+        word = tl.where(word >= 32768, word - 65536, word).to(tl.int16)
+        rt = tl.arange(0, 4)[:, None, None, None]
+        rl = tl.arange(0, 8)[None, :, None, None]
+        ct = pc * CT + tl.arange(0, CT)[None, None, :, None]
+        gl = tl.arange(0, 4)[None, None, None, :]
+        tl.store(meta + ((band * n_ct + ct) * 4 + rt) * 32 + rl * 4 + gl, word, mask=ct < n_ct)
+
+    @triton.jit
     def _compress_kernel(src, sr, sc, m_rows, k_cols, mask_ptr, u_ptr, seed_ptr, scale_ptr, vals, meta, dense_out,
                          n_ct, MODE: tl.constexpr, HAS_U: tl.constexpr, WRITE_DENSE: tl.constexpr,
                          OUT_BF16: tl.constexpr, BC: tl.constexpr, ROUNDS: tl.constexpr = PHILOX_ROUNDS,
@@ -106,7 +163,6 @@ if HAS_TRITON:
         tensors (one tile load and a split, or four loads for a source with contiguous rows),
         the kept pair chosen elementwise, values and metadata packed by reshapes."""
         G: tl.constexpr = BC // 4
-        CT: tl.constexpr = BC // 32
         band, pc = tl.program_id(0), tl.program_id(1)
         r = band * 64 + tl.arange(0, 64)[:, None]  # (64, 1)
         c = pc * BC + tl.arange(0, BC)[None, :]  # (1, BC)
@@ -129,8 +185,7 @@ if HAS_TRITON:
             k0, k1, k2, k3 = _quads(tl.load(mask_ptr + off, mask=ok, other=0).to(tl.int32), G)
             k0, k1, k2, k3 = k0 != 0, k1 != 0, k2 != 0, k3 != 0
         elif MODE == 3:  # MVUE: two draws without replacement, a_i/S then a_j/(S - a_i)
-            eps = 1e-6 * tl.maximum(tl.maximum(a0, a1), tl.maximum(a2, a3)) + 1e-30
-            a0, a1, a2, a3 = a0 + eps, a1 + eps, a2 + eps, a3 + eps
+            a0, a1, a2, a3 = _mvue_weights(a0, a1, a2, a3)
             if HAS_U:  # given uniforms, two per group (tests draw the reference's)
                 cu = pc * BC // 2 + tl.arange(0, BC // 2)[None, :]
                 u = tl.load(u_ptr + r * (k_cols // 2) + cu, mask=(r < m_rows) & (cu < k_cols // 2),
@@ -142,15 +197,9 @@ if HAS_TRITON:
                 b0, b1, b2, b3 = tl.randint4x(tl.load(seed_ptr), pair, ROUNDS)
                 u1 = _uniform(tl.reshape(tl.permute(tl.join(b0, b2), (0, 2, 1)), (64, G)))
                 u2 = _uniform(tl.reshape(tl.permute(tl.join(b1, b3), (0, 2, 1)), (64, G)))
-            else:  # one Philox call gives 4 x 32 bits: two groups' two uniforms
-                pair = (r * (k_cols // 8) + pc * (G // 2) + tl.arange(0, G // 2)[None, :]).to(tl.int32)
-                b0, b1, b2, b3 = tl.randint4x(tl.load(seed_ptr), pair, ROUNDS)
-                u1 = _uniform(tl.reshape(tl.join(b0, b2), (64, G)))
-                u2 = _uniform(tl.reshape(tl.join(b1, b3), (64, G)))
-            f0, f1, f2, f3 = _draw(a0, a1, a2, a3, u1)
-            h0, h1, h2, h3 = _draw(tl.where(f0, 0.0, a0), tl.where(f1, 0.0, a1), tl.where(f2, 0.0, a2),
-                                   tl.where(f3, 0.0, a3), u2)
-            k0, k1, k2, k3 = f0 | h0, f1 | h1, f2 | h2, f3 | h3
+            else:
+                u1, u2 = _group_uniforms(seed_ptr, r, pc, k_cols, G, ROUNDS)
+            k0, k1, k2, k3 = _mvue_keep(a0, a1, a2, a3, u1, u2)
         else:
             k0, k1, k2, k3 = _rank_keep(a0, a1, a2, a3)
         if MODE == 1:  # beta * S(x): threshold at the largest dropped magnitude
@@ -165,33 +214,11 @@ if HAS_TRITON:
         i0 = tl.where(k0, 0, tl.where(k1, 1, 2))
         i1 = tl.where(k3, 3, tl.where(k2, 2, 1))
         y0, y1 = _pick(k0, k1, k2, k3, x0, x1, x2, x3)
-        if MODE == 3:  # the kept x / p, p_k = a_k/S * (1 + sum_{i != k} q_i - q_k), q_i = a_i / (S - a_i)
-            s01, s23 = a0 + a1, a2 + a3
-            q0, q1 = a0 * _rcp(a1 + s23), a1 * _rcp(a0 + s23)  # S - a_i summed directly
-            q2, q3 = a2 * _rcp(s01 + a3), a3 * _rcp(s01 + a2)
-            qs = q0 + q1 + q2 + q3
-            ak0, ak1 = _pick(k0, k1, k2, k3, a0, a1, a2, a3)
-            qk0, qk1 = _pick(k0, k1, k2, k3, q0, q1, q2, q3)
-            s = s01 + s23
-            y0 = y0 * s * _rcp(ak0 * (1 + qs - qk0))
-            y1 = y1 * s * _rcp(ak1 * (1 + qs - qk1))
+        if MODE == 3:
+            y0, y1 = _mvue_rescale(y0, y1, k0, k1, k2, k3, a0, a1, a2, a3)
         v0, v1 = _out(y0, OUT_BF16), _out(y1, OUT_BF16)
         if WRITE_SPARSE:  # the compressed layout (skipped when only the dense matrix is read)
-            vv = tl.reshape(tl.join(v0, v1), (64, BC // 2))  # (64, G, 2) -> row-major values
-            cv = pc * (BC // 2) + tl.arange(0, BC // 2)[None, :]
-            tl.store(vals + r * (k_cols // 2) + cv, vv, mask=(r < m_rows) & (cv < k_cols // 2))
-            code = tl.where(r < m_rows, i0 | (i1 << 2), 14)  # padding rows read as "keep 2 and 3"
-            # (64 rows, G groups) -> (rt, rh, rl, ct, gh, gl); nibble rh + 2*gh of word (rl, gl)
-            c6 = tl.reshape(code, (4, 2, 8, CT, 2, 4))
-            rh = tl.arange(0, 2)[None, :, None, None, None, None]
-            gh = tl.arange(0, 2)[None, None, None, None, :, None]
-            word = tl.sum(tl.sum(c6 << (4 * (rh + 2 * gh)), axis=4), axis=1)  # (rt, rl, ct, gl)
-            word = tl.where(word >= 32768, word - 65536, word).to(tl.int16)
-            rt = tl.arange(0, 4)[:, None, None, None]
-            rl = tl.arange(0, 8)[None, :, None, None]
-            ct = pc * CT + tl.arange(0, CT)[None, None, :, None]
-            gl = tl.arange(0, 4)[None, None, None, :]
-            tl.store(meta + ((band * n_ct + ct) * 4 + rt) * 32 + rl * 4 + gl, word, mask=ct < n_ct)
+            _store_compressed(v0, v1, i0, i1, r, band, pc, m_rows, k_cols, n_ct, vals, meta, BC)
         if WRITE_DENSE:  # the effective matrix, row-major, for GEMMs that stay dense
             zero = tl.zeros_like(v0)
             d0, d3 = tl.where(k0, v0, zero), tl.where(k3, v1, zero)
