@@ -8,7 +8,7 @@ from torch._dynamo.utils import counters
 
 from twofour import SparseLinear, settings, sparsify
 from twofour.kernels import ops
-from twofour.model import GatedMLP
+from twofour.model import MLP, GatedMLP, GPTConfig
 
 pytestmark = [pytest.mark.gpu]
 
@@ -245,7 +245,8 @@ def test_gated_ffn_fast_matches_reference(recipe, route):
     x = torch.randn(4, 128, 256, device="cuda")
     g = torch.randn(4, 128, 256, device="cuda", dtype=torch.bfloat16)
     seen = {}
-    hooks = [mlp.gate_up.register_forward_hook(lambda m, a, out: seen.update(z=ops.order(out.reshape(-1, 1024)))),
+    # gate_up is called with the activation (twofour.activations.linear_act): its output is h, in z's order
+    hooks = [mlp.gate_up.register_forward_hook(lambda m, a, out: seen.update(z=ops.order(out.reshape(-1, 512)))),
              mlp.down.register_forward_pre_hook(lambda m, a: seen.update(h=ops.order(a[0].reshape(-1, 512))))]
 
     def run(fn, fast):
@@ -268,3 +269,70 @@ def test_gated_ffn_fast_matches_reference(recipe, route):
     assert all(rel(a, b) < 2e-2 for a, b in zip(fast, ref))
     compiled = run(torch.compile(mlp), True)
     assert all(rel(a, b) < 2e-2 for a, b in zip(compiled, ref))
+
+
+def ffn(kind, mvue):
+    """A GPT (GELU) or Llama (SwiGLU) FFN block made sparse with s-ste in its layout plan."""
+    torch.manual_seed(0)
+    mlp = (MLP(GPTConfig(n_embd=256)) if kind == "gelu" else GatedMLP(256, 512)).cuda()
+    names = ["fc", "proj"] if kind == "gelu" else ["gate_up", "down"]
+    sparsify(mlp, "s-ste", include=names, transposed_output=names[:1], mvue=mvue)
+    return mlp, getattr(mlp, names[0])
+
+
+def ffn_run(mlp, first, x, g, fast):
+    with settings.override(fast=fast):
+        mlp.zero_grad(set_to_none=True)
+        xx = x.clone().requires_grad_()
+        with torch.autocast("cuda", dtype=torch.bfloat16):
+            y = mlp(xx)
+        y.backward(g)
+    grads = [p.grad.clone() for p in mlp.parameters()]
+    return y.detach(), xx.grad, first.weight.grad.clone(), grads
+
+
+@pytest.mark.parametrize("kind", ["gelu", "swiglu"])
+@pytest.mark.parametrize("gemm", ["dense", "auto"])
+def test_ffn_fused_activation_matches_reference(kind, gemm):
+    """The FFN's first linear with its activation as one op (MVUE on): with the dense dW route
+    (forced, or where it measures faster) output and every gradient match the reference path
+    without MVUE; the fused route's dispatch is recorded under ``dw-mvue+ACT``."""
+    mlp, first = ffn(kind, mvue=True)
+    ref_mlp, ref_first = ffn(kind, mvue=False)
+    x = torch.randn(4, 128, 256, device="cuda")
+    g = torch.randn(4, 128, 256, device="cuda", dtype=torch.bfloat16)
+    ops.clear_choices()
+    with settings.override(gemm=gemm):
+        ffn_run(mlp, first, x, g, True)  # measure the dispatch, then keep z column-major (z^T stored)
+        for key in [k for k in ops.choices() if k.startswith("fwd") and ":1024x256x512:" in k]:
+            ops.set_choice(key, "sparse_dr")
+        fast = ffn_run(mlp, first, x, g, True)
+    ref = ffn_run(ref_mlp, ref_first, x, g, False)
+    act = "gelu_tanh" if kind == "gelu" else "swiglu"
+    keys = [k for k in ops.choices() if k.startswith(f"dw-mvue+{act}:")]
+    assert rel(fast[0], ref[0]) < 2e-2 and rel(fast[1], ref[1]) < 2e-2
+    if gemm == "dense" or ops.choices()[keys[0]]["choice"] == "dense":
+        assert all(rel(a, b) < 2e-2 for a, b in zip(fast[3], ref[3]))
+    if gemm == "auto":  # the three routes timed: the fused kernel, the standalone MVUE kernel, dense
+        assert set(ops.choices()[keys[0]]["ms"]) == {"sparse_fused", "sparse", "dense"}
+    assert len(keys) == (1 if gemm == "auto" else 0)
+
+
+@pytest.mark.parametrize("kind", ["gelu", "swiglu"])
+def test_ffn_fused_activation_mvue_is_unbiased(kind):
+    """On the fused route (forced sparse) the first linear's dW is the MVUE estimate drawn by the
+    activation's backward kernel: random, with the exact dW as its mean; dX stays exact."""
+    mlp, first = ffn(kind, mvue=True)
+    ref_mlp, ref_first = ffn(kind, mvue=False)
+    x = torch.randn(2, 128, 256, device="cuda")
+    g = torch.randn(2, 128, 256, device="cuda", dtype=torch.bfloat16)
+    _, dx_ref, exact, _ = ffn_run(ref_mlp, ref_first, x, g, False)
+    mean, errs = torch.zeros_like(exact, dtype=torch.float32), []
+    with settings.override(gemm="sparse"):  # the first sparse candidates: sparse_dr (z^T), sparse_fused
+        for i in range(1, 257):
+            _, dx, dw, _ = ffn_run(mlp, first, x, g, True)
+            mean += (dw.float() - mean) / i
+            if i in (16, 256):
+                errs.append(rel(mean, exact))
+    assert rel(dx, dx_ref) < 2e-2
+    assert errs[1] < errs[0] / 2.5 and errs[1] < 0.1

@@ -25,6 +25,7 @@ import torch
 from torch import nn
 
 from . import SparseLinear, __version__
+from .activations import GELU_TANH, SWIGLU, Activation, linear_act
 from .kernels import cusparselt, ops
 from .pruning import transposable_mask_24
 from .recipes import Recipe, make_recipe
@@ -145,14 +146,34 @@ def _layers(t: int, k: int, n: int, quick: bool, ffn_in: bool) -> dict[str, floa
     return out
 
 
-def _ffn(t: int, d: int, h: int, quick: bool, recipe: Recipe) -> float:
-    def block(lin):
-        return nn.Sequential(lin(d, h), nn.GELU(approximate="tanh"), lin(h, d)).cuda()
+class FFNBlock(nn.Module):
+    """An FFN block as the models run it: ``fc`` (``transposed_output`` when sparse) -> ``act``
+    -> ``proj``, the activation passed to ``fc`` (:func:`twofour.activations.linear_act`; with
+    ``fused=False`` computed after it instead). GELU: d -> h -> d with biases; SwiGLU: d -> 2h
+    (gate|up interleaved) -> h -> d without. Dense ``nn.Linear`` without ``recipe``."""
 
+    def __init__(self, d: int, h: int, act: Activation = GELU_TANH, recipe: Recipe | None = None,
+                 fused: bool = True):
+        super().__init__()
+        gated = act is SWIGLU
+        n, bias = (2 * h, False) if gated else (h, True)
+        if recipe is None:
+            self.fc, self.proj = nn.Linear(d, n, bias=bias), nn.Linear(h, d, bias=bias)
+        else:
+            self.fc = SparseLinear(d, n, bias=bias, recipe=recipe, transposed_output=True)
+            self.proj = SparseLinear(h, d, bias=bias, recipe=recipe)
+        self.act, self.fused = act, fused
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = linear_act(self.fc, x, self.act) if self.fused else self.act(self.fc(x))
+        return self.proj(h)
+
+
+def _ffn(t: int, d: int, h: int, quick: bool, recipe: Recipe) -> float:
     x = torch.randn(t, d, device="cuda", requires_grad=True)
     g = torch.randn(t, d, device="cuda", dtype=torch.bfloat16)
-    dense = block(nn.Linear)
-    sparse = block(lambda i, o: SparseLinear(i, o, recipe=recipe, transposed_output=o > i))  # fc1: y^T out
+    dense = FFNBlock(d, h).cuda()
+    sparse = FFNBlock(d, h, recipe=recipe).cuda()
     _fwd_bwd(sparse, x, g, True)
     return _fwd_bwd(dense, x, g, quick) / _fwd_bwd(sparse, x, g, quick)
 

@@ -18,7 +18,7 @@ import torch
 from .kernels import ops
 from .pruners import Compressed, Pruner
 
-__all__ = ["FastSparseLinearFn", "CompressedWeight", "compiled_linear", "compute_dtype", "applies"]
+__all__ = ["FastSparseLinearFn", "FastLinearActFn", "CompressedWeight", "compiled_linear", "compute_dtype", "applies"]
 
 
 def compute_dtype(x: torch.Tensor) -> torch.dtype:
@@ -143,6 +143,76 @@ class FastSparseLinearFn(torch.autograd.Function):
         return dx, dw, db, None, None, None, None, None
 
 
+class FastLinearActFn(torch.autograd.Function):
+    """h = act(x W_eff^T + b) as one op (eager), for an FFN's first linear with MVUE: the forward
+    GEMM as :class:`FastSparseLinearFn`'s, then the activation on its output ``z`` (saved for the
+    backward in place of ``y``); the backward's activation gradient and the MVUE estimate of dz^T
+    come from one kernel where that route measures faster (:func:`_act_grad_dw`)."""
+
+    @staticmethod
+    def forward(ctx, x, weight, bias, wc, wdense, wtc, transposed_output: bool, act):
+        x2 = ops.as_2d(x)
+        z = _forward_gemm(x2, wc, wdense, None if bias is None else bias.to(x2.dtype), transposed_output)
+        h = act.values(z)
+        ctx.save_for_backward(x2, wdense, wtc, z)
+        ctx.act, ctx.x_shape, ctx.x_dtype, ctx.has_bias = act, x.shape, x.dtype, bias is not None
+        ctx.w_dtype = weight.dtype
+        return h.reshape(*x.shape[:-1], h.shape[-1])
+
+    @staticmethod
+    def backward(ctx, dh):
+        x2, wdense, wtc, z = ctx.saved_tensors
+        dh2 = ops.as_2d(dh.to(z.dtype))
+        dz, dw = _act_grad_dw(z, dh2, x2, ctx.act, ctx.needs_input_grad[1])
+        dx = db = None
+        if ctx.needs_input_grad[0]:
+            dx = _dx_gemm(dz, x2, wdense, wtc).reshape(ctx.x_shape).to(ctx.x_dtype)
+        if ctx.has_bias and ctx.needs_input_grad[2]:
+            db = dz.sum(0)
+        return dx, None if dw is None else dw.to(ctx.w_dtype), db, None, None, None, None, None
+
+
+def _act_grad_dw(z: torch.Tensor, dh2: torch.Tensor, x2: torch.Tensor, act,
+                 need_dw: bool) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """(dz, dW) for an FFN's first linear with MVUE. Where the fused kernel runs, three whole routes
+    are timed once per shape (as :func:`_mvue_dw`'s two): ``fused``, the activation gradient and the
+    MVUE estimate of dz^T in one kernel, then the 2:4 dW GEMM; ``sparse``, the activation gradient,
+    then :func:`_mvue_dw`'s sparse route (the standalone MVUE kernel reading dz^T, the 2:4 GEMM);
+    ``dense``, the activation gradient and the exact dense GEMM. Elsewhere the activation gradient,
+    then :func:`_mvue_dw`."""
+    if not (need_dw and act.fuses_mvue(z)):
+        dz = act.grad(z, dh2)
+        return dz, _dw_gemm(dz, x2, True) if need_dw else None
+    n = z.shape[1]
+
+    def fused() -> tuple[torch.Tensor, torch.Tensor]:
+        dz, buf = act.grad_mvue(z, dh2, _seed(z.device))
+        return dz, ops.spmm(buf, x2, n, False)
+
+    def sparse() -> tuple[torch.Tensor, torch.Tensor]:
+        dz = act.grad(z, dh2)
+        return dz, _mvue_sparse_dw(dz, x2)
+
+    def dense() -> tuple[torch.Tensor, torch.Tensor]:
+        dz = act.grad(z, dh2)
+        return dz, dz.t() @ x2
+
+    cands = {"sparse_fused": fused, "sparse": sparse, "dense": dense}
+    return cands[ops.choose(f"dw-mvue+{act.name}", n, z.shape[0], x2.shape[1], ops.order(x2), z.dtype, cands)]()
+
+
+def _seed(device: torch.device) -> torch.Tensor:
+    """A fresh Philox seed for one MVUE draw, on the device (no host sync)."""
+    return torch.randint(0, 2**31 - 1, (1,), device=device)
+
+
+def _mvue_sparse_dw(dy2: torch.Tensor, x2: torch.Tensor) -> torch.Tensor:
+    """dW on the MVUE 2:4 estimate of dY^T: the fused kernel reading dY^T in place and writing the
+    compressed estimate, then the 2:4 GEMM."""
+    buf = ops.compress(dy2.t(), "mvue", seed=_seed(dy2.device), out_dtype=dy2.dtype)[0]
+    return ops.spmm(buf, x2, dy2.shape[1], False)
+
+
 def _mvue_dw(dy2: torch.Tensor, x2: torch.Tensor) -> torch.Tensor:
     """dW on the MVUE 2:4 estimate of dY^T where that pays, else the exact dense dW.
 
@@ -152,13 +222,7 @@ def _mvue_dw(dy2: torch.Tensor, x2: torch.Tensor) -> torch.Tensor:
     all. So MVUE runs only where its compression plus the sparse GEMM beat the dense GEMM, and
     elsewhere dW is exact (unbiased either way)."""
     t, n = dy2.shape
-
-    def sparse() -> torch.Tensor:
-        seed = torch.randint(0, 2**31 - 1, (1,), device=dy2.device)
-        buf = ops.compress(dy2.t(), "mvue", seed=seed, out_dtype=dy2.dtype)[0]
-        return ops.spmm(buf, x2, n, False)
-
-    cands = {"sparse": sparse, "dense": lambda: dy2.t() @ x2}
+    cands = {"sparse": lambda: _mvue_sparse_dw(dy2, x2), "dense": lambda: dy2.t() @ x2}
     return cands[ops.choose("dw-mvue", n, t, x2.shape[1], ops.order(x2), dy2.dtype, cands)]()
 
 

@@ -23,7 +23,7 @@ from .kernels import ops
 from .kernels import swiglu as _k
 
 __all__ = ["swiglu", "SwiGLUFn", "interleave_gate_up", "split_gate_up", "swiglu_reference",
-           "swiglu_backward_reference"]
+           "swiglu_backward_reference", "swiglu_values", "swiglu_grad"]
 
 swiglu_reference = _k.swiglu_reference
 swiglu_backward_reference = _k.swiglu_backward_reference
@@ -48,13 +48,15 @@ def _kernel_runs(z: torch.Tensor) -> bool:
     return ops.triton_ok(z) and z.dtype in _k.DTYPES
 
 
-def _forward(z: torch.Tensor) -> torch.Tensor:
+def swiglu_values(z: torch.Tensor) -> torch.Tensor:
+    """h from ``z`` with no autograd: the Triton kernel where it runs (z's order), else the reference."""
     if not _kernel_runs(z):
         return swiglu_reference(z)
     return _k.swiglu_forward(ops.as_2d(z)).reshape(*z.shape[:-1], z.shape[-1] // 2)
 
 
-def _backward(z: torch.Tensor, dh: torch.Tensor) -> torch.Tensor:
+def swiglu_grad(z: torch.Tensor, dh: torch.Tensor) -> torch.Tensor:
+    """d(gate|up) from ``z`` and ``dh`` with no autograd: the Triton kernel where it runs, else the reference."""
     if not _kernel_runs(z):
         return swiglu_backward_reference(z, dh)
     return _k.swiglu_backward(ops.as_2d(z), dh.reshape(-1, dh.shape[-1])).reshape(z.shape)
@@ -66,18 +68,18 @@ class SwiGLUFn(torch.autograd.Function):
     @staticmethod
     def forward(ctx, z):
         ctx.save_for_backward(z)
-        return _forward(z)
+        return swiglu_values(z)
 
     @staticmethod
     def backward(ctx, dh):
         (z,) = ctx.saved_tensors
-        return _backward(z, dh.to(z.dtype))
+        return swiglu_grad(z, dh.to(z.dtype))
 
 
 @torch.library.custom_op("twofour::swiglu", mutates_args=())
 def _swiglu_op(z: torch.Tensor) -> torch.Tensor:
     """h (row-major) from a row-major copy of ``z``."""
-    return _forward(z.contiguous()).contiguous()
+    return swiglu_values(z.contiguous()).contiguous()
 
 
 @_swiglu_op.register_fake
@@ -88,7 +90,7 @@ def _(z):
 @torch.library.custom_op("twofour::swiglu_backward", mutates_args=())
 def _swiglu_backward_op(z: torch.Tensor, dh: torch.Tensor) -> torch.Tensor:
     """d(gate|up), row-major, in z's dtype."""
-    return _backward(z.contiguous(), dh.to(z.dtype)).contiguous()
+    return swiglu_grad(z.contiguous(), dh.to(z.dtype)).contiguous()
 
 
 @_swiglu_backward_op.register_fake

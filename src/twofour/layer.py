@@ -17,7 +17,8 @@ from typing import Any
 import torch
 from torch import nn
 
-from .fastpath import CompressedWeight, FastSparseLinearFn, applies, compiled_linear, compute_dtype
+from .activations import Activation
+from .fastpath import CompressedWeight, FastLinearActFn, FastSparseLinearFn, applies, compiled_linear, compute_dtype
 from .fp8 import DEFAULT_SCALING, ROWWISE, fp8_linear
 from .kernels import ops
 from .pruning import mvue_24_padded
@@ -231,8 +232,24 @@ class SparseLinear(nn.Linear):
         w = self.weight.detach()
         return w if self._dense else self.pruner.effective(w, self.beta, self.mask)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    #: :func:`twofour.activations.linear_act` passes the activation that follows (``forward(x, act=...)``)
+    takes_activation = True
+
+    def forward(self, x: torch.Tensor, act: Activation | None = None) -> torch.Tensor:
+        """``x W_eff^T + b``, or with ``act`` (an activation of :mod:`twofour.activations` that
+        alone reads the output, as in an FFN) ``act(x W_eff^T + b)``: on the GPU fast path with
+        MVUE eagerly one op whose backward computes the activation's gradient and the MVUE
+        estimate of dY^T in one kernel (``kernels/actgrad.py``) where that measures faster."""
         r = self.recipe
+        if act is not None:
+            if (r.sparse and r.mvue and not r.fp8 and not self._dense and not torch.compiler.is_compiling()
+                    and applies(x, self.in_features, self.out_features)):
+                cdt = compute_dtype(x)
+                with torch.autocast("cuda", enabled=False):
+                    wc, wd, wtc = self.compressed.get(self.weight, self.pruner, self.beta, self.mask, self._step, cdt)
+                    return FastLinearActFn.apply(x.to(cdt), self.weight, self.bias, wc, wd, wtc,
+                                                 self.transposed_output, act)
+            return act(self.forward(x))
         if r.fp8:  # FP8 GEMMs (torch._scaled_mm or FP8 2:4, else their reference), dense recipe included
             if self._dense or torch.compiler.is_compiling() or not applies(x, self.in_features, self.out_features):
                 w_eff = self.effective_weight()

@@ -22,7 +22,7 @@ from torch import nn
 from torch.nn import functional as F
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
-from .gated import swiglu
+from .activations import GELU_TANH, SWIGLU, linear_act
 
 __all__ = ["GPTConfig", "GPT", "LlamaConfig", "Llama", "GatedMLP", "KVCache", "Preset", "PRESETS", "FFN_PATTERNS",
            "FFN_IN_PATTERNS", "ATTN_PATTERNS"]
@@ -150,7 +150,7 @@ class MLP(nn.Module):
         self.drop = nn.Dropout(cfg.dropout)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.drop(self.proj(F.gelu(self.fc(x), approximate="tanh")))
+        return self.drop(self.proj(linear_act(self.fc, x, GELU_TANH)))
 
 
 class Block(nn.Module):
@@ -330,7 +330,7 @@ class GatedMLP(nn.Module):
         self.down = nn.Linear(hidden, n_embd, bias=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down(swiglu(self.gate_up(x)))
+        return self.down(linear_act(self.gate_up, x, SWIGLU))
 
 
 class LlamaBlock(Block):
