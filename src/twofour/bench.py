@@ -155,8 +155,7 @@ class FFNBlock(nn.Module):
     def __init__(self, d: int, h: int, act: Activation = GELU_TANH, recipe: Recipe | None = None,
                  fused: bool = True):
         super().__init__()
-        gated = act is SWIGLU
-        n, bias = (2 * h, False) if gated else (h, True)
+        n, bias = (2 * h, False) if act is SWIGLU else (h, True)
         if recipe is None:
             self.fc, self.proj = nn.Linear(d, n, bias=bias), nn.Linear(h, d, bias=bias)
         else:

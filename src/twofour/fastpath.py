@@ -175,11 +175,11 @@ class FastLinearActFn(torch.autograd.Function):
 def _act_grad_dw(z: torch.Tensor, dh2: torch.Tensor, x2: torch.Tensor, act,
                  need_dw: bool) -> tuple[torch.Tensor, torch.Tensor | None]:
     """(dz, dW) for an FFN's first linear with MVUE. Where the fused kernel runs, three whole routes
-    are timed once per shape (as :func:`_mvue_dw`'s two): ``fused``, the activation gradient and the
-    MVUE estimate of dz^T in one kernel, then the 2:4 dW GEMM; ``sparse``, the activation gradient,
-    then :func:`_mvue_dw`'s sparse route (the standalone MVUE kernel reading dz^T, the 2:4 GEMM);
-    ``dense``, the activation gradient and the exact dense GEMM. Elsewhere the activation gradient,
-    then :func:`_mvue_dw`."""
+    are timed once per shape (as :func:`_mvue_dw`'s two): ``sparse_fused``, the activation gradient
+    and the MVUE estimate of dz^T in one kernel, then the 2:4 dW GEMM; ``sparse``, the activation
+    gradient, then :func:`_mvue_dw`'s sparse route (the MVUE compression kernel reading dz^T, the
+    2:4 GEMM); ``dense``, the activation gradient and the exact dense GEMM. Elsewhere the
+    activation gradient, then :func:`_mvue_dw`."""
     if not (need_dw and act.fuses_mvue(z)):
         dz = act.grad(z, dh2)
         return dz, _dw_gemm(dz, x2, True) if need_dw else None
@@ -207,8 +207,8 @@ def _seed(device: torch.device) -> torch.Tensor:
 
 
 def _mvue_sparse_dw(dy2: torch.Tensor, x2: torch.Tensor) -> torch.Tensor:
-    """dW on the MVUE 2:4 estimate of dY^T: the fused kernel reading dY^T in place and writing the
-    compressed estimate, then the 2:4 GEMM."""
+    """dW on the MVUE 2:4 estimate of dY^T: the MVUE compression kernel reading dY^T in place and
+    writing the compressed estimate, then the 2:4 GEMM."""
     buf = ops.compress(dy2.t(), "mvue", seed=_seed(dy2.device), out_dtype=dy2.dtype)[0]
     return ops.spmm(buf, x2, dy2.shape[1], False)
 

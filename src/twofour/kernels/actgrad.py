@@ -4,8 +4,9 @@ In an FFN ``h = act(z)``, ``z = x W^T (+ b)``, the first linear's weight gradien
 ``dW = dz^T x`` with ``dz = act'(z) * dh``; S-STE estimates ``dz^T`` by MVUE, 2:4 along tokens,
 so that dW runs as a 2:4 GEMM. Computed apart, that estimate costs a second pass over ``dz``
 (read it, write the compressed half). Here the kernel that produces ``dz`` also draws the
-estimate from the values it holds and writes it compressed: one extra write of the compressed
-operand, no extra read. The dense ``dz`` is still written (dX = dz W needs it exactly).
+estimate from the values it holds and writes it compressed: in traffic one extra write of the
+compressed operand and no extra read (its time against that bound: docs/PERFORMANCE.md, "The
+fused activation + MVUE kernel"). The dense ``dz`` is still written (dX = dz W needs it exactly).
 
 Activations (``ACT``): GELU with the tanh approximation (GPT-2's), and SwiGLU on the interleaved
 gate|up output (``swiglu.py``: column 2j is gate_j, 2j+1 up_j; ``dz`` interleaved alike).
