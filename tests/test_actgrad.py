@@ -48,8 +48,11 @@ def test_gradient_and_estimate(shape, dh_layout, act, dtype, device):
     ref = reference_grad(z, dh, code)
     torch.testing.assert_close(dz.float(), ref.float(), rtol=1e-2, atol=1e-2)
     # the estimate is what the standalone MVUE kernel draws from this dz (same counters and layout)
-    want = ck.compress_tiled(dz.t().contiguous(), "mvue", seed=seed, out_dtype=dtype)[0]
-    assert torch.equal(buf, want)
+    for pair_rows in (False, True):
+        got = actgrad.act_backward_mvue(z, dh, code, seed, pair_rows=pair_rows)
+        want = ck.compress_tiled(dz.t().contiguous(), "mvue", seed=seed, out_dtype=dtype, pair_rows=pair_rows)[0]
+        assert torch.equal(got[0], dz) and torch.equal(got[1], want)
+    assert torch.equal(buf, actgrad.act_backward_mvue(z, dh, code, seed, pair_rows=actgrad.VARIANT["PAIR_ROWS"])[1])
     est = decompress_reference(buf.cpu(), n, t).float()  # dz^T's estimate: 2:4 along tokens
     assert ((est.reshape(n, t // 4, 4) != 0).sum(-1) <= 2).all()
     kept = est != 0

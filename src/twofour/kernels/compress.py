@@ -112,6 +112,18 @@ if HAS_TRITON:
         return _uniform(tl.reshape(tl.join(b0, b2), (64, G))), _uniform(tl.reshape(tl.join(b1, b3), (64, G)))
 
     @triton.jit
+    def _row_pair_uniforms(seed_ptr, band, pc, k_cols, G: tl.constexpr, ROUNDS: tl.constexpr):
+        """Two uniforms per group of a (64, 4G) tile of band ``band``, column block ``pc``: one
+        Philox call gives 4 x 32 bits, the two uniforms of rows 2i and 2i+1 of one group, which
+        one thread already holds (counter: row pair, group)."""
+        r2 = band * 32 + tl.arange(0, 32)[:, None]
+        gq = pc * G + tl.arange(0, G)[None, :]
+        b0, b1, b2, b3 = tl.randint4x(tl.load(seed_ptr), (r2 * (k_cols // 4) + gq).to(tl.int32), ROUNDS)
+        u1 = _uniform(tl.reshape(tl.permute(tl.join(b0, b2), (0, 2, 1)), (64, G)))
+        u2 = _uniform(tl.reshape(tl.permute(tl.join(b1, b3), (0, 2, 1)), (64, G)))
+        return u1, u2
+
+    @triton.jit
     def _mvue_keep(a0, a1, a2, a3, u1, u2):
         """MVUE's kept pair: two draws without replacement, a_i/S then a_j/(S - a_i)."""
         f0, f1, f2, f3 = _draw(a0, a1, a2, a3, u1)
@@ -191,12 +203,8 @@ if HAS_TRITON:
                 u = tl.load(u_ptr + r * (k_cols // 2) + cu, mask=(r < m_rows) & (cu < k_cols // 2),
                             other=0.5)
                 u1, u2 = tl.split(tl.reshape(u, (64, G, 2)))
-            elif PAIR_ROWS:  # one Philox call gives 4 x 32 bits: rows 2i and 2i+1 of one group
-                r2 = band * 32 + tl.arange(0, 32)[:, None]
-                pair = (r2 * (k_cols // 4) + gq).to(tl.int32)
-                b0, b1, b2, b3 = tl.randint4x(tl.load(seed_ptr), pair, ROUNDS)
-                u1 = _uniform(tl.reshape(tl.permute(tl.join(b0, b2), (0, 2, 1)), (64, G)))
-                u2 = _uniform(tl.reshape(tl.permute(tl.join(b1, b3), (0, 2, 1)), (64, G)))
+            elif PAIR_ROWS:
+                u1, u2 = _row_pair_uniforms(seed_ptr, band, pc, k_cols, G, ROUNDS)
             else:
                 u1, u2 = _group_uniforms(seed_ptr, r, pc, k_cols, G, ROUNDS)
             k0, k1, k2, k3 = _mvue_keep(a0, a1, a2, a3, u1, u2)
