@@ -249,46 +249,39 @@ def test_gated_ffn_fast_matches_reference(recipe, route):
     hooks = [mlp.gate_up.register_forward_hook(lambda m, a, out: seen.update(z=ops.order(out.reshape(-1, 512)))),
              mlp.down.register_forward_pre_hook(lambda m, a: seen.update(h=ops.order(a[0].reshape(-1, 512))))]
 
-    def run(fn, fast):
-        with settings.override(fast=fast):
-            mlp.zero_grad(set_to_none=True)
-            xx = x.clone().requires_grad_()
-            with torch.autocast("cuda", dtype=torch.bfloat16):
-                y = fn(xx)
-            y.backward(g)
-        return y.detach(), xx.grad, mlp.gate_up.weight.grad.clone(), mlp.down.weight.grad.clone()
-
-    run(mlp, True)  # measure the dispatch, then force the gate|up forward route
+    ffn_run(mlp, x, g, True)  # measure the dispatch, then force the gate|up forward route
     for key in [k for k in ops.choices() if k.startswith("fwd:1024x256x512:")]:
         ops.set_choice(key, route)
-    fast = run(mlp, True)
+    fast = ffn_run(mlp, x, g, True)
     assert seen["z"] == ("col" if route == "sparse_dr" else "row") and seen["h"] == seen["z"]
     for hook in hooks:
         hook.remove()
-    ref = run(mlp, False)
+    ref = ffn_run(mlp, x, g, False)
     assert all(rel(a, b) < 2e-2 for a, b in zip(fast, ref))
-    compiled = run(torch.compile(mlp), True)
+    compiled = ffn_run(mlp, x, g, True, fn=torch.compile(mlp))
     assert all(rel(a, b) < 2e-2 for a, b in zip(compiled, ref))
 
 
 def ffn(kind, mvue):
-    """A GPT (GELU) or Llama (SwiGLU) FFN block made sparse with s-ste in its layout plan."""
+    """A GPT (GELU) or Llama (SwiGLU) FFN block made sparse with s-ste in its layout plan (its first
+    parameter is the first linear's weight)."""
     torch.manual_seed(0)
     mlp = (MLP(GPTConfig(n_embd=256)) if kind == "gelu" else GatedMLP(256, 512)).cuda()
     names = ["fc", "proj"] if kind == "gelu" else ["gate_up", "down"]
     sparsify(mlp, "s-ste", include=names, transposed_output=names[:1], mvue=mvue)
-    return mlp, getattr(mlp, names[0])
+    return mlp
 
 
-def ffn_run(mlp, first, x, g, fast):
+def ffn_run(mlp, x, g, fast, fn=None):
+    """One forward + backward of the FFN ``mlp`` (through ``fn``, e.g. its compiled twin) under bf16
+    autocast: [y, dX, then every parameter's gradient in ``mlp.parameters()``' order]."""
     with settings.override(fast=fast):
         mlp.zero_grad(set_to_none=True)
         xx = x.clone().requires_grad_()
         with torch.autocast("cuda", dtype=torch.bfloat16):
-            y = mlp(xx)
+            y = (mlp if fn is None else fn)(xx)
         y.backward(g)
-    grads = [p.grad.clone() for p in mlp.parameters()]
-    return y.detach(), xx.grad, first.weight.grad.clone(), grads
+    return [y.detach(), xx.grad, *(p.grad.clone() for p in mlp.parameters())]
 
 
 @pytest.mark.parametrize("kind", ["gelu", "swiglu"])
@@ -297,22 +290,21 @@ def test_ffn_fused_activation_matches_reference(kind, gemm):
     """The FFN's first linear with its activation as one op (MVUE on): with the dense dW route
     (forced, or where it measures faster) output and every gradient match the reference path
     without MVUE; the fused route's dispatch is recorded under ``dw-mvue+ACT``."""
-    mlp, first = ffn(kind, mvue=True)
-    ref_mlp, ref_first = ffn(kind, mvue=False)
+    mlp, ref_mlp = ffn(kind, mvue=True), ffn(kind, mvue=False)
     x = torch.randn(4, 128, 256, device="cuda")
     g = torch.randn(4, 128, 256, device="cuda", dtype=torch.bfloat16)
     ops.clear_choices()
     with settings.override(gemm=gemm):
-        ffn_run(mlp, first, x, g, True)  # measure the dispatch, then keep z column-major (z^T stored)
+        ffn_run(mlp, x, g, True)  # measure the dispatch, then keep z column-major (z^T stored)
         for key in [k for k in ops.choices() if k.startswith("fwd") and ":1024x256x512:" in k]:
             ops.set_choice(key, "sparse_dr")
-        fast = ffn_run(mlp, first, x, g, True)
-    ref = ffn_run(ref_mlp, ref_first, x, g, False)
+        fast = ffn_run(mlp, x, g, True)
+    ref = ffn_run(ref_mlp, x, g, False)
     act = "gelu_tanh" if kind == "gelu" else "swiglu"
     keys = [k for k in ops.choices() if k.startswith(f"dw-mvue+{act}:")]
     assert rel(fast[0], ref[0]) < 2e-2 and rel(fast[1], ref[1]) < 2e-2
     if gemm == "dense" or ops.choices()[keys[0]]["choice"] == "dense":
-        assert all(rel(a, b) < 2e-2 for a, b in zip(fast[3], ref[3]))
+        assert all(rel(a, b) < 2e-2 for a, b in zip(fast[2:], ref[2:]))
     if gemm == "auto":  # the three routes timed: the fused kernel, the standalone MVUE kernel, dense
         assert set(ops.choices()[keys[0]]["ms"]) == {"sparse_fused", "sparse", "dense"}
     assert len(keys) == (1 if gemm == "auto" else 0)
@@ -322,15 +314,14 @@ def test_ffn_fused_activation_matches_reference(kind, gemm):
 def test_ffn_fused_activation_mvue_is_unbiased(kind):
     """On the fused route (forced sparse) the first linear's dW is the MVUE estimate drawn by the
     activation's backward kernel: random, with the exact dW as its mean; dX stays exact."""
-    mlp, first = ffn(kind, mvue=True)
-    ref_mlp, ref_first = ffn(kind, mvue=False)
+    mlp, ref_mlp = ffn(kind, mvue=True), ffn(kind, mvue=False)
     x = torch.randn(2, 128, 256, device="cuda")
     g = torch.randn(2, 128, 256, device="cuda", dtype=torch.bfloat16)
-    _, dx_ref, exact, _ = ffn_run(ref_mlp, ref_first, x, g, False)
+    _, dx_ref, exact = ffn_run(ref_mlp, x, g, False)[:3]
     mean, errs = torch.zeros_like(exact, dtype=torch.float32), []
     with settings.override(gemm="sparse"):  # the first sparse candidates: sparse_dr (z^T), sparse_fused
         for i in range(1, 257):
-            _, dx, dw, _ = ffn_run(mlp, first, x, g, True)
+            _, dx, dw = ffn_run(mlp, x, g, True)[:3]
             mean += (dw.float() - mean) / i
             if i in (16, 256):
                 errs.append(rel(mean, exact))
