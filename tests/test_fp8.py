@@ -136,27 +136,28 @@ def test_rescale_matches_plain_torch(device, out, shape, with_bias):
         fp8cast.rescale_(y.t(), sa, sb)
 
 
-def reference_linear(x, w, b, scaling, mvue=False):
+def reference_linear(x, w, b, scaling, mvue=False, grad_fmt=E5M2):
     """y, dX, dW of the FP8 linear, from operands dequantized in plain torch."""
     def fq(t, fmt):
         return dequantize(*quantize(t, fmt, scaling))
 
     dy = torch.randn(x.shape[0], w.shape[0], generator=torch.Generator().manual_seed(7)).to(x.device)
     y = fq(x, E4M3) @ fq(w, E4M3).t() + b
-    dx = fq(dy, E5M2) @ fq(w.t().contiguous(), E4M3).t()
+    dx = fq(dy, grad_fmt) @ fq(w.t().contiguous(), E4M3).t()
     dyt = dy.t().contiguous()
-    dw = fq(mvue_24_padded(dyt) if mvue else dyt, E5M2) @ fq(x.t().contiguous(), E4M3).t()
+    dw = fq(mvue_24_padded(dyt) if mvue else dyt, grad_fmt) @ fq(x.t().contiguous(), E4M3).t()
     return y, dx, dw, dy
 
 
+@pytest.mark.parametrize("grad_fmt", FORMATS, ids=str)
 @pytest.mark.parametrize("scaling", SCALING, ids=lambda s: s.name)
-def test_fp8_linear_matches_reference_and_dense(device, scaling):
+def test_fp8_linear_matches_reference_and_dense(device, scaling, grad_fmt):
     torch.manual_seed(0)
     x = torch.randn(64, 48, device=device, requires_grad=True)
     w = torch.nn.Parameter(torch.randn(32, 48, device=device) / 7)
     b = torch.randn(32, device=device, requires_grad=True)
-    ry, rdx, rdw, dy = reference_linear(x.detach(), w.detach(), b.detach(), scaling)
-    y = fp8_linear(x, w, b, scaling=scaling)
+    ry, rdx, rdw, dy = reference_linear(x.detach(), w.detach(), b.detach(), scaling, grad_fmt=grad_fmt)
+    y = fp8_linear(x, w, b, scaling=scaling, grad_fmt=grad_fmt)
     y.backward(dy)
     # Hopper's FP8 tensor cores accumulate with fewer bits than float32 (4.6e-5 seen on an H100)
     tol = 1e-5 if device.type == "cpu" else 2e-4
@@ -228,6 +229,38 @@ def test_layer_fp8_rowwise_runs_the_rowwise_gemms(device, recipe):
     torch.testing.assert_close(lin.weight.grad, w_ref.grad, rtol=1e-5, atol=1e-5)
     with pytest.raises(ValueError, match="needs fp8=True"):
         SparseLinear(32, 16, recipe=recipe, fp8_rowwise=True)
+
+
+@pytest.mark.parametrize("scaling", SCALING, ids=lambda s: s.name)
+def test_layer_fp8_grad_e4m3_quantizes_the_gradient_in_e4m3(device, scaling):
+    """``fp8_grad_e4m3=True``: the layer's gradients are the FP8 linear's with an e4m3 dY, closer to
+    the exact gradients than with e5m2 (one more mantissa bit)."""
+    torch.manual_seed(0)
+    x = torch.randn(256, 64, device=device)
+    g = torch.randn(256, 32, device=device)
+    grads = {}
+    for e4m3 in (False, True):
+        lin = SparseLinear(64, 32, recipe="s-ste", mvue=False, fp8=True, fp8_rowwise=scaling.rowwise,
+                           fp8_grad_e4m3=e4m3).to(device)
+        torch.manual_seed(1)
+        lin.reset_parameters()
+        xg = x.clone().requires_grad_()
+        lin(xg).backward(g)
+        grads[e4m3] = xg.grad, lin.weight.grad
+        w_ref = lin.weight.detach().clone().requires_grad_()
+        x_ref = x.clone().requires_grad_()
+        fp8_linear(x_ref, w_ref, lin.bias, lin.effective_weight(), scaling=scaling,
+                   grad_fmt=E4M3 if e4m3 else E5M2).backward(g)
+        torch.testing.assert_close(xg.grad, x_ref.grad, rtol=1e-5, atol=1e-5)
+        torch.testing.assert_close(lin.weight.grad, w_ref.grad, rtol=1e-5, atol=1e-5)
+    exact_dx = g @ lin.effective_weight()
+    exact_dw = g.t() @ x
+    assert rel(grads[True][0], exact_dx) < 0.8 * rel(grads[False][0], exact_dx)
+    assert rel(grads[True][1], exact_dw) < 0.8 * rel(grads[False][1], exact_dw)
+    with pytest.raises(ValueError, match="fp8_grad_e4m3=True needs fp8=True"):
+        SparseLinear(32, 16, recipe="s-ste", fp8_grad_e4m3=True)
+    with pytest.raises(TypeError, match="fmt must be"):
+        fp8_linear(x, lin.weight, None, grad_fmt=torch.bfloat16)
 
 
 @pytest.mark.parametrize("fmt", FORMATS, ids=str)

@@ -41,7 +41,8 @@ def test_unknown_option_lists_valid(name, opt):
 
 
 @pytest.mark.parametrize("opts", [dict(mvue="yes"), dict(decay=-1.0), dict(mask_interval=0),
-                                  dict(dense_finetune=1.5), dict(total_steps=0)])
+                                  dict(dense_finetune=1.5), dict(total_steps=0), dict(fp8=True, fp8_grad_e4m3="on"),
+                                  dict(fp8_grad_e4m3=True)])
 def test_bad_option_values(opts):
     with pytest.raises((ValueError, TypeError)):
         make_recipe("t-sr-ste", **opts)

@@ -3,7 +3,8 @@
 
 ``quantize(t, fmt, scaling)`` returns ``(q, scale)`` with ``t ~= q * scale``: the scale is
 ``amax * (1 / fmt_max)`` from the tensor's (or each row's) current absolute maximum, so the
-largest value lands on the format's largest one. e4m3 is for forward operands, e5m2 for gradients.
+largest value lands on the format's largest one. e4m3 is for forward operands, e5m2 (or e4m3) for
+gradients.
 :class:`FP8LinearFn` runs a linear's three GEMMs in FP8 (y = x W^T, dX = dY W, dW = dY^T X);
 each GEMM falls back to the reference (dequantize, multiply in the compute dtype) where
 ``_scaled_mm`` is missing or refuses the operands.
@@ -313,8 +314,9 @@ def _mvue_estimate(dyt: torch.Tensor) -> torch.Tensor:
 
 
 class FP8LinearFn(torch.autograd.Function):
-    """y = x W_eff^T + b with FP8 GEMMs: forward x(e4m3) W_eff(e4m3)^T, dX = dY(e5m2) W_eff(e4m3),
-    dW = dY^T(e5m2) X(e4m3) (on the MVUE 2:4 estimate of dY^T with ``mvue``), outputs in the
+    """y = x W_eff^T + b with FP8 GEMMs: forward x(e4m3) W_eff(e4m3)^T, dX = dY(g) W_eff(e4m3),
+    dW = dY^T(g) X(e4m3) (on the MVUE 2:4 estimate of dY^T with ``mvue``), g = ``grad_fmt`` (e5m2
+    by default, or e4m3: more precision, less range, which current scaling covers), outputs in the
     compute dtype; dW passed straight through to the master ``weight``; ``grad``: whether grad
     mode was on at the call (no backward copies otherwise); ``sparse``: W_eff is 2:4 (the forward
     GEMM may then run FP8 2:4, :func:`scaled_mm`). Tensorwise, each operand
@@ -323,7 +325,7 @@ class FP8LinearFn(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, x, weight, bias, w_eff, mvue: bool, scaling: Scaling, cdt: torch.dtype, grad: bool = True,
-                sparse: bool = False):
+                sparse: bool = False, grad_fmt: torch.dtype = E5M2):
         x2 = x.reshape(-1, x.shape[-1])
         tw = not scaling.rowwise
         need_dx, need_dw = grad and ctx.needs_input_grad[0], grad and ctx.needs_input_grad[1]
@@ -335,12 +337,13 @@ class FP8LinearFn(torch.autograd.Function):
         else:
             ctx.save_for_backward(x2, w_eff)
         ctx.mvue, ctx.scaling, ctx.cdt, ctx.x_shape, ctx.x_dtype = mvue, scaling, cdt, x.shape, x.dtype
+        ctx.grad_fmt = grad_fmt
         ctx.has_bias, ctx.w_dtype = bias is not None, weight.dtype
         return y.reshape(*x.shape[:-1], y.shape[-1])
 
     @staticmethod
     def backward(ctx, dy):
-        sc, cdt = ctx.scaling, ctx.cdt
+        sc, cdt, gf = ctx.scaling, ctx.cdt, ctx.grad_fmt
         dy2 = dy.reshape(-1, dy.shape[-1]).to(cdt)
         dx = dw = db = None
         need_dx, need_dw = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
@@ -355,29 +358,33 @@ class FP8LinearFn(torch.autograd.Function):
         dy_t = need_dw and not ctx.mvue  # dY^T exact: from dY's quantization (tensorwise) or its own
         qd = sd = qdt = sdt = None
         if need_dx or (dy_t and not sc.rowwise):
-            qd, sd, qdt = quantize_t(dy2, E5M2, sc, transposed=dy_t and not sc.rowwise)
+            qd, sd, qdt = quantize_t(dy2, gf, sc, transposed=dy_t and not sc.rowwise)
             sdt = sd
         if need_dx:
             dx = scaled_mm(qd, sd, qwt, swt, cdt).reshape(ctx.x_shape).to(ctx.x_dtype)
         if need_dw:
             if ctx.mvue:  # the unbiased 2:4 estimate of dY^T (along tokens), quantized on its own
-                qdt, sdt = quantize(_mvue_estimate(dy2.t()), E5M2, sc)
+                qdt, sdt = quantize(_mvue_estimate(dy2.t()), gf, sc)
             elif sc.rowwise:
-                qdt, sdt = quantize(dy2.t().contiguous(), E5M2, sc)
+                qdt, sdt = quantize(dy2.t().contiguous(), gf, sc)
             dw = scaled_mm(qdt, sdt, qxt, sxt, cdt).to(ctx.w_dtype)
         if ctx.has_bias and ctx.needs_input_grad[2]:
             db = dy2.sum(0)
-        return dx, dw, db, None, None, None, None, None, None
+        return dx, dw, db, None, None, None, None, None, None, None
 
 
 def fp8_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, w_eff: torch.Tensor | None = None,
-               *, mvue: bool = False, scaling: Scaling = DEFAULT_SCALING, sparse: bool = False) -> torch.Tensor:
+               *, mvue: bool = False, scaling: Scaling = DEFAULT_SCALING, sparse: bool = False,
+               grad_fmt: torch.dtype = E5M2) -> torch.Tensor:
     """``F.linear(x, w_eff, bias)`` with FP8 GEMMs (:class:`FP8LinearFn`), the gradient of the
     effective weight ``w_eff`` (default ``weight``) going to ``weight``. The GEMMs run in
     autocast's dtype if on, else ``x``'s; the output has that dtype. ``sparse``: ``w_eff`` is 2:4
-    along its rows, so the forward GEMM may run FP8 2:4 where that measures faster."""
+    along its rows, so the forward GEMM may run FP8 2:4 where that measures faster. ``grad_fmt``:
+    the FP8 format of the output gradient dY (:data:`E5M2` or :data:`E4M3`)."""
+    _check_fmt(grad_fmt)
     dev = x.device.type
     cdt = torch.get_autocast_dtype(dev) if torch.is_autocast_enabled(dev) else x.dtype
     w_eff = weight.detach() if w_eff is None else w_eff
     with torch.autocast(dev, enabled=False):
-        return FP8LinearFn.apply(x, weight, bias, w_eff.detach(), mvue, scaling, cdt, torch.is_grad_enabled(), sparse)
+        return FP8LinearFn.apply(x, weight, bias, w_eff.detach(), mvue, scaling, cdt, torch.is_grad_enabled(), sparse,
+                                 grad_fmt)

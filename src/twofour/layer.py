@@ -19,7 +19,7 @@ from torch import nn
 
 from .activations import Activation
 from .fastpath import CompressedWeight, FastLinearActFn, FastSparseLinearFn, applies, compiled_linear, compute_dtype
-from .fp8 import DEFAULT_SCALING, ROWWISE, fp8_linear
+from .fp8 import DEFAULT_SCALING, E4M3, E5M2, ROWWISE, fp8_linear
 from .kernels import ops
 from .pruning import mvue_24_padded
 from .recipes import DEFAULT_RECIPE, Recipe, make_recipe
@@ -257,7 +257,8 @@ class SparseLinear(nn.Linear):
                 w_eff = self.compressed.get(self.weight, self.pruner, self.beta, self.mask, self._step,
                                             compute_dtype(x), sparse=False)[1]
             return fp8_linear(x, self.weight, self.bias, w_eff, mvue=r.mvue and not self._dense, sparse=not self._dense,
-                              scaling=ROWWISE if r.fp8_rowwise else DEFAULT_SCALING)
+                              scaling=ROWWISE if r.fp8_rowwise else DEFAULT_SCALING,
+                              grad_fmt=E4M3 if r.fp8_grad_e4m3 else E5M2)
         if not r.sparse:
             return super().forward(x)
         if not self._dense and applies(x, self.in_features, self.out_features):

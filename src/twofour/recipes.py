@@ -33,6 +33,8 @@ class Recipe:
             (:mod:`twofour.fp8`). Every recipe takes it, ``dense`` included (the fair baseline).
         fp8_rowwise: with ``fp8``, one scale per row of each operand along the contraction
             dimension instead of one per tensor (finer scales; each GEMM quantizes its own copy).
+        fp8_grad_e4m3: with ``fp8``, the output gradient dY in e4m3 instead of e5m2 (one more
+            mantissa bit, less range, which current scaling covers).
         decay: SR-STE masked decay lambda, added to the gradient as ``decay * (1 - m) * W`` once per
             optimizer step, after gradient clipping (:func:`twofour.attach` does it).
         mask_interval: optimizer steps between mask refreshes (transposable masks only).
@@ -46,6 +48,7 @@ class Recipe:
     mvue: bool = False
     fp8: bool = False
     fp8_rowwise: bool = False
+    fp8_grad_e4m3: bool = False
     decay: float = 0.0
     mask_interval: int = 1
     dense_finetune: float = 0.0
@@ -63,7 +66,7 @@ class Recipe:
 
 
 # name -> (fixed fields, {option: default}) ; options not listed are refused
-_FP8 = {"fp8": False, "fp8_rowwise": False}
+_FP8 = {"fp8": False, "fp8_rowwise": False, "fp8_grad_e4m3": False}
 _SPARSE_COMMON = {"mvue": False, **_FP8}
 _TABLE: dict[str, tuple[dict[str, Any], dict[str, Any]]] = {
     "dense": ({"pruning": NONE}, dict(_FP8)),
@@ -121,11 +124,12 @@ def make_recipe(recipe: str | Recipe = DEFAULT_RECIPE, **options: Any) -> Recipe
 
 
 def _validate(name: str, v: dict[str, Any]) -> None:
-    for key in ("mvue", "fp8", "fp8_rowwise"):
+    for key in ("mvue", "fp8", "fp8_rowwise", "fp8_grad_e4m3"):
         if key in v and not isinstance(v[key], bool):
             raise TypeError(f"recipe {name!r}: option {key} must be a bool, got {v[key]!r}")
-    if v.get("fp8_rowwise") and not v.get("fp8"):
-        raise ValueError(f"recipe {name!r}: fp8_rowwise=True needs fp8=True")
+    for key in ("fp8_rowwise", "fp8_grad_e4m3"):
+        if v.get(key) and not v.get("fp8"):
+            raise ValueError(f"recipe {name!r}: {key}=True needs fp8=True")
     if "decay" in v and (not isinstance(v["decay"], (int, float)) or v["decay"] < 0):
         raise ValueError(f"recipe {name!r}: decay must be a number >= 0, got {v['decay']!r}")
     if "mask_interval" in v and (not isinstance(v["mask_interval"], int) or v["mask_interval"] < 1):
