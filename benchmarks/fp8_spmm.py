@@ -1,6 +1,6 @@
 """FP8 2:4 GEMMs through cuSPARSELt against dense FP8 and bf16, at the FFN shapes (GPU).
 
-    PYTHONPATH=src python benchmarks/fp8_spmm.py [--quick]
+    PYTHONPATH=src python benchmarks/fp8_spmm.py [--quick] [--sections 1,2,3,4]
 
 1. Which FP8 plans cuSPARSELt builds and runs (e4m3 or e5m2 operands; bf16, float32 or e4m3
    output; B and D row- or column-major), each checked against the dequantized product; then,
@@ -21,6 +21,12 @@
 3. ``fp8.scaled_mm(..., sparse_b=True)`` with the dispatch free (``gemm=auto``), without and with a
    bias: the route it picked, the times it measured, and the error of each route against the
    reference.
+4. dW on the MVUE estimate of dY^T with e4m3 gradients: the dense route (the bf16 estimate, its
+   quantization, ``_scaled_mm``) and the FP8 2:4 route (``kernels/mvue_fp8.py`` writing the
+   estimate compressed in e4m3, the FP8 2:4 GEMM, the scaling pass), each part against its limit
+   (copy bandwidth: the estimate reads and writes dY's size in bf16, its quantization reads it
+   twice and writes it once in e4m3, the fused kernel reads dY once and writes the compressed
+   bytes; the GEMMs against the FP8 peaks), the routes whole and the dispatch's choice.
 """
 
 from __future__ import annotations
@@ -37,6 +43,8 @@ from twofour.bench import copy_bandwidth
 from twofour.kernels import cusparselt as cs
 from twofour.kernels import fp8cast, ops
 from twofour.kernels.compress import compress_e4m3
+from twofour.kernels.layout import compressed_size
+from twofour.kernels.mvue_fp8 import SCALE_BOUND, mvue_e4m3
 from twofour.pruning import hard_threshold_24
 
 BF = torch.bfloat16
@@ -231,15 +239,81 @@ def dispatch(shapes) -> list[str]:
     return lines
 
 
+DW = ["MVUE estimate (bf16, dense)", "quantize it (e4m3)", "FP8 dense GEMM", "dense route",
+      "MVUE -> e4m3 compressed (fused)", "FP8 2:4 GEMM", "scale pass", "FP8 2:4 route"]
+
+
+def dw_timings(shapes) -> list[str]:
+    """Section 4: dW = est(dY^T) X with e4m3 gradients, each route's parts and the routes whole as
+    ``fp8._mvue_dw`` runs them (forced), with each part's share of its limit, and the dispatch's
+    own timing and choice."""
+    copy_bw = copy_bandwidth() * 1e9
+    lines = ["| at 16384 tokens | " + " | ".join(DW) + " | 2:4 / dense route | dispatch (ms sparse / dense) |",
+             "|---" * (len(DW) + 3) + "|"]
+    shares = ["| share of limit | " + " | ".join(c for c in DW if "route" not in c) + " |",
+              "|---" * (len(DW) - 1) + "|"]
+    for name, t, k, n in shapes:
+        ms, chosen = dw_shape(t, k, n)
+        lines.append(f"| {name} {k}->{n} | " + " | ".join(f"{ms[c]:.3f} ms" for c in DW)
+                     + f" | {ms[DW[3]] / ms[DW[7]]:.2f}x | {chosen} |")
+        e, flop = t * n, 2 * t * k * n
+        limit = {DW[0]: 4 * e / copy_bw, DW[1]: 5 * e / copy_bw, DW[2]: flop / PEAK["fp8"],
+                 DW[4]: (2 * e + compressed_size(n, t, 1)) / copy_bw, DW[5]: flop / (2 * PEAK["fp8"]),
+                 DW[6]: 4 * n * k / copy_bw}
+        shares.append(f"| {name} | " + " | ".join(f"{limit[c] * 1e3 / ms[c]:.0%}" for c in limit) + " |")
+        torch.cuda.empty_cache()
+    return lines + ["", f"copy bandwidth measured here: {copy_bw / 1e9:.0f} GB/s", ""] + shares
+
+
+def dw_shape(t: int, k: int, n: int) -> tuple[dict[str, float], str]:
+    """Section 4's times (ms) at one shape, and the dispatch's choice with its own times."""
+    x = torch.randn(t, k, device="cuda", dtype=BF)
+    dy = torch.randn(t, n, device="cuda", dtype=BF)
+    qxt, sxt = F8.quantize(x.t().contiguous(), F8.E4M3)
+    _, sd = F8.quantize(dy, F8.E4M3)
+    est = F8._mvue_estimate(dy.t())
+    qe, se = F8.quantize(est, F8.E4M3)
+    s2 = sd * SCALE_BOUND
+    packed = mvue_e4m3(dy.t(), s2)
+    out = ops.spmm(packed, qxt.t(), n, False, out_dtype=BF)
+    plan = cs.get_plan(n, t, k, cs.COL, cs.ROW, F8.E4M3, out_dtype=BF)
+    plan = plan.tuned or plan
+
+    def bench(fn) -> float:
+        return do_bench(fn, warmup=10, rep=60)
+
+    def dw() -> torch.Tensor:
+        return F8._mvue_dw(dy, sd, qxt, sxt, F8.E4M3, F8.TENSORWISE, BF)
+
+    def route(mode: str) -> float:
+        with settings.override(gemm=mode):
+            return bench(dw)
+
+    ms = {DW[0]: bench(lambda: F8._mvue_estimate(dy.t())), DW[1]: bench(lambda: F8.quantize(est, F8.E4M3)),
+          DW[2]: bench(lambda: torch._scaled_mm(qe, qxt.t(), se, sxt, out_dtype=BF)), DW[3]: route("dense"),
+          DW[4]: bench(lambda: mvue_e4m3(dy.t(), s2)), DW[5]: bench(lambda: plan.matmul(packed, qxt.t(), out)),
+          DW[6]: bench(lambda: fp8cast.rescale_(out, s2, sxt)), DW[7]: route("sparse")}
+    ops.clear_choices()
+    dw()
+    hit = next((v for key, v in ops.choices().items() if key.startswith(f"fp8-dw-mvue:{n}x{t}x{k}:")), None)
+    return ms, f"{hit['choice']} ({hit['ms']['sparse']:.3f} / {hit['ms']['dense']:.3f})" if hit else "none"
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--quick", action="store_true", help="GPT-2 774M's shapes only")
+    p.add_argument("--sections", default="1,2,3,4", help="the sections to run, of 1,2,3,4 (default: all)")
     args = p.parse_args()
+    wanted = {int(v) for v in args.sections.split(",")}
     shapes = SHAPES[:2] if args.quick else SHAPES
     print(f"{torch.cuda.get_device_name()}, torch {torch.__version__}, cuSPARSELt {cs.version()}\n")
-    for title, fn in (("FP8 plans cuSPARSELt builds", kinds), ("Scaling on the device, mixed formats", scaling_modes),
-                      ("Forward GEMM timings", lambda: timings(shapes)),
-                      ("The dispatch", lambda: dispatch(shapes))):
+    for section, title, fn in ((1, "FP8 plans cuSPARSELt builds", kinds),
+                               (1, "Scaling on the device, mixed formats", scaling_modes),
+                               (2, "Forward GEMM timings", lambda: timings(shapes)),
+                               (3, "The dispatch", lambda: dispatch(shapes)),
+                               (4, "dW on the MVUE estimate, e4m3 gradients", lambda: dw_timings(shapes))):
+        if section not in wanted:
+            continue
         print(f"## {title}\n")
         try:
             print("\n".join(fn()) + "\n", flush=True)

@@ -445,6 +445,39 @@ def test_gpu_fp8_sparse_forward_matches_reference(shape):
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("shape", [(256, 128, 96), (1024, 96, 64)])  # (tokens, in, out)
+def test_gpu_fp8_mvue_dw_routes_are_unbiased(shape):
+    """e4m3 gradients, one scale: dW on the MVUE estimate through its FP8 2:4 route (the estimate
+    written compressed in e4m3 at the bound scale, the FP8 2:4 GEMM, one scaling pass) and through
+    its dense route is a noisy estimate of dY^T X whose average over draws converges; the dispatch
+    times both routes once."""
+    if not _fp8_sparse_gpu():
+        pytest.skip("needs an sm89+ GPU with the fast path")
+    torch.manual_seed(0)
+    t, k, n = shape
+    x = torch.randn(t, k, device="cuda", dtype=torch.bfloat16)
+    w = torch.nn.Parameter(torch.randn(n, k, device="cuda", dtype=torch.bfloat16))
+    dy = torch.randn(t, n, device="cuda", dtype=torch.bfloat16)
+    exact = dy.float().t() @ x.float()
+
+    def draw():
+        w.grad = None
+        fp8_linear(x, w, None, mvue=True, grad_fmt=E4M3).backward(dy)
+        return w.grad.float()
+
+    for mode in ("sparse", "dense"):
+        with settings.override(gemm=mode):
+            grads = torch.stack([draw() for _ in range(128)])
+        one, mean = rel(grads[0], exact), rel(grads.mean(0), exact)
+        assert torch.isfinite(grads).all() and one > 0.2 and mean < min(one / 4, 0.1), mode
+    if settings.gemm == "auto":
+        ops.clear_choices()
+        draw()
+        hit = [v for key, v in ops.choices().items() if key.startswith(f"fp8-dw-mvue:{n}x{t}x{k}:")]
+        assert len(hit) == 1 and set(hit[0]["ms"]) == {"sparse", "dense"}
+
+
+@pytest.mark.gpu
 def test_gpu_fp8_sparse_layer_compiles_and_matches_dense_route():
     """An s-ste FP8 layer with its forward on the FP8 2:4 route gives the dense FP8 route's output,
     eager and compiled."""

@@ -40,6 +40,7 @@ from . import settings
 from .kernels import cusparselt, fp8cast, ops
 from .kernels.compress import HAS_TRITON, compress_e4m3
 from .kernels.layout import supported_shape
+from .kernels.mvue_fp8 import SCALE_BOUND, mvue_e4m3
 from .pruning import mvue_24_padded
 
 __all__ = ["fake_fp8", "E4M3", "E5M2", "Scaling", "TENSORWISE", "ROWWISE", "SCALINGS", "DEFAULT_SCALING",
@@ -313,6 +314,53 @@ def _mvue_estimate(dyt: torch.Tensor) -> torch.Tensor:
     return mvue_24_padded(dyt.contiguous())
 
 
+def _mvue_dw_sparse_applies(dy2: torch.Tensor, qxt: torch.Tensor, sd: torch.Tensor | None, fmt: torch.dtype,
+                            scaling: Scaling, cdt: torch.dtype) -> bool:
+    """Whether dW on the MVUE estimate can also run as one FP8 2:4 GEMM: eager on an sm89+ GPU with
+    the fast path, e4m3 gradients with one scale (both operands of an FP8 2:4 GEMM share a format,
+    and the bound of :mod:`twofour.kernels.mvue_fp8` scales from dY's tensorwise scale ``sd``), the
+    tokens a multiple of 64 (the e4m3 layout's tile) and both output sides of 32."""
+    n, t = dy2.shape[1], dy2.shape[0]
+    return (sd is not None and fmt == E4M3 and not scaling.rowwise and dy2.is_cuda and HAS_TRITON
+            and cdt in (torch.bfloat16, torch.float16) and not torch.compiler.is_compiling()
+            and n % 32 == 0 and t % 64 == 0 and qxt.shape[0] % 32 == 0
+            and torch.cuda.get_device_capability(dy2.device) >= (8, 9) and ops.fast_available())
+
+
+def _mvue_dw(dy2: torch.Tensor, sd: torch.Tensor | None, qxt: torch.Tensor, sxt: torch.Tensor, fmt: torch.dtype,
+             scaling: Scaling, cdt: torch.dtype) -> torch.Tensor:
+    """dW = est(dY^T) X on the MVUE 2:4 estimate of dY^T, in ``cdt``. Dense: the estimate, its own
+    quantization, then ``scaled_mm``. Where :func:`_mvue_dw_sparse_applies`, also FP8 2:4: one
+    kernel writes the estimate compressed in e4m3 at the bound scale (:func:`mvue_e4m3`), the FP8
+    2:4 GEMM multiplies it by X (``qxt`` row-major is X column-major), one pass applies the two
+    scales; the faster route, timed whole once per shape, runs (``ops.choices()`` key
+    ``fp8-dw-mvue``)."""
+    def dense() -> torch.Tensor:
+        qdt, sdt = quantize(_mvue_estimate(dy2.t()), fmt, scaling)
+        return scaled_mm(qdt, sdt, qxt, sxt, cdt)
+
+    if not _mvue_dw_sparse_applies(dy2, qxt, sd, fmt, scaling, cdt):
+        return dense()
+    n, t, k = dy2.shape[1], dy2.shape[0], qxt.shape[0]
+    failed = ("dw", n, t, k, dy2.device.index, cdt)
+    if failed in _sparse_failed:
+        return dense()
+
+    def sparse() -> torch.Tensor:
+        s = sd * SCALE_BOUND
+        packed = mvue_e4m3(dy2.t(), s)
+        return fp8cast.rescale_(ops.spmm(packed, qxt.t(), n, False, out_dtype=cdt), s, sxt)
+
+    cands = {"sparse": sparse, "dense": dense}
+    try:
+        return cands[ops.choose("fp8-dw-mvue", n, t, k, "col", E4M3, cands)]()
+    except Exception as e:  # noqa: BLE001 - cuSPARSELt refused the operands: the dense route answers
+        _sparse_failed.add(failed)
+        log.warning("the FP8 2:4 dW GEMM failed for %s (%s: %s); it runs dense FP8 from now on", failed,
+                    type(e).__name__, (str(e).splitlines() or [""])[0])
+        return dense()
+
+
 class FP8LinearFn(torch.autograd.Function):
     """y = x W_eff^T + b with FP8 GEMMs: forward x(e4m3) W_eff(e4m3)^T, dX = dY(g) W_eff(e4m3),
     dW = dY^T(g) X(e4m3) (on the MVUE 2:4 estimate of dY^T with ``mvue``), g = ``grad_fmt`` (e5m2
@@ -362,10 +410,10 @@ class FP8LinearFn(torch.autograd.Function):
             sdt = sd
         if need_dx:
             dx = scaled_mm(qd, sd, qwt, swt, cdt).reshape(ctx.x_shape).to(ctx.x_dtype)
-        if need_dw:
-            if ctx.mvue:  # the unbiased 2:4 estimate of dY^T (along tokens), quantized on its own
-                qdt, sdt = quantize(_mvue_estimate(dy2.t()), gf, sc)
-            elif sc.rowwise:
+        if need_dw and ctx.mvue:  # the unbiased 2:4 estimate of dY^T (along tokens), dense or FP8 2:4
+            dw = _mvue_dw(dy2, sd, qxt, sxt, gf, sc, cdt).to(ctx.w_dtype)
+        elif need_dw:
+            if sc.rowwise:
                 qdt, sdt = quantize(dy2.t().contiguous(), gf, sc)
             dw = scaled_mm(qdt, sdt, qxt, sxt, cdt).to(ctx.w_dtype)
         if ctx.has_bias and ctx.needs_input_grad[2]:

@@ -132,6 +132,38 @@ if HAS_TRITON:
         return f0 | h0, f1 | h1, f2 | h2, f3 | h3
 
     @triton.jit
+    def _load_groups(src, sr, sc, r, pc, off, ok, m_rows, k_cols, G: tl.constexpr, QUAD_LOADS: tl.constexpr):
+        """The four entries of each group of a (64, 4G) tile at rows ``r``, column block ``pc``, as
+        four (64, G) float32 tensors: four coalesced loads for a source with contiguous rows (dY^T
+        read in place), else one coalesced tile load split by reshapes."""
+        if QUAD_LOADS:
+            gq = pc * G + tl.arange(0, G)[None, :]  # the group each column of the (64, G) tensors holds
+            okq = (r < m_rows) & (gq < k_cols // 4)
+            offq = r * sr + gq * (4 * sc)
+            x0 = tl.load(src + offq, mask=okq, other=0.0).to(tl.float32)
+            x1 = tl.load(src + offq + sc, mask=okq, other=0.0).to(tl.float32)
+            x2 = tl.load(src + offq + 2 * sc, mask=okq, other=0.0).to(tl.float32)
+            x3 = tl.load(src + offq + 3 * sc, mask=okq, other=0.0).to(tl.float32)
+        else:
+            x0, x1, x2, x3 = _quads(tl.load(src + off, mask=ok, other=0.0).to(tl.float32), G)
+        return x0, x1, x2, x3
+
+    @triton.jit
+    def _mvue_draws(a0, a1, a2, a3, u_ptr, seed_ptr, r, band, pc, m_rows, k_cols, G: tl.constexpr,
+                    HAS_U: tl.constexpr, PAIR_ROWS: tl.constexpr, ROUNDS: tl.constexpr):
+        """MVUE's kept pair of each group from the draw weights ``a``: given uniforms (two per
+        group, a contiguous (M, K/2) tensor; tests draw the reference's) or Philox draws."""
+        if HAS_U:
+            cu = pc * (2 * G) + tl.arange(0, 2 * G)[None, :]
+            u = tl.load(u_ptr + r * (k_cols // 2) + cu, mask=(r < m_rows) & (cu < k_cols // 2), other=0.5)
+            u1, u2 = tl.split(tl.reshape(u, (64, G, 2)))
+        elif PAIR_ROWS:
+            u1, u2 = _row_pair_uniforms(seed_ptr, band, pc, k_cols, G, ROUNDS)
+        else:
+            u1, u2 = _group_uniforms(seed_ptr, r, pc, k_cols, G, ROUNDS)
+        return _mvue_keep(a0, a1, a2, a3, u1, u2)
+
+    @triton.jit
     def _mvue_rescale(y0, y1, k0, k1, k2, k3, a0, a1, a2, a3):
         """The kept y / p, p_k = a_k/S * (1 + sum_{i != k} q_i - q_k), q_i = a_i / (S - a_i)."""
         s01, s23 = a0 + a1, a2 + a3
@@ -182,32 +214,15 @@ if HAS_TRITON:
         if BIG:  # offsets past 2^31: 64-bit index arithmetic (else 32-bit, a third of the instructions)
             r, c = r.to(tl.int64), c.to(tl.int64)
         off = r * sr + c * sc
-        gq = pc * G + tl.arange(0, G)[None, :]  # the group each column of the (64, G) tensors holds
-        if QUAD_LOADS:  # rows contiguous (dY^T read in place): four coalesced loads, one per group entry
-            okq = (r < m_rows) & (gq < k_cols // 4)
-            offq = r * sr + gq * (4 * sc)
-            x0 = tl.load(src + offq, mask=okq, other=0.0).to(tl.float32)
-            x1 = tl.load(src + offq + sc, mask=okq, other=0.0).to(tl.float32)
-            x2 = tl.load(src + offq + 2 * sc, mask=okq, other=0.0).to(tl.float32)
-            x3 = tl.load(src + offq + 3 * sc, mask=okq, other=0.0).to(tl.float32)
-        else:  # one coalesced tile load, split into the four entries of each group
-            x0, x1, x2, x3 = _quads(tl.load(src + off, mask=ok, other=0.0).to(tl.float32), G)
+        x0, x1, x2, x3 = _load_groups(src, sr, sc, r, pc, off, ok, m_rows, k_cols, G, QUAD_LOADS)
         a0, a1, a2, a3 = tl.abs(x0), tl.abs(x1), tl.abs(x2), tl.abs(x3)
         if MODE == 2:  # a given mask (transposable), read through the same strides
             k0, k1, k2, k3 = _quads(tl.load(mask_ptr + off, mask=ok, other=0).to(tl.int32), G)
             k0, k1, k2, k3 = k0 != 0, k1 != 0, k2 != 0, k3 != 0
         elif MODE == 3:  # MVUE: two draws without replacement, a_i/S then a_j/(S - a_i)
             a0, a1, a2, a3 = _mvue_weights(a0, a1, a2, a3)
-            if HAS_U:  # given uniforms, two per group (tests draw the reference's)
-                cu = pc * BC // 2 + tl.arange(0, BC // 2)[None, :]
-                u = tl.load(u_ptr + r * (k_cols // 2) + cu, mask=(r < m_rows) & (cu < k_cols // 2),
-                            other=0.5)
-                u1, u2 = tl.split(tl.reshape(u, (64, G, 2)))
-            elif PAIR_ROWS:
-                u1, u2 = _row_pair_uniforms(seed_ptr, band, pc, k_cols, G, ROUNDS)
-            else:
-                u1, u2 = _group_uniforms(seed_ptr, r, pc, k_cols, G, ROUNDS)
-            k0, k1, k2, k3 = _mvue_keep(a0, a1, a2, a3, u1, u2)
+            k0, k1, k2, k3 = _mvue_draws(a0, a1, a2, a3, u_ptr, seed_ptr, r, band, pc, m_rows, k_cols, G, HAS_U,
+                                         PAIR_ROWS, ROUNDS)
         else:
             k0, k1, k2, k3 = _rank_keep(a0, a1, a2, a3)
         if MODE == 1:  # beta * S(x): threshold at the largest dropped magnitude
@@ -255,7 +270,6 @@ if HAS_TRITON:
         largest magnitudes of each group kept (for e4m3 the order of the low 7 bits), written as
         values and the e4m3 metadata tiles (16 rows x 64 columns in 32-bit words, layout.py)."""
         G: tl.constexpr = BC // 4
-        CT: tl.constexpr = BC // 64
         band, pc = tl.program_id(0), tl.program_id(1)
         r = band * 64 + tl.arange(0, 64)[:, None]  # (64, 1)
         c = pc * BC + tl.arange(0, BC)[None, :]  # (1, BC)
@@ -266,6 +280,14 @@ if HAS_TRITON:
         i1 = tl.where(k3, 3, tl.where(k2, 2, 1))
         y0, y1 = _pick(k0, k1, k2, k3, x0, x1, x2, x3)
         vv = tl.reshape(tl.join(y0, y1), (64, BC // 2)).to(tl.uint8)  # (64, G, 2) -> row-major values
+        _store_compressed_e4m3(vv, i0, i1, r, band, pc, m_rows, k_cols, n_ct, vals, meta, BC)
+
+    @triton.jit
+    def _store_compressed_e4m3(vv, i0, i1, r, band, pc, m_rows, k_cols, n_ct, vals, meta, BC: tl.constexpr):
+        """Write a (64, BC) band's kept values ``vv`` ((64, BC/2), row-major, in ``vals``' element
+        type) and the positions ``i0`` < ``i1`` of each group as the e4m3 metadata tiles (16 rows x
+        64 columns in 32-bit words, ``layout.py``)."""
+        CT: tl.constexpr = BC // 64
         cv = pc * (BC // 2) + tl.arange(0, BC // 2)[None, :]
         tl.store(vals + r.to(tl.int64) * (k_cols // 2) + cv, vv, mask=(r < m_rows) & (cv < k_cols // 2))
         code = tl.where(r < m_rows, i0 | (i1 << 2), 14).to(tl.int64)  # padding rows read as "keep 2 and 3"
