@@ -1,13 +1,14 @@
 """Where a SparseLinear's forward + backward spends its time against nn.Linear (GPU): the step's
 GPU time, the host's time to issue it, and the kernels it runs (torch.profiler).
 
-    PYTHONPATH=src python benchmarks/layer_profile.py
+    PYTHONPATH=src python benchmarks/layer_profile.py [--fp8]
 
 A step whose host time exceeds its GPU time is launch-bound: the GPU waits for Python.
 """
 
 from __future__ import annotations
 
+import sys
 import time
 
 import torch
@@ -82,7 +83,35 @@ def host_costs() -> None:
         print(f"| {name} | {host_ms(fn, 200) * 1e3:.1f} |", flush=True)
 
 
+def fp8_main() -> None:
+    """``--fp8``: dense and s-ste in FP8 (tensorwise, e5m2 and e4m3 dY) at GPT-2 774M's FFN shapes,
+    16384 tokens: step time, host time, and each one's kernels."""
+    for t, k, n in ((16384, 1280, 5120), (16384, 5120, 1280)):
+        x = torch.randn(t, k, device="cuda", requires_grad=True)
+        g = torch.randn(t, n, device="cuda", dtype=torch.bfloat16)
+        print(f"\n{t} tokens x {k} -> {n}\n| layer | step ms (do_bench) | host ms to issue a step |\n|---|---|---|")
+        layers = {f"{r} FP8{', e4m3 dY' if e4 else ''}": SparseLinear(k, n, device="cuda", recipe=r, fp8=True,
+                                                                      fp8_grad_e4m3=e4)
+                  for e4 in (False, True) for r in ("dense", "s-ste")}
+        for name, layer in layers.items():
+            fn = fwd_bwd_step(layer, x, g)
+            for _ in range(3):
+                fn()
+            print(f"| {name} | {do_bench(fn, return_mode='median'):.3f} | {host_ms(fn):.3f} |", flush=True)
+        for name in ("dense FP8, e4m3 dY", "s-ste FP8, e4m3 dY"):
+            fn = fwd_bwd_step(layers[name], x, g)
+            with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+                for _ in range(5):
+                    fn()
+                torch.cuda.synchronize()
+            print(f"\n{name}: 5 steps, by device time")
+            print(prof.key_averages().table(sort_by="self_device_time_total", row_limit=16, max_name_column_width=60))
+
+
 def main() -> None:
+    if "--fp8" in sys.argv[1:]:
+        fp8_main()
+        return
     host_costs()
     for t, k, n in ((32768, 768, 3072), (32768, 1280, 5120)):
         x = torch.randn(t, k, device="cuda", requires_grad=True)

@@ -314,14 +314,14 @@ def _mvue_estimate(dyt: torch.Tensor) -> torch.Tensor:
     return mvue_24_padded(dyt.contiguous())
 
 
-def _mvue_dw_sparse_applies(dy2: torch.Tensor, qxt: torch.Tensor, sd: torch.Tensor | None, fmt: torch.dtype,
-                            scaling: Scaling, cdt: torch.dtype) -> bool:
+def _mvue_dw_sparse_applies(dy2: torch.Tensor, qxt: torch.Tensor, fmt: torch.dtype, scaling: Scaling,
+                            cdt: torch.dtype) -> bool:
     """Whether dW on the MVUE estimate can also run as one FP8 2:4 GEMM: eager on an sm89+ GPU with
     the fast path, e4m3 gradients with one scale (both operands of an FP8 2:4 GEMM share a format,
-    and the bound of :mod:`twofour.kernels.mvue_fp8` scales from dY's tensorwise scale ``sd``), the
+    and the bound of :mod:`twofour.kernels.mvue_fp8` scales from dY's tensorwise scale), the
     tokens a multiple of 64 (the e4m3 layout's tile) and both output sides of 32."""
     n, t = dy2.shape[1], dy2.shape[0]
-    return (sd is not None and fmt == E4M3 and not scaling.rowwise and dy2.is_cuda and HAS_TRITON
+    return (fmt == E4M3 and not scaling.rowwise and dy2.is_cuda and HAS_TRITON
             and cdt in (torch.bfloat16, torch.float16) and not torch.compiler.is_compiling()
             and n % 32 == 0 and t % 64 == 0 and qxt.shape[0] % 32 == 0
             and torch.cuda.get_device_capability(dy2.device) >= (8, 9) and ops.fast_available())
@@ -339,12 +339,16 @@ def _mvue_dw(dy2: torch.Tensor, sd: torch.Tensor | None, qxt: torch.Tensor, sxt:
         qdt, sdt = quantize(_mvue_estimate(dy2.t()), fmt, scaling)
         return scaled_mm(qdt, sdt, qxt, sxt, cdt)
 
-    if not _mvue_dw_sparse_applies(dy2, qxt, sd, fmt, scaling, cdt):
+    if not _mvue_dw_sparse_applies(dy2, qxt, fmt, scaling, cdt):
         return dense()
     n, t, k = dy2.shape[1], dy2.shape[0], qxt.shape[0]
     failed = ("dw", n, t, k, dy2.device.index, cdt)
     if failed in _sparse_failed:
         return dense()
+
+    if sd is None:  # no dX GEMM quantized dY: its tensorwise scale from one reduction
+        amax = torch.linalg.vector_norm(dy2, float("inf")).float()
+        sd = torch.where(amax == 0, 1.0, amax / torch.finfo(E4M3).max)
 
     def sparse() -> torch.Tensor:
         s = sd * SCALE_BOUND
