@@ -1,7 +1,7 @@
 """Where a SparseLinear's forward + backward spends its time against nn.Linear (GPU): the step's
 GPU time, the host's time to issue it, and the kernels it runs (torch.profiler).
 
-    PYTHONPATH=src python benchmarks/layer_profile.py [--fp8]
+    PYTHONPATH=src python benchmarks/layer_profile.py [--fp8 | --fp8-cprofile]
 
 A step whose host time exceeds its GPU time is launch-bound: the GPU waits for Python.
 """
@@ -108,9 +108,38 @@ def fp8_main() -> None:
             print(prof.key_averages().table(sort_by="self_device_time_total", row_limit=16, max_name_column_width=60))
 
 
+def fp8_host() -> None:
+    """``--fp8-cprofile``: where the host time of an FP8 layer step goes (Python's cProfile over 50
+    steps, after 5 warm-up steps), dense and s-ste with e4m3 dY, 16384 tokens, 1280 -> 5120."""
+    import cProfile  # noqa: PLC0415
+    import io  # noqa: PLC0415
+    import pstats  # noqa: PLC0415
+
+    t, k, n = 16384, 1280, 5120
+    x = torch.randn(t, k, device="cuda", requires_grad=True)
+    g = torch.randn(t, n, device="cuda", dtype=torch.bfloat16)
+    for recipe in ("dense", "s-ste"):
+        fn = fwd_bwd_step(SparseLinear(k, n, device="cuda", recipe=recipe, fp8=True, fp8_grad_e4m3=True), x, g)
+        for _ in range(5):
+            fn()
+        torch.cuda.synchronize()
+        prof = cProfile.Profile()
+        prof.enable()
+        for _ in range(50):
+            fn()
+        prof.disable()
+        torch.cuda.synchronize()
+        out = io.StringIO()
+        pstats.Stats(prof, stream=out).sort_stats("tottime").print_stats(22)
+        print(f"\n{recipe} FP8, e4m3 dY: 50 steps under cProfile, by own time\n{out.getvalue()}")
+
+
 def main() -> None:
     if "--fp8" in sys.argv[1:]:
         fp8_main()
+        return
+    if "--fp8-cprofile" in sys.argv[1:]:
+        fp8_host()
         return
     host_costs()
     for t, k, n in ((32768, 768, 3072), (32768, 1280, 5120)):
