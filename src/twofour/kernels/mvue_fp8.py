@@ -3,8 +3,8 @@
 The FP8 weight gradient on the MVUE estimate, dW = est(dY^T) X, can run as an FP8 2:4 GEMM
 when both of its operands are e4m3. Quantizing the estimate with current scaling would need
 its amax first, so a separate estimate, amax and cast would read dY's size four times. The
-estimate has a bound instead: each kept value is y / p with p >= a / S (docs/design.md,
-section 1), and over a group of 4 that is at most twice the group's largest magnitude. So
+estimate has a bound instead: each kept value is y / p, p its inclusion probability, and over a
+group of 4 that is at most twice the group's largest magnitude (docs/design.md, section 1). So
 ``scale = 2 * amax(dY) / 448`` (twice the scale of dY's own e4m3 quantization, which the dX
 GEMM computes anyway) can never overflow, and one kernel reads dY^T once (in place, through
 its strides), draws the pair to keep, rescales it, divides by ``scale``, rounds to e4m3 and
@@ -80,14 +80,14 @@ _launch: dict[tuple, tuple[int, int]] = {}  # (shape, strides, constants) -> the
 
 
 def mvue_e4m3(x: torch.Tensor, scale: torch.Tensor, *, seed: torch.Tensor | None = None,
-              u: torch.Tensor | None = None, tile: tuple[int, int] | None = None) -> torch.Tensor:
+              u: torch.Tensor | None = None) -> torch.Tensor:
     """cuSPARSELt's compressed e4m3 bytes (uint8) of ``sat(mvue_24(x) / scale)``: MVUE's unbiased
     2:4 estimate of the (M, K) matrix ``x`` (any strides; groups along K, K a multiple of 64)
     divided by ``scale`` (a float32 scalar on the device) and rounded to e4m3, saturating. With
     ``scale`` at least :data:`SCALE_BOUND` times ``amax(x) / 448`` nothing saturates. The draws
     come from ``seed`` (a Philox int64 tensor of one element on the device; random if omitted) or
-    the uniforms ``u`` (two per group, a contiguous (M, K/2) tensor, as ``compress``'s);
-    ``tile`` = (columns, warps) fixes the launch instead of the autotuned one."""
+    the uniforms ``u`` (two per group, a contiguous (M, K/2) tensor, as ``compress``'s). On the
+    GPU the tile width and warps are autotuned once per shape."""
     if not HAS_TRITON:
         raise RuntimeError("twofour's fused compression needs Triton (pip install triton)")
     if x.dim() != 2 or x.dtype not in (torch.float32, torch.bfloat16, torch.float16):
@@ -113,7 +113,7 @@ def mvue_e4m3(x: torch.Tensor, scale: torch.Tensor, *, seed: torch.Tensor | None
             scale, vals, meta, k // 64)
     if x.is_cuda:  # tuned once per shape, then launched directly (the autotuner's dispatch costs host time)
         key = (m, k, x.stride(0), x.stride(1), x.dtype, tuple(consts.values()))
-        cfg = tile or _launch.get(key)
+        cfg = _launch.get(key)
         if cfg is None:
             _mvue_e4m3_tuned[lambda meta_: (triton.cdiv(m, 64), triton.cdiv(k, meta_["BC"]))](*args, **consts)
             best = getattr(_mvue_e4m3_tuned, "best_config", None)
@@ -123,6 +123,5 @@ def mvue_e4m3(x: torch.Tensor, scale: torch.Tensor, *, seed: torch.Tensor | None
             _mvue_e4m3_kernel[(triton.cdiv(m, 64), triton.cdiv(k, cfg[0]))](*args, **consts, BC=cfg[0],
                                                                               num_warps=cfg[1])
     else:
-        bc = tile[0] if tile else BC
-        _mvue_e4m3_kernel[(triton.cdiv(m, 64), triton.cdiv(k, bc))](*args, **consts, BC=bc)
+        _mvue_e4m3_kernel[(triton.cdiv(m, 64), triton.cdiv(k, BC))](*args, **consts, BC=BC)
     return buf
