@@ -83,29 +83,36 @@ def host_costs() -> None:
         print(f"| {name} | {host_ms(fn, 200) * 1e3:.1f} |", flush=True)
 
 
+def time_and_profile(layers: dict[str, nn.Module], x: torch.Tensor, g: torch.Tensor, profiled: tuple[str, ...]) -> None:
+    """A row per layer (step time by do_bench, host time to issue a step), then the profiler's
+    kernel table of 5 steps of each of ``profiled``."""
+    print("| layer | step ms (do_bench) | host ms to issue a step |\n|---|---|---|")
+    for name, layer in layers.items():
+        fn = fwd_bwd_step(layer, x, g)
+        for _ in range(3):
+            fn()
+        print(f"| {name} | {do_bench(fn, return_mode='median'):.3f} | {host_ms(fn):.3f} |", flush=True)
+    for name in profiled:
+        fn = fwd_bwd_step(layers[name], x, g)
+        with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+            for _ in range(5):
+                fn()
+            torch.cuda.synchronize()
+        print(f"\n{name}: 5 steps, by device time")
+        print(prof.key_averages().table(sort_by="self_device_time_total", row_limit=16, max_name_column_width=60))
+
+
 def fp8_main() -> None:
     """``--fp8``: dense and s-ste in FP8 (tensorwise, e5m2 and e4m3 dY) at GPT-2 774M's FFN shapes,
     16384 tokens: step time, host time, and each one's kernels."""
     for t, k, n in ((16384, 1280, 5120), (16384, 5120, 1280)):
         x = torch.randn(t, k, device="cuda", requires_grad=True)
         g = torch.randn(t, n, device="cuda", dtype=torch.bfloat16)
-        print(f"\n{t} tokens x {k} -> {n}\n| layer | step ms (do_bench) | host ms to issue a step |\n|---|---|---|")
+        print(f"\n{t} tokens x {k} -> {n}")
         layers = {f"{r} FP8{', e4m3 dY' if e4 else ''}": SparseLinear(k, n, device="cuda", recipe=r, fp8=True,
                                                                       fp8_grad_e4m3=e4)
                   for e4 in (False, True) for r in ("dense", "s-ste")}
-        for name, layer in layers.items():
-            fn = fwd_bwd_step(layer, x, g)
-            for _ in range(3):
-                fn()
-            print(f"| {name} | {do_bench(fn, return_mode='median'):.3f} | {host_ms(fn):.3f} |", flush=True)
-        for name in ("dense FP8, e4m3 dY", "s-ste FP8, e4m3 dY"):
-            fn = fwd_bwd_step(layers[name], x, g)
-            with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
-                for _ in range(5):
-                    fn()
-                torch.cuda.synchronize()
-            print(f"\n{name}: 5 steps, by device time")
-            print(prof.key_averages().table(sort_by="self_device_time_total", row_limit=16, max_name_column_width=60))
+        time_and_profile(layers, x, g, ("dense FP8, e4m3 dY", "s-ste FP8, e4m3 dY"))
 
 
 def fp8_host() -> None:
@@ -146,24 +153,10 @@ def main() -> None:
         x = torch.randn(t, k, device="cuda", requires_grad=True)
         g = torch.randn(t, n, device="cuda", dtype=torch.bfloat16)
         print(f"\n{t} tokens x {k} -> {n}")
-        print("| layer | step ms (do_bench) | host ms to issue a step |")
-        print("|---|---|---|")
         layers = {"nn.Linear": nn.Linear(k, n, device="cuda")}
         for r in ("ste", "s-ste"):
             layers[r] = SparseLinear(k, n, device="cuda", recipe=r)
-        for name, layer in layers.items():
-            fn = fwd_bwd_step(layer, x, g)
-            for _ in range(3):
-                fn()
-            print(f"| {name} | {do_bench(fn, return_mode='median'):.3f} | {host_ms(fn):.3f} |", flush=True)
-        for name in ("nn.Linear", "s-ste"):
-            fn = fwd_bwd_step(layers[name], x, g)
-            with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
-                for _ in range(5):
-                    fn()
-                torch.cuda.synchronize()
-            print(f"\n{name}: 5 steps, by device time")
-            print(prof.key_averages().table(sort_by="self_device_time_total", row_limit=14, max_name_column_width=60))
+        time_and_profile(layers, x, g, ("nn.Linear", "s-ste"))
 
 
 if __name__ == "__main__":
