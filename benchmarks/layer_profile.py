@@ -8,7 +8,7 @@ A step whose host time exceeds its GPU time is launch-bound: the GPU waits for P
 
 from __future__ import annotations
 
-import sys
+import argparse
 import time
 
 import torch
@@ -142,10 +142,15 @@ def fp8_host() -> None:
 
 
 def main() -> None:
-    if "--fp8" in sys.argv[1:]:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    what = ap.add_mutually_exclusive_group()
+    what.add_argument("--fp8", action="store_true", help="dense and s-ste FP8 layers instead of bf16")
+    what.add_argument("--fp8-cprofile", action="store_true", help="the host time of FP8 layer steps by function")
+    args = ap.parse_args()
+    if args.fp8:
         fp8_main()
         return
-    if "--fp8-cprofile" in sys.argv[1:]:
+    if args.fp8_cprofile:
         fp8_host()
         return
     host_costs()

@@ -14,8 +14,11 @@ the dense FP8 GEMM with every cost counted: the e4m3 weight compressed into cuSP
 Triton kernel), its FP8 2:4 GEMM, and one pass over the output for the operands' scales and the
 bias, since cuSPARSELt 0.8 on sm90 refuses a per-row alpha for FP8 and ignores device-side
 operand scales (``benchmarks/fp8_spmm.py``), and a host-side alpha would need the scale on the
-host (a sync per GEMM). The backward GEMMs stay dense: cuSPARSELt builds FP8 2:4 GEMMs of two
-e4m3 or two e5m2 operands, not of one of each, which is what they multiply (the probe above).
+host (a sync per GEMM). cuSPARSELt builds FP8 2:4 GEMMs of two e4m3 or two e5m2 operands, not
+of one of each: with e5m2 gradients the backward GEMMs stay dense; with e4m3 gradients and one
+scale, dW on the MVUE estimate has an FP8 2:4 route too (:func:`_mvue_dw`, the estimate written
+compressed by :func:`twofour.kernels.mvue_fp8.mvue_e4m3`). dX multiplies the dense effective
+weight (its 2:4 groups run along the other axis).
 
 On a GPU the quantization runs Triton kernels (:mod:`twofour.kernels.fp8cast`) or compiled
 passes, whichever measured faster.
@@ -346,12 +349,12 @@ def _mvue_dw(dy2: torch.Tensor, sd: torch.Tensor | None, qxt: torch.Tensor, sxt:
     if failed in _sparse_failed:
         return dense()
 
-    if sd is None:  # no dX GEMM quantized dY: its tensorwise scale from one reduction
-        amax = torch.linalg.vector_norm(dy2, float("inf")).float()
-        sd = torch.where(amax == 0, 1.0, amax / torch.finfo(E4M3).max)
-
     def sparse() -> torch.Tensor:
-        s = sd * SCALE_BOUND
+        scale = sd
+        if scale is None:  # no dX GEMM quantized dY: its tensorwise scale from one reduction, as quantize's
+            scale = torch.linalg.vector_norm(dy2, float("inf"), dtype=torch.float32) * (1.0 / torch.finfo(E4M3).max)
+            scale = torch.where(scale == 0, torch.ones_like(scale), scale)
+        s = scale * SCALE_BOUND
         packed = mvue_e4m3(dy2.t(), s)
         return fp8cast.rescale_(ops.spmm(packed, qxt.t(), n, False, out_dtype=cdt), s, sxt)
 

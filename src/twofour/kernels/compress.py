@@ -137,7 +137,8 @@ if HAS_TRITON:
         four (64, G) float32 tensors: four coalesced loads for a source with contiguous rows (dY^T
         read in place), else one coalesced tile load split by reshapes."""
         if QUAD_LOADS:
-            gq = pc * G + tl.arange(0, G)[None, :]  # the group each column of the (64, G) tensors holds
+            # the group each column of the (64, G) tensors holds, in r's index type (64-bit past 2^31)
+            gq = (pc * G + tl.arange(0, G)[None, :]).to(r.dtype)
             okq = (r < m_rows) & (gq < k_cols // 4)
             offq = r * sr + gq * (4 * sc)
             x0 = tl.load(src + offq, mask=okq, other=0.0).to(tl.float32)
@@ -165,7 +166,7 @@ if HAS_TRITON:
 
     @triton.jit
     def _mvue_rescale(y0, y1, k0, k1, k2, k3, a0, a1, a2, a3):
-        """The kept y / p, p_k = a_k/S * (1 + sum_{i != k} q_i - q_k), q_i = a_i / (S - a_i)."""
+        """The kept y / p, p_k = a_k/S * (1 + sum_{i != k} q_i), q_i = a_i / (S - a_i)."""
         s01, s23 = a0 + a1, a2 + a3
         q0, q1 = a0 * _rcp(a1 + s23), a1 * _rcp(a0 + s23)  # S - a_i summed directly
         q2, q3 = a2 * _rcp(s01 + a3), a3 * _rcp(s01 + a2)
