@@ -244,15 +244,22 @@ def _sparse_mm(qa: torch.Tensor, sa: torch.Tensor, qb: torch.Tensor, sb: torch.T
 _sparse_failed: set[tuple] = set()  # FP8 2:4 GEMMs cuSPARSELt could not build or run (dense from then on)
 
 
+def _fp8_24_takes(t: torch.Tensor, sparse_rows: int, k: int, dense_rows: int, out_dtype: torch.dtype) -> bool:
+    """Whether cuSPARSELt's FP8 2:4 GEMM can run here (``t`` on the device it would run on): the
+    fast path on an sm89+ GPU, a bf16 or fp16 output, K a multiple of 64 (the e4m3 layout's tile)
+    and the sparse and dense operands' other sides multiples of 32."""
+    return (t.is_cuda and out_dtype in (torch.bfloat16, torch.float16)
+            and sparse_rows % 32 == 0 and k % 64 == 0 and dense_rows % 32 == 0
+            and fp8cast._capability(fp8cast._index(t)) >= (8, 9) and ops.fast_available())
+
+
 def _sparse_applies(q24: torch.Tensor, s24: torch.Tensor, q: torch.Tensor, s: torch.Tensor,
                     out_dtype: torch.dtype) -> bool:
-    """Whether the FP8 2:4 route can take this GEMM: the fast path here, both operands e4m3 on an
-    sm89+ GPU, K a multiple of 64 (the layout's tile) and the other sides of 32, a single scale on
-    each operand (rowwise scales would need cuSPARSELt's per-row alpha, which it refuses for FP8)."""
-    return (q24.is_cuda and q24.dtype == q.dtype == E4M3 and s.numel() == 1 and s24.numel() == 1
-            and out_dtype in (torch.bfloat16, torch.float16)
-            and q24.shape[0] % 32 == 0 and q24.shape[1] % 64 == 0 and q.shape[0] % 32 == 0
-            and torch.cuda.get_device_capability(q24.device) >= (8, 9) and ops.fast_available())
+    """Whether the FP8 2:4 route can take this GEMM: both operands e4m3 with a single scale each
+    (rowwise scales would need cuSPARSELt's per-row alpha, which it refuses for FP8), on a GPU and
+    at a shape :func:`_fp8_24_takes`."""
+    return (q24.dtype == q.dtype == E4M3 and s.numel() == 1 and s24.numel() == 1
+            and _fp8_24_takes(q24, q24.shape[0], q24.shape[1], q.shape[0], out_dtype))
 
 
 def _scaled_mm(qa: torch.Tensor, sa: torch.Tensor, qb: torch.Tensor, sb: torch.Tensor,
@@ -319,15 +326,12 @@ def _mvue_estimate(dyt: torch.Tensor) -> torch.Tensor:
 
 def _mvue_dw_sparse_applies(dy2: torch.Tensor, qxt: torch.Tensor, fmt: torch.dtype, scaling: Scaling,
                             cdt: torch.dtype) -> bool:
-    """Whether dW on the MVUE estimate can also run as one FP8 2:4 GEMM: eager on an sm89+ GPU with
-    the fast path, e4m3 gradients with one scale (both operands of an FP8 2:4 GEMM share a format,
-    and the bound of :mod:`twofour.kernels.mvue_fp8` scales from dY's tensorwise scale), the
-    tokens a multiple of 64 (the e4m3 layout's tile) and both output sides of 32."""
-    n, t = dy2.shape[1], dy2.shape[0]
-    return (fmt == E4M3 and not scaling.rowwise and dy2.is_cuda and HAS_TRITON
-            and cdt in (torch.bfloat16, torch.float16) and not torch.compiler.is_compiling()
-            and n % 32 == 0 and t % 64 == 0 and qxt.shape[0] % 32 == 0
-            and torch.cuda.get_device_capability(dy2.device) >= (8, 9) and ops.fast_available())
+    """Whether dW on the MVUE estimate can also run as one FP8 2:4 GEMM: eager, e4m3 gradients with
+    one scale (both operands of an FP8 2:4 GEMM share a format, and the bound of
+    :mod:`twofour.kernels.mvue_fp8` scales from dY's tensorwise scale), Triton for the estimate, and
+    a GPU and shape :func:`_fp8_24_takes` (K: the tokens)."""
+    return (fmt == E4M3 and not scaling.rowwise and HAS_TRITON and not torch.compiler.is_compiling()
+            and _fp8_24_takes(dy2, dy2.shape[1], dy2.shape[0], qxt.shape[0], cdt))
 
 
 def _mvue_dw(dy2: torch.Tensor, sd: torch.Tensor | None, qxt: torch.Tensor, sxt: torch.Tensor, fmt: torch.dtype,

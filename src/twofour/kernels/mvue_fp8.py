@@ -39,7 +39,10 @@ if HAS_TRITON:
         _pick,
         _store_compressed_e4m3,
     )
-    from .fp8cast import _to_grid
+    from .fp8cast import _constants, _to_grid
+
+    #: e4m3's constants as the quantization kernels derive them (the reciprocal is not needed here)
+    _E4M3 = {k: v for k, v in _constants(torch.float8_e4m3fn).items() if k != "INV_FMAX"}
 
     @triton.jit
     def _mvue_e4m3_kernel(src, sr, sc, m_rows, k_cols, u_ptr, seed_ptr, scale_ptr, vals, meta, n_ct,
@@ -104,11 +107,10 @@ def mvue_e4m3(x: torch.Tensor, scale: torch.Tensor, *, seed: torch.Tensor | None
     buf = torch.empty(compressed_size(m, k, 1), dtype=torch.uint8, device=x.device)
     nval = m * k // 2
     vals, meta = buf[:nval].view(torch.float8_e4m3fn), buf[nval:].view(torch.int32)
-    fi = torch.finfo(torch.float8_e4m3fn)
     span = (m - 1) * abs(x.stride(0)) + (k - 1) * abs(x.stride(1)) + 1
     quad = x.stride(0) == 1 and k > 1
     consts = dict(HAS_U=u is not None, BIG=max(span, m * k) >= 2**31, QUAD_LOADS=quad,
-                  PAIR_ROWS=VARIANT["PAIR_ROWS"] and quad, FMAX=fi.max, MBITS=3, EMIN=-6)
+                  PAIR_ROWS=VARIANT["PAIR_ROWS"] and quad, **_E4M3)
     args = (x, x.stride(0), x.stride(1), m, k, u if u is not None else scale, seed if seed is not None else scale,
             scale, vals, meta, k // 64)
     if x.is_cuda:  # tuned once per shape, then launched directly (the autotuner's dispatch costs host time)
