@@ -482,6 +482,42 @@ def test_gpu_fp8_mvue_dw_routes_are_unbiased(shape, caplog):
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("mode", ["default", "reduce-overhead"])
+def test_gpu_fp8_mvue_dw_routes_run_compiled(mode, caplog):
+    """Compiled (CUDA graphs included), dW on the MVUE estimate with e4m3 gradients still has both
+    routes, picked at run time: the forced 2:4 route runs and its draws change from call to call
+    (their average converges to dY^T X), and the dispatch times both routes."""
+    if not _fp8_sparse_gpu():
+        pytest.skip("needs an sm89+ GPU with the fast path")
+    torch.manual_seed(0)
+    t, k, n = 256, 128, 96
+    x = torch.randn(t, k, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+    w = torch.nn.Parameter(torch.randn(n, k, device="cuda", dtype=torch.bfloat16))
+    dy = torch.randn(t, n, device="cuda", dtype=torch.bfloat16)
+    exact = dy.float().t() @ x.float()
+
+    def draw(f):
+        torch.compiler.cudagraph_mark_step_begin()
+        w.grad = None
+        f(x).backward(dy)
+        return w.grad.float()  # a copy: a replayed graph's outputs are overwritten by the next replay
+
+    for forced in ("sparse", "auto"):
+        torch._dynamo.reset()  # a fresh graph per dispatch setting (a recorded graph replays its route)
+        ops.clear_choices()
+        f = torch.compile(lambda xs: fp8_linear(xs, w, None, mvue=True, grad_fmt=E4M3), mode=mode, fullgraph=True)
+        with settings.override(gemm=forced), caplog.at_level("WARNING", logger="twofour"):
+            grads = torch.stack([draw(f) for _ in range(128 if forced == "sparse" else 3)])
+        assert "dW GEMM failed" not in caplog.text
+        if forced == "sparse":
+            one, mean = rel(grads[0], exact), rel(grads.mean(0), exact)
+            assert torch.isfinite(grads).all() and one > 0.2 and mean < min(one / 4, 0.1)
+        elif settings.gemm == "auto":
+            hit = [v for key, v in ops.choices().items() if key.startswith(f"fp8-dw-mvue:{n}x{t}x{k}:")]
+            assert len(hit) == 1 and set(hit[0]["ms"]) == {"sparse", "dense"}
+
+
+@pytest.mark.gpu
 def test_gpu_fp8_sparse_layer_compiles_and_matches_dense_route():
     """An s-ste FP8 layer with its forward on the FP8 2:4 route gives the dense FP8 route's output,
     eager and compiled."""

@@ -326,27 +326,32 @@ def _mvue_estimate(dyt: torch.Tensor) -> torch.Tensor:
 
 def _mvue_dw_sparse_applies(dy2: torch.Tensor, qxt: torch.Tensor, fmt: torch.dtype, scaling: Scaling,
                             cdt: torch.dtype) -> bool:
-    """Whether dW on the MVUE estimate can also run as one FP8 2:4 GEMM: eager, e4m3 gradients with
-    one scale (both operands of an FP8 2:4 GEMM share a format, and the bound of
+    """Whether dW on the MVUE estimate can also run as one FP8 2:4 GEMM: e4m3 gradients with one
+    scale (both operands of an FP8 2:4 GEMM share a format, and the bound of
     :mod:`twofour.kernels.mvue_fp8` scales from dY's tensorwise scale), Triton for the estimate, and
     a GPU and shape :func:`_fp8_24_takes` (K: the tokens)."""
-    return (fmt == E4M3 and not scaling.rowwise and HAS_TRITON and not torch.compiler.is_compiling()
+    return (fmt == E4M3 and not scaling.rowwise and HAS_TRITON
             and _fp8_24_takes(dy2, dy2.shape[1], dy2.shape[0], qxt.shape[0], cdt))
 
 
-def _mvue_dw(dy2: torch.Tensor, sd: torch.Tensor | None, qxt: torch.Tensor, sxt: torch.Tensor, fmt: torch.dtype,
-             scaling: Scaling, cdt: torch.dtype) -> torch.Tensor:
-    """dW = est(dY^T) X on the MVUE 2:4 estimate of dY^T, in ``cdt``. Dense: the estimate, its own
-    quantization, then ``scaled_mm``. Where :func:`_mvue_dw_sparse_applies`, also FP8 2:4: one
-    kernel writes the estimate compressed in e4m3 at the bound scale (:func:`mvue_e4m3`), the FP8
-    2:4 GEMM multiplies it by X (``qxt`` row-major is X column-major), one pass applies the two
-    scales; the faster route, timed whole once per shape, runs (``ops.choices()`` key
-    ``fp8-dw-mvue``)."""
-    def dense() -> torch.Tensor:
-        qdt, sdt = quantize(_mvue_estimate(dy2.t()), fmt, scaling)
-        return scaled_mm(qdt, sdt, qxt, sxt, cdt)
+def _mvue_dw_dense(dy2: torch.Tensor, qxt: torch.Tensor, sxt: torch.Tensor, fmt: torch.dtype, scaling: Scaling,
+                   cdt: torch.dtype) -> torch.Tensor:
+    """dW = est(dY^T) X, dense: the estimate, its own quantization, then ``scaled_mm``."""
+    qdt, sdt = quantize(_mvue_estimate(dy2.t()), fmt, scaling)
+    return scaled_mm(qdt, sdt, qxt, sxt, cdt)
 
-    if not _mvue_dw_sparse_applies(dy2, qxt, fmt, scaling, cdt):
+
+def _mvue_dw_routes(dy2: torch.Tensor, sd: torch.Tensor | None, qxt: torch.Tensor, sxt: torch.Tensor,
+                    cdt: torch.dtype) -> torch.Tensor:
+    """dW = est(dY^T) X with e4m3 gradients and one scale, by the faster of two routes, timed whole
+    once per shape (``ops.choices()`` key ``fp8-dw-mvue``): the dense one, or FP8 2:4, where one
+    kernel writes the estimate compressed in e4m3 at the bound scale (:func:`mvue_e4m3`), the FP8
+    2:4 GEMM multiplies it by X (``qxt`` row-major is X column-major) and one pass applies the two
+    scales. ``sd``: dY's e4m3 scale where the dX GEMM computed it, else None."""
+    def dense() -> torch.Tensor:
+        return _mvue_dw_dense(dy2, qxt, sxt, E4M3, TENSORWISE, cdt)
+
+    if not _mvue_dw_sparse_applies(dy2, qxt, E4M3, TENSORWISE, cdt):
         return dense()
     n, t, k = dy2.shape[1], dy2.shape[0], qxt.shape[0]
     failed = ("dw", n, t, k, dy2.device.index, cdt)
@@ -370,6 +375,26 @@ def _mvue_dw(dy2: torch.Tensor, sd: torch.Tensor | None, qxt: torch.Tensor, sxt:
         log.warning("the FP8 2:4 dW GEMM failed for %s (%s: %s); it runs dense FP8 from now on", failed,
                     type(e).__name__, (str(e).splitlines() or [""])[0])
         return dense()
+
+
+# one opaque node in a compiled backward, so that the routes are timed and taken at run time there too
+_mvue_dw_op = torch.library.custom_op("twofour::mvue_dw_e4m3", _mvue_dw_routes, mutates_args=())
+
+
+@_mvue_dw_op.register_fake
+def _(dy2, sd, qxt, sxt, cdt):
+    return dy2.new_empty((dy2.shape[1], qxt.shape[0]), dtype=cdt)
+
+
+def _mvue_dw(dy2: torch.Tensor, sd: torch.Tensor | None, qxt: torch.Tensor, sxt: torch.Tensor, fmt: torch.dtype,
+             scaling: Scaling, cdt: torch.dtype) -> torch.Tensor:
+    """dW = est(dY^T) X on the MVUE 2:4 estimate of dY^T, in ``cdt``: where
+    :func:`_mvue_dw_sparse_applies`, the faster of its dense and FP8 2:4 routes
+    (:func:`_mvue_dw_routes`; under torch's tracers the custom op ``twofour::mvue_dw_e4m3``, so a
+    compiled model, CUDA graphs included, takes the 2:4 route too), else the dense route."""
+    if not _mvue_dw_sparse_applies(dy2, qxt, fmt, scaling, cdt):
+        return _mvue_dw_dense(dy2, qxt, sxt, fmt, scaling, cdt)
+    return (_mvue_dw_op if torch.compiler.is_compiling() else _mvue_dw_routes)(dy2, sd, qxt, sxt, cdt)
 
 
 class FP8LinearFn(torch.autograd.Function):
