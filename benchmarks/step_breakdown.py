@@ -4,6 +4,9 @@
         [--vocab-size 256] [--variants dense,s-ste,s-ste-gemm-dense] [--compile [--compile-mode M]]
         [--gaps] [--host]
 
+A variant is a recipe, optionally with options after a ``+`` each (as ``twofour train --opt``):
+``dense+fp8=true+fp8_grad_e4m3=true`` is dense FP8 with e4m3 gradients.
+
 For each preset (micro-batch after the colon) and variant: the dispatch's choices, the step's time
 (median of 10 steps, each timed on its own behind a short device-side wait,
 ``ops.median_ms(calls=1)``; and per step over windows of 4 steps in a row, as the loop runs them,
@@ -136,6 +139,20 @@ def sync_check(step) -> str:
         torch.cuda.synchronize()
 
 
+def variant_recipe(variant: str):
+    """The recipe of a ``--variants`` entry: ``NAME[-gemm-dense][+KEY=VALUE...]``, values true/false
+    or numbers."""
+    name, *opts = variant.split("+")
+    options = {}
+    for opt in opts:
+        key, sep, val = opt.partition("=")
+        if not sep:
+            raise SystemExit(f"step_breakdown.py: variant option {opt!r} of {variant!r} is not KEY=VALUE")
+        options[key] = {"true": True, "false": False}.get(val.lower()) if val.lower() in ("true", "false") \
+            else float(val)
+    return make_recipe(name.removesuffix("-gemm-dense"), **options), name.endswith("-gemm-dense")
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--presets", default="gpt2-124m:32,gpt2-774m:16")
@@ -152,8 +169,8 @@ def main() -> None:
         preset, batch = spec.split(":")
         results = {}
         for variant in args.variants.split(","):
-            recipe = make_recipe(variant.removesuffix("-gemm-dense"))
-            with settings.override(gemm="dense" if variant.endswith("gemm-dense") else "auto"):
+            recipe, gemm_dense = variant_recipe(variant)
+            with settings.override(gemm="dense" if gemm_dense else "auto"):
                 torch._dynamo.reset()
                 counters["graph_break"].clear()
                 model, step = preset_train_step(preset, int(batch), recipe, vocab_size=args.vocab_size,

@@ -26,6 +26,7 @@ from torch import nn
 
 from . import SparseLinear, __version__
 from .activations import GELU_TANH, SWIGLU, Activation, linear_act
+from .config import CUDA_GRAPH_MODES
 from .kernels import cusparselt, ops
 from .pruning import transposable_mask_24
 from .recipes import Recipe, make_recipe
@@ -255,6 +256,8 @@ def preset_train_step(preset: str, batch: int, recipe: Recipe, *, transposed_out
     fwd = torch.compile(model, mode=mode) if compile else model
 
     def step():
+        if mode in CUDA_GRAPH_MODES:  # a new step: the last one's graph outputs may be overwritten
+            torch.compiler.cudagraph_mark_step_begin()
         with torch.autocast("cuda", dtype=torch.bfloat16):
             loss = fwd(idx, idx)[1]
         loss.backward()
