@@ -72,7 +72,8 @@ def test_the_bound_never_saturates(device):
     s = bound_scale(x)
     got = decompress_reference(mvue_e4m3(x, s, seed=torch.tensor([1], device=device)), 32, 64, E4M3).float()
     assert got.abs().max() == FMAX and ((got != 0).reshape(-1, 4).sum(1) == 2).all()
-    assert ((got[got != 0].abs() * s) == 6.0).all()
+    deq = got[got != 0].abs() * s  # 448 * (6 / 448): 6 up to float32's rounding of the scale
+    assert torch.allclose(deq, torch.full_like(deq, 6.0), rtol=1e-6, atol=0)
     g = torch.rand(20000, 4, device=device) ** 4  # magnitudes spread over orders, some groups near-equal
     assert (_mvue_24(g).abs().amax(1) <= SCALE_BOUND * g.amax(1) * (1 + 1e-6)).all()
 
