@@ -390,11 +390,15 @@ def _mvue_dw(dy2: torch.Tensor, sd: torch.Tensor | None, qxt: torch.Tensor, sxt:
              scaling: Scaling, cdt: torch.dtype) -> torch.Tensor:
     """dW = est(dY^T) X on the MVUE 2:4 estimate of dY^T, in ``cdt``: where
     :func:`_mvue_dw_sparse_applies`, the faster of its dense and FP8 2:4 routes
-    (:func:`_mvue_dw_routes`; under torch's tracers the custom op ``twofour::mvue_dw_e4m3``, so a
-    compiled model, CUDA graphs included, takes the 2:4 route too), else the dense route."""
-    if not _mvue_dw_sparse_applies(dy2, qxt, fmt, scaling, cdt):
-        return _mvue_dw_dense(dy2, qxt, sxt, fmt, scaling, cdt)
-    return (_mvue_dw_op if torch.compiler.is_compiling() else _mvue_dw_routes)(dy2, sd, qxt, sxt, cdt)
+    (:func:`_mvue_dw_routes`; under torch's tracers the custom op ``twofour::mvue_dw_e4m3``, which
+    checks the device and shape when it runs, so a compiled model, CUDA graphs included, takes the
+    2:4 route too), else the dense route."""
+    if torch.compiler.is_compiling():  # the op checks the rest (device, shape) at run time
+        if fmt == E4M3 and not scaling.rowwise and HAS_TRITON and dy2.is_cuda:
+            return _mvue_dw_op(dy2, sd, qxt, sxt, cdt)
+    elif _mvue_dw_sparse_applies(dy2, qxt, fmt, scaling, cdt):
+        return _mvue_dw_routes(dy2, sd, qxt, sxt, cdt)
+    return _mvue_dw_dense(dy2, qxt, sxt, fmt, scaling, cdt)
 
 
 class FP8LinearFn(torch.autograd.Function):
