@@ -498,7 +498,7 @@ def test_gpu_fp8_mvue_dw_routes_run_compiled(mode, caplog):
 
     def draw(f):
         torch.compiler.cudagraph_mark_step_begin()
-        w.grad = None
+        w.grad = x.grad = None  # no accumulation into a replayed graph's output
         f(x).backward(dy)
         return w.grad.float()  # a copy: a replayed graph's outputs are overwritten by the next replay
 
