@@ -45,6 +45,7 @@ from torch.profiler import ProfilerActivity, profile
 
 from twofour import make_recipe, settings
 from twofour.bench import preset_train_step
+from twofour.cli import _option
 from twofour.kernels import ops
 
 #: (kind, pattern on the kernel's name), first match wins
@@ -140,16 +141,13 @@ def sync_check(step) -> str:
 
 
 def variant_recipe(variant: str):
-    """The recipe of a ``--variants`` entry: ``NAME[-gemm-dense][+KEY=VALUE...]``, values true/false
-    or numbers."""
+    """The recipe of a ``--variants`` entry: ``NAME[-gemm-dense][+KEY=VALUE...]``, each value as
+    ``twofour train --opt`` reads it (a bool or a number)."""
     name, *opts = variant.split("+")
-    options = {}
-    for opt in opts:
-        key, sep, val = opt.partition("=")
-        if not sep:
-            raise SystemExit(f"step_breakdown.py: variant option {opt!r} of {variant!r} is not KEY=VALUE")
-        options[key] = {"true": True, "false": False}.get(val.lower()) if val.lower() in ("true", "false") \
-            else float(val)
+    try:
+        options = dict(_option(opt) for opt in opts)  # twofour train --opt's parsing
+    except argparse.ArgumentTypeError as e:
+        raise SystemExit(f"step_breakdown.py: variant {variant!r}: {e}") from None
     return make_recipe(name.removesuffix("-gemm-dense"), **options), name.endswith("-gemm-dense")
 
 

@@ -23,6 +23,7 @@ from twofour.fp8 import (
     scaled_mm,
 )
 from twofour.kernels import fp8cast, ops
+from twofour.kernels.mvue_fp8 import mvue_e4m3
 from twofour.pruning import mask_24, mvue_24_padded
 
 FORMATS = [E4M3, E5M2]
@@ -483,38 +484,50 @@ def test_gpu_fp8_mvue_dw_routes_are_unbiased(shape, caplog):
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("mode", ["default", "reduce-overhead"])
-def test_gpu_fp8_mvue_dw_routes_run_compiled(mode, caplog):
+def test_gpu_fp8_mvue_dw_routes_run_compiled(mode, caplog, monkeypatch):
     """Compiled (CUDA graphs included), dW on the MVUE estimate with e4m3 gradients still has both
-    routes, picked at run time: the forced 2:4 route runs and its draws change from call to call
-    (their average converges to dY^T X), and the dispatch times both routes."""
+    routes, picked at run time: the forced 2:4 route runs (its kernel is called, no fallback) and
+    its draws change from call to call (their average converges to dY^T X), with dY's scale from
+    the dX GEMM or its own; the dispatch times both routes."""
     if not _fp8_sparse_gpu():
         pytest.skip("needs an sm89+ GPU with the fast path")
+    import twofour.fp8 as fp8_module  # noqa: PLC0415
+
+    calls = []
+
+    def counted(*args, **kwargs):
+        calls.append(1)
+        return mvue_e4m3(*args, **kwargs)
+
+    monkeypatch.setattr(fp8_module, "mvue_e4m3", counted)
     torch.manual_seed(0)
     t, k, n = 256, 128, 96
-    x = torch.randn(t, k, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+    x = torch.randn(t, k, device="cuda", dtype=torch.bfloat16)
     w = torch.nn.Parameter(torch.randn(n, k, device="cuda", dtype=torch.bfloat16))
     dy = torch.randn(t, n, device="cuda", dtype=torch.bfloat16)
     exact = dy.float().t() @ x.float()
 
-    def draw(f):
+    def draw(f, xs):
         torch.compiler.cudagraph_mark_step_begin()
-        w.grad = x.grad = None  # no accumulation into a replayed graph's output
-        f(x).backward(dy)
+        w.grad = xs.grad = None  # no accumulation into a replayed graph's output
+        f(xs).backward(dy)
         return w.grad.float()  # a copy: a replayed graph's outputs are overwritten by the next replay
 
-    for forced in ("sparse", "auto"):
-        torch._dynamo.reset()  # a fresh graph per dispatch setting (a recorded graph replays its route)
-        ops.clear_choices()
-        f = torch.compile(lambda xs: fp8_linear(xs, w, None, mvue=True, grad_fmt=E4M3), mode=mode, fullgraph=True)
-        with settings.override(gemm=forced), caplog.at_level("WARNING", logger="twofour"):
-            grads = torch.stack([draw(f) for _ in range(128 if forced == "sparse" else 3)])
-        assert "dW GEMM failed" not in caplog.text
-        if forced == "sparse":
-            one, mean = rel(grads[0], exact), rel(grads.mean(0), exact)
-            assert torch.isfinite(grads).all() and one > 0.2 and mean < min(one / 4, 0.1)
-        elif settings.gemm == "auto":
-            hit = [v for key, v in ops.choices().items() if key.startswith(f"fp8-dw-mvue:{n}x{t}x{k}:")]
-            assert len(hit) == 1 and set(hit[0]["ms"]) == {"sparse", "dense"}
+    for xs in (x.clone().requires_grad_(), x):  # with dX (dY's scale from its quantization), without
+        for forced in ("sparse", "auto"):
+            torch.compiler.reset()  # a fresh graph per dispatch setting (a recorded graph replays its route)
+            ops.clear_choices()
+            calls.clear()
+            f = torch.compile(lambda a: fp8_linear(a, w, None, mvue=True, grad_fmt=E4M3), mode=mode, fullgraph=True)
+            with settings.override(gemm=forced), caplog.at_level("WARNING", logger="twofour"):
+                grads = torch.stack([draw(f, xs) for _ in range(128 if forced == "sparse" else 3)])
+            assert "dW GEMM failed" not in caplog.text and calls, (forced, xs.requires_grad)
+            if forced == "sparse":
+                one, mean = rel(grads[0], exact), rel(grads.mean(0), exact)
+                assert torch.isfinite(grads).all() and one > 0.2 and mean < min(one / 4, 0.1), xs.requires_grad
+            else:
+                hit = [v for key, v in ops.choices().items() if key.startswith(f"fp8-dw-mvue:{n}x{t}x{k}:")]
+                assert len(hit) == 1 and set(hit[0]["ms"]) == {"sparse", "dense"}
 
 
 @pytest.mark.gpu

@@ -244,12 +244,17 @@ def _sparse_mm(qa: torch.Tensor, sa: torch.Tensor, qb: torch.Tensor, sb: torch.T
 _sparse_failed: set[tuple] = set()  # FP8 2:4 GEMMs cuSPARSELt could not build or run (dense from then on)
 
 
+def _fp8_24_fits(sparse_rows: int, k: int, dense_rows: int, out_dtype: torch.dtype) -> bool:
+    """Whether cuSPARSELt's FP8 2:4 GEMM takes these sizes: a bf16 or fp16 output, K a multiple of
+    64 (the e4m3 layout's tile) and the sparse and dense operands' other sides multiples of 32."""
+    return (out_dtype in (torch.bfloat16, torch.float16)
+            and sparse_rows % 32 == 0 and k % 64 == 0 and dense_rows % 32 == 0)
+
+
 def _fp8_24_takes(t: torch.Tensor, sparse_rows: int, k: int, dense_rows: int, out_dtype: torch.dtype) -> bool:
     """Whether cuSPARSELt's FP8 2:4 GEMM can run here (``t`` on the device it would run on): the
-    fast path on an sm89+ GPU, a bf16 or fp16 output, K a multiple of 64 (the e4m3 layout's tile)
-    and the sparse and dense operands' other sides multiples of 32."""
-    return (t.is_cuda and out_dtype in (torch.bfloat16, torch.float16)
-            and sparse_rows % 32 == 0 and k % 64 == 0 and dense_rows % 32 == 0
+    fast path on an sm89+ GPU and sizes it takes (:func:`_fp8_24_fits`)."""
+    return (t.is_cuda and _fp8_24_fits(sparse_rows, k, dense_rows, out_dtype)
             and fp8cast._capability(fp8cast._index(t)) >= (8, 9) and ops.fast_available())
 
 
@@ -341,18 +346,17 @@ def _mvue_dw_dense(dy2: torch.Tensor, qxt: torch.Tensor, sxt: torch.Tensor, fmt:
     return scaled_mm(qdt, sdt, qxt, sxt, cdt)
 
 
-def _mvue_dw_routes(dy2: torch.Tensor, sd: torch.Tensor | None, qxt: torch.Tensor, sxt: torch.Tensor,
-                    cdt: torch.dtype) -> torch.Tensor:
-    """dW = est(dY^T) X with e4m3 gradients and one scale, by the faster of two routes, timed whole
-    once per shape (``ops.choices()`` key ``fp8-dw-mvue``): the dense one, or FP8 2:4, where one
-    kernel writes the estimate compressed in e4m3 at the bound scale (:func:`mvue_e4m3`), the FP8
-    2:4 GEMM multiplies it by X (``qxt`` row-major is X column-major) and one pass applies the two
-    scales. ``sd``: dY's e4m3 scale where the dX GEMM computed it, else None."""
+def _mvue_dw_timed(dy2: torch.Tensor, sd: torch.Tensor | None, qxt: torch.Tensor, sxt: torch.Tensor,
+                   cdt: torch.dtype) -> torch.Tensor:
+    """dW = est(dY^T) X with e4m3 gradients and one scale, where :func:`_mvue_dw_sparse_applies`,
+    by the faster of two routes, timed whole once per shape (``ops.choices()`` key
+    ``fp8-dw-mvue``): the dense one, or FP8 2:4, where one kernel writes the estimate compressed
+    in e4m3 at the bound scale (:func:`mvue_e4m3`), the FP8 2:4 GEMM multiplies it by X (``qxt``
+    row-major is X column-major) and one pass applies the two scales. ``sd``: dY's e4m3 scale
+    where the dX GEMM computed it, else None."""
     def dense() -> torch.Tensor:
         return _mvue_dw_dense(dy2, qxt, sxt, E4M3, TENSORWISE, cdt)
 
-    if not _mvue_dw_sparse_applies(dy2, qxt, E4M3, TENSORWISE, cdt):
-        return dense()
     n, t, k = dy2.shape[1], dy2.shape[0], qxt.shape[0]
     failed = ("dw", n, t, k, dy2.device.index, cdt)
     if failed in _sparse_failed:
@@ -377,6 +381,14 @@ def _mvue_dw_routes(dy2: torch.Tensor, sd: torch.Tensor | None, qxt: torch.Tenso
         return dense()
 
 
+def _mvue_dw_routes(dy2: torch.Tensor, sd: torch.Tensor | None, qxt: torch.Tensor, sxt: torch.Tensor,
+                    cdt: torch.dtype) -> torch.Tensor:
+    """:func:`_mvue_dw_timed` where the FP8 2:4 route can run, else the dense route."""
+    if _mvue_dw_sparse_applies(dy2, qxt, E4M3, TENSORWISE, cdt):
+        return _mvue_dw_timed(dy2, sd, qxt, sxt, cdt)
+    return _mvue_dw_dense(dy2, qxt, sxt, E4M3, TENSORWISE, cdt)
+
+
 # one opaque node in a compiled backward, so that the routes are timed and taken at run time there too
 _mvue_dw_op = torch.library.custom_op("twofour::mvue_dw_e4m3", _mvue_dw_routes, mutates_args=())
 
@@ -393,11 +405,12 @@ def _mvue_dw(dy2: torch.Tensor, sd: torch.Tensor | None, qxt: torch.Tensor, sxt:
     (:func:`_mvue_dw_routes`; under torch's tracers the custom op ``twofour::mvue_dw_e4m3``, which
     checks the device and shape when it runs, so a compiled model, CUDA graphs included, takes the
     2:4 route too), else the dense route."""
-    if torch.compiler.is_compiling():  # the op checks the rest (device, shape) at run time
-        if fmt == E4M3 and not scaling.rowwise and HAS_TRITON and dy2.is_cuda:
+    if torch.compiler.is_compiling():  # the op checks the rest (GPU capability, cuSPARSELt) at run time
+        if (fmt == E4M3 and not scaling.rowwise and HAS_TRITON and settings.fast and dy2.is_cuda
+                and _fp8_24_fits(dy2.shape[1], dy2.shape[0], qxt.shape[0], cdt)):
             return _mvue_dw_op(dy2, sd, qxt, sxt, cdt)
     elif _mvue_dw_sparse_applies(dy2, qxt, fmt, scaling, cdt):
-        return _mvue_dw_routes(dy2, sd, qxt, sxt, cdt)
+        return _mvue_dw_timed(dy2, sd, qxt, sxt, cdt)
     return _mvue_dw_dense(dy2, qxt, sxt, fmt, scaling, cdt)
 
 
