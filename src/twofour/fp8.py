@@ -402,7 +402,7 @@ def _mvue_dw(dy2: torch.Tensor, sd: torch.Tensor | None, qxt: torch.Tensor, sxt:
              scaling: Scaling, cdt: torch.dtype) -> torch.Tensor:
     """dW = est(dY^T) X on the MVUE 2:4 estimate of dY^T, in ``cdt``: where
     :func:`_mvue_dw_sparse_applies`, the faster of its dense and FP8 2:4 routes
-    (:func:`_mvue_dw_routes`; under torch's tracers the custom op ``twofour::mvue_dw_e4m3``, which
+    (:func:`_mvue_dw_timed`; under torch's tracers the custom op ``twofour::mvue_dw_e4m3``, which
     checks the device and shape when it runs, so a compiled model, CUDA graphs included, takes the
     2:4 route too), else the dense route."""
     if torch.compiler.is_compiling():  # the op checks the rest (GPU capability, cuSPARSELt) at run time
