@@ -251,11 +251,16 @@ def _fp8_24_fits(sparse_rows: int, k: int, dense_rows: int, out_dtype: torch.dty
             and sparse_rows % 32 == 0 and k % 64 == 0 and dense_rows % 32 == 0)
 
 
+def _fp8_24_device(t: torch.Tensor) -> bool:
+    """Whether ``t``'s GPU has FP8 2:4 GEMMs (sm89+) and the fast path (cuSPARSELt, Triton) is on
+    (a cached query; not traceable: it takes the cuSPARSELt binding's lock)."""
+    return fp8cast._capability(fp8cast._index(t)) >= (8, 9) and ops.fast_available()
+
+
 def _fp8_24_takes(t: torch.Tensor, sparse_rows: int, k: int, dense_rows: int, out_dtype: torch.dtype) -> bool:
-    """Whether cuSPARSELt's FP8 2:4 GEMM can run here (``t`` on the device it would run on): the
-    fast path on an sm89+ GPU and sizes it takes (:func:`_fp8_24_fits`)."""
-    return (t.is_cuda and _fp8_24_fits(sparse_rows, k, dense_rows, out_dtype)
-            and fp8cast._capability(fp8cast._index(t)) >= (8, 9) and ops.fast_available())
+    """Whether cuSPARSELt's FP8 2:4 GEMM can run here (``t`` on the device it would run on): a GPU
+    :func:`_fp8_24_device` and sizes it takes (:func:`_fp8_24_fits`)."""
+    return t.is_cuda and _fp8_24_fits(sparse_rows, k, dense_rows, out_dtype) and _fp8_24_device(t)
 
 
 def _sparse_applies(q24: torch.Tensor, s24: torch.Tensor, q: torch.Tensor, s: torch.Tensor,
@@ -329,14 +334,20 @@ def _mvue_estimate(dyt: torch.Tensor) -> torch.Tensor:
     return mvue_24_padded(dyt.contiguous())
 
 
+def _mvue_dw_fits(dy2: torch.Tensor, qxt: torch.Tensor, fmt: torch.dtype, scaling: Scaling, cdt: torch.dtype) -> bool:
+    """The traceable half of :func:`_mvue_dw_sparse_applies`: e4m3 gradients with one scale (both
+    operands of an FP8 2:4 GEMM share a format, and the bound of :mod:`twofour.kernels.mvue_fp8`
+    scales from dY's tensorwise scale), Triton and the fast path on, dY on a GPU, and sizes
+    :func:`_fp8_24_fits` (K: the tokens)."""
+    return (fmt == E4M3 and not scaling.rowwise and HAS_TRITON and settings.fast and dy2.is_cuda
+            and _fp8_24_fits(dy2.shape[1], dy2.shape[0], qxt.shape[0], cdt))
+
+
 def _mvue_dw_sparse_applies(dy2: torch.Tensor, qxt: torch.Tensor, fmt: torch.dtype, scaling: Scaling,
                             cdt: torch.dtype) -> bool:
-    """Whether dW on the MVUE estimate can also run as one FP8 2:4 GEMM: e4m3 gradients with one
-    scale (both operands of an FP8 2:4 GEMM share a format, and the bound of
-    :mod:`twofour.kernels.mvue_fp8` scales from dY's tensorwise scale), Triton for the estimate, and
-    a GPU and shape :func:`_fp8_24_takes` (K: the tokens)."""
-    return (fmt == E4M3 and not scaling.rowwise and HAS_TRITON
-            and _fp8_24_takes(dy2, dy2.shape[1], dy2.shape[0], qxt.shape[0], cdt))
+    """Whether dW on the MVUE estimate can also run as one FP8 2:4 GEMM: :func:`_mvue_dw_fits` on a
+    GPU :func:`_fp8_24_device`."""
+    return _mvue_dw_fits(dy2, qxt, fmt, scaling, cdt) and _fp8_24_device(dy2)
 
 
 def _mvue_dw_dense(dy2: torch.Tensor, qxt: torch.Tensor, sxt: torch.Tensor, fmt: torch.dtype, scaling: Scaling,
@@ -405,11 +416,11 @@ def _mvue_dw(dy2: torch.Tensor, sd: torch.Tensor | None, qxt: torch.Tensor, sxt:
     (:func:`_mvue_dw_timed`; under torch's tracers the custom op ``twofour::mvue_dw_e4m3``, which
     checks the device and shape when it runs, so a compiled model, CUDA graphs included, takes the
     2:4 route too), else the dense route."""
-    if torch.compiler.is_compiling():  # the op checks the rest (GPU capability, cuSPARSELt) at run time
-        if (fmt == E4M3 and not scaling.rowwise and HAS_TRITON and settings.fast and dy2.is_cuda
-                and _fp8_24_fits(dy2.shape[1], dy2.shape[0], qxt.shape[0], cdt)):
-            return _mvue_dw_op(dy2, sd, qxt, sxt, cdt)
-    elif _mvue_dw_sparse_applies(dy2, qxt, fmt, scaling, cdt):
+    if not _mvue_dw_fits(dy2, qxt, fmt, scaling, cdt):
+        return _mvue_dw_dense(dy2, qxt, sxt, fmt, scaling, cdt)
+    if torch.compiler.is_compiling():  # the op checks the device (not traceable) when it runs
+        return _mvue_dw_op(dy2, sd, qxt, sxt, cdt)
+    if _fp8_24_device(dy2):
         return _mvue_dw_timed(dy2, sd, qxt, sxt, cdt)
     return _mvue_dw_dense(dy2, qxt, sxt, fmt, scaling, cdt)
 
