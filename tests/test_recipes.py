@@ -48,6 +48,21 @@ def test_bad_option_values(opts):
         make_recipe("t-sr-ste", **opts)
 
 
+@pytest.mark.parametrize("name", ["dense", "ste", "s-ste", "t-sr-ste"])
+def test_fp8_defaults_to_e4m3_gradients_and_checks_only_given_fp8_options(name):
+    """With ``fp8`` the gradient is e4m3 unless ``fp8_grad_e4m3=False`` asks for e5m2; an FP8 option
+    given without ``fp8=True`` is refused, while the defaults of a recipe without FP8 pass, also
+    when a Recipe is rebuilt with other options."""
+    assert make_recipe(name, fp8=True).fp8_grad_e4m3
+    assert not make_recipe(name, fp8=True, fp8_grad_e4m3=False).fp8_grad_e4m3
+    for value in (True, False):
+        with pytest.raises(ValueError, match=f"fp8_grad_e4m3={value} needs fp8=True"):
+            make_recipe(name, fp8_grad_e4m3=value)
+    plain = make_recipe(name)
+    assert not make_recipe(plain).fp8 and make_recipe(plain, fp8=True).fp8_grad_e4m3
+    assert not make_recipe(make_recipe(name, fp8=True, fp8_grad_e4m3=False)).fp8_grad_e4m3
+
+
 def test_bad_recipe_type():
     with pytest.raises(TypeError):
         make_recipe(3)

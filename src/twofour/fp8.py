@@ -3,8 +3,8 @@
 
 ``quantize(t, fmt, scaling)`` returns ``(q, scale)`` with ``t ~= q * scale``: the scale is
 ``amax * (1 / fmt_max)`` from the tensor's (or each row's) current absolute maximum, so the
-largest value lands on the format's largest one. e4m3 is for forward operands, e5m2 (or e4m3) for
-gradients.
+largest value lands on the format's largest one. e4m3 is for forward operands and (by default)
+gradients, e5m2 for gradients on request.
 :class:`FP8LinearFn` runs a linear's three GEMMs in FP8 (y = x W^T, dX = dY W, dW = dY^T X);
 each GEMM falls back to the reference (dequantize, multiply in the compute dtype) where
 ``_scaled_mm`` is missing or refuses the operands.
@@ -427,17 +427,17 @@ def _mvue_dw(dy2: torch.Tensor, sd: torch.Tensor | None, qxt: torch.Tensor, sxt:
 
 class FP8LinearFn(torch.autograd.Function):
     """y = x W_eff^T + b with FP8 GEMMs: forward x(e4m3) W_eff(e4m3)^T, dX = dY(g) W_eff(e4m3),
-    dW = dY^T(g) X(e4m3) (on the MVUE 2:4 estimate of dY^T with ``mvue``), g = ``grad_fmt`` (e5m2
-    by default, or e4m3: more precision, less range, which current scaling covers), outputs in the
-    compute dtype; dW passed straight through to the master ``weight``; ``grad``: whether grad
-    mode was on at the call (no backward copies otherwise); ``sparse``: W_eff is 2:4 (the forward
-    GEMM may then run FP8 2:4, :func:`scaled_mm`). Tensorwise, each operand
-    is quantized once, with the transposed copy its other GEMM reads written in the same pass;
-    rowwise, the other axis is quantized again from the high-precision tensor."""
+    dW = dY^T(g) X(e4m3) (on the MVUE 2:4 estimate of dY^T with ``mvue``), g = ``grad_fmt`` (e4m3
+    by default, or e5m2: one mantissa bit less, more range), outputs in the compute dtype; dW
+    passed straight through to the master ``weight``; ``grad``: whether grad mode was on at the
+    call (no backward copies otherwise); ``sparse``: W_eff is 2:4 (the forward GEMM may then run
+    FP8 2:4, :func:`scaled_mm`). Tensorwise, each operand is quantized once, with the transposed
+    copy its other GEMM reads written in the same pass; rowwise, the other axis is quantized again
+    from the high-precision tensor."""
 
     @staticmethod
     def forward(ctx, x, weight, bias, w_eff, mvue: bool, scaling: Scaling, cdt: torch.dtype, grad: bool = True,
-                sparse: bool = False, grad_fmt: torch.dtype = E5M2):
+                sparse: bool = False, grad_fmt: torch.dtype = E4M3):
         x2 = x.reshape(-1, x.shape[-1])
         tw = not scaling.rowwise
         need_dx, need_dw = grad and ctx.needs_input_grad[0], grad and ctx.needs_input_grad[1]
@@ -487,12 +487,12 @@ class FP8LinearFn(torch.autograd.Function):
 
 def fp8_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, w_eff: torch.Tensor | None = None,
                *, mvue: bool = False, scaling: Scaling = DEFAULT_SCALING, sparse: bool = False,
-               grad_fmt: torch.dtype = E5M2) -> torch.Tensor:
+               grad_fmt: torch.dtype = E4M3) -> torch.Tensor:
     """``F.linear(x, w_eff, bias)`` with FP8 GEMMs (:class:`FP8LinearFn`), the gradient of the
     effective weight ``w_eff`` (default ``weight``) going to ``weight``. The GEMMs run in
     autocast's dtype if on, else ``x``'s; the output has that dtype. ``sparse``: ``w_eff`` is 2:4
     along its rows, so the forward GEMM may run FP8 2:4 where that measures faster. ``grad_fmt``:
-    the FP8 format of the output gradient dY (:data:`E5M2` or :data:`E4M3`)."""
+    the FP8 format of the output gradient dY (:data:`E4M3` or :data:`E5M2`)."""
     _check_fmt(grad_fmt)
     dev = x.device.type
     cdt = torch.get_autocast_dtype(dev) if torch.is_autocast_enabled(dev) else x.dtype

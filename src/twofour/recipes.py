@@ -28,13 +28,15 @@ class Recipe:
         mvue: estimate dW from an unbiased 2:4 MVUE of dY^T instead of the dense dY^T. On the GPU
             fast path only where that route (the estimate's compression plus the 2:4 GEMM)
             measures faster than the dense dW GEMM; elsewhere dW is exact.
-        fp8: FP8 GEMMs (e4m3 forward operands, e5m2 gradients, current amax scaling) through
+        fp8: FP8 GEMMs (e4m3 forward operands and gradients, current amax scaling) through
             ``torch._scaled_mm`` on the effective weight, else their plain-torch reference
             (:mod:`twofour.fp8`). Every recipe takes it, ``dense`` included (the fair baseline).
         fp8_rowwise: with ``fp8``, one scale per row of each operand along the contraction
             dimension instead of one per tensor (finer scales; each GEMM quantizes its own copy).
-        fp8_grad_e4m3: with ``fp8``, the output gradient dY in e4m3 instead of e5m2 (one more
-            mantissa bit, less range, which current scaling covers).
+        fp8_grad_e4m3: with ``fp8``, the output gradient dY in e4m3 (the default: one more
+            mantissa bit than e5m2, less range, which current scaling covers; it trained to a lower
+            loss, docs/RESULTS.md, and the FP8 2:4 weight-gradient GEMM needs it), or in e5m2
+            with ``False``.
         decay: SR-STE masked decay lambda, added to the gradient as ``decay * (1 - m) * W`` once per
             optimizer step, after gradient clipping (:func:`twofour.attach` does it).
         mask_interval: optimizer steps between mask refreshes (transposable masks only).
@@ -48,7 +50,7 @@ class Recipe:
     mvue: bool = False
     fp8: bool = False
     fp8_rowwise: bool = False
-    fp8_grad_e4m3: bool = False
+    fp8_grad_e4m3: bool = True
     decay: float = 0.0
     mask_interval: int = 1
     dense_finetune: float = 0.0
@@ -66,7 +68,7 @@ class Recipe:
 
 
 # name -> (fixed fields, {option: default}) ; options not listed are refused
-_FP8 = {"fp8": False, "fp8_rowwise": False, "fp8_grad_e4m3": False}
+_FP8 = {"fp8": False, "fp8_rowwise": False, "fp8_grad_e4m3": True}
 _SPARSE_COMMON = {"mvue": False, **_FP8}
 _TABLE: dict[str, tuple[dict[str, Any], dict[str, Any]]] = {
     "dense": ({"pruning": NONE}, dict(_FP8)),
@@ -105,8 +107,10 @@ def make_recipe(recipe: str | Recipe = DEFAULT_RECIPE, **options: Any) -> Recipe
     """Build a :class:`Recipe` from its name and options, validating both.
 
     ``make_recipe("sr-ste", decay=6e-5)``; a Recipe passed in is returned with ``options``
-    applied. Unknown names or options raise ``ValueError`` listing the valid ones.
+    applied. Unknown names or options raise ``ValueError`` listing the valid ones, and so does an
+    FP8 option given without ``fp8=True``.
     """
+    given = set(options)
     if isinstance(recipe, Recipe):
         options = {**{k: getattr(recipe, k) for k in _TABLE[recipe.name][1]}, **options}
         recipe = recipe.name
@@ -119,17 +123,18 @@ def make_recipe(recipe: str | Recipe = DEFAULT_RECIPE, **options: Any) -> Recipe
         valid = ", ".join(defaults) or "none"
         raise ValueError(f"recipe {recipe!r} takes no option {', '.join(unknown)}; valid options: {valid}")
     values = {**defaults, **options}
-    _validate(recipe, values)
+    _validate(recipe, values, given)
     return Recipe(name=recipe, **fixed, **values)
 
 
-def _validate(name: str, v: dict[str, Any]) -> None:
+def _validate(name: str, v: dict[str, Any], given: set[str]) -> None:
     for key in ("mvue", "fp8", "fp8_rowwise", "fp8_grad_e4m3"):
         if key in v and not isinstance(v[key], bool):
             raise TypeError(f"recipe {name!r}: option {key} must be a bool, got {v[key]!r}")
-    for key in ("fp8_rowwise", "fp8_grad_e4m3"):
-        if v.get(key) and not v.get("fp8"):
-            raise ValueError(f"recipe {name!r}: {key}=True needs fp8=True")
+    if v.get("fp8_rowwise") and not v.get("fp8"):
+        raise ValueError(f"recipe {name!r}: fp8_rowwise=True needs fp8=True")
+    if "fp8_grad_e4m3" in given and not v.get("fp8"):  # its default is True: only a value given is checked
+        raise ValueError(f"recipe {name!r}: fp8_grad_e4m3={v['fp8_grad_e4m3']} needs fp8=True")
     if "decay" in v and (not isinstance(v["decay"], (int, float)) or v["decay"] < 0):
         raise ValueError(f"recipe {name!r}: decay must be a number >= 0, got {v['decay']!r}")
     if "mask_interval" in v and (not isinstance(v["mask_interval"], int) or v["mask_interval"] < 1):
