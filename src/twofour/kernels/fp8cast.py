@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import functools
 import math
+import os
 
 import torch
 
@@ -204,12 +205,12 @@ def rescale_(y: torch.Tensor, sa: torch.Tensor, sb: torch.Tensor, bias: torch.Te
     """``y = y * (sa * sb) + bias`` in place, in float32 with one rounding: the dequantization of an
     FP8 GEMM's output whose kernel could not apply the operands' scales (``sa``, ``sb``: one float32
     value each; ``bias``: N values). ``y``: a contiguous (M, N) bf16 or fp16 tensor. One pass of
-    Triton, plain torch without it (the same bytes)."""
+    Triton on a GPU (or under its interpreter), plain torch elsewhere (the same bytes)."""
     if y.dim() != 2 or not y.is_contiguous() or y.dtype not in (torch.bfloat16, torch.float16):
         raise ValueError(f"rescale_ takes a contiguous 2-D bf16 or fp16 tensor, got {tuple(y.shape)} {y.dtype}")
     if sa.numel() != 1 or sb.numel() != 1 or (bias is not None and bias.shape != (y.shape[1],)):
         raise ValueError("rescale_ takes one scale per operand and a bias of N values")
-    if not HAS_TRITON:
+    if not (HAS_TRITON and (y.is_cuda or os.environ.get("TRITON_INTERPRET") == "1")):
         z = y.float() * (sa * sb).reshape(())
         return y.copy_(z if bias is None else z + bias.float())
     m, n = y.shape
