@@ -109,8 +109,8 @@ def fp8_main() -> None:
         x = torch.randn(t, k, device="cuda", requires_grad=True)
         g = torch.randn(t, n, device="cuda", dtype=torch.bfloat16)
         print(f"\n{t} tokens x {k} -> {n}")
-        layers = {f"{r} FP8{', e4m3 dY' if e4 else ''}": SparseLinear(k, n, device="cuda", recipe=r, fp8=True,
-                                                                      fp8_grad_e4m3=e4)
+        layers = {f"{r} FP8, {'e4m3' if e4 else 'e5m2'} dY": SparseLinear(k, n, device="cuda", recipe=r, fp8=True,
+                                                                           fp8_grad_e4m3=e4)
                   for e4 in (False, True) for r in ("dense", "s-ste")}
         time_and_profile(layers, x, g, ("dense FP8, e4m3 dY", "s-ste FP8, e4m3 dY"))
 
