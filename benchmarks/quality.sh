@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # The quality runs of docs/RESULTS.md: about 200M tokens per run on a deduplicated corpus of the
 # machine's Python sources, through `twofour compare` (finished runs in the folder are reused, an
-# interrupted one resumes).
+# interrupted one resumes: from the step it stopped at after Ctrl-C or SIGTERM, from its last
+# evaluation's checkpoint if it was killed).
 #
 #   bash benchmarks/quality.sh MODEL REGIME RECIPES SEEDS [more twofour compare options]
 #   bash benchmarks/quality.sh gpt-10m ours dense,ste,sr-ste,s-ste 1,2,3
@@ -28,4 +29,4 @@ esac
 [ -d "$corpus" ] || python3 "$(dirname "$0")/make_corpus.py" "$corpus" --min-bytes 2e8
 exec "${PYTHON:-python3}" -m twofour compare --recipes "$recipes" --seeds "$seeds" --regime "$regime" --model "$model" \
   --steps $steps --batch-size $batch --seq-len 1024 --data "$corpus" --eval-interval $every --eval-iters 20 \
-  --ckpt-interval $steps --no-progress --out "runs/$name-$regime" "$@"
+  --ckpt-interval $every --no-progress --out "runs/$name-$regime" "$@"
