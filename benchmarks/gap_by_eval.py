@@ -1,11 +1,15 @@
-"""The relative gap to dense at every evaluation of a ``twofour compare`` folder, mean over seeds.
+"""The relative gap to a baseline at every evaluation of a ``twofour compare`` folder.
 
     PYTHONPATH=src python benchmarks/gap_by_eval.py runs/q10m-ours
+    PYTHONPATH=src python benchmarks/gap_by_eval.py docs/results/q124m-ours --base s-ste --per-seed \\
+        --only fp8=true --plot docs/results_gpt2-124m_200m_fp8_gap.png
 
 For each recipe (with its options, as compare's table names it) and each evaluation step that
-every run has: (val loss - dense val loss of the same seed) / dense val loss, averaged over the
-seeds both ran. Prints a markdown table (the one in docs/RESULTS.md); reads only the runs'
-``summary.json`` and ``metrics.csv``.
+every run has: (val loss - baseline val loss of the same seed) / baseline val loss, for each seed
+both ran (``--per-seed``) or averaged over them. The baseline is ``dense`` unless ``--base``
+names another run label (``s-ste``, ``"s-ste mvue=false"``). Prints a markdown table (the ones in
+docs/RESULTS.md); ``--plot`` also draws the gaps over the steps, the mean over seeds with a band
+from their least to their greatest. Reads only the runs' ``summary.json`` and ``metrics.csv``.
 """
 
 from __future__ import annotations
@@ -15,31 +19,79 @@ from pathlib import Path
 
 import numpy as np
 
-from twofour.compare import run_label, run_order, summary_label
+from twofour.compare import run_order, summary_label
 from twofour.runs import read_metrics, read_summary
 
 
-def gap_table(root: Path) -> str:
-    """The markdown table of relative gaps to dense (%) at each common evaluation step."""
+def gap_series(root: Path, base: str = "dense", only: str = "") -> dict[str, dict[int, dict[int, float]]]:
+    """``{label: {seed: {step: gap %}}}`` against the run labelled ``base`` of the same seed, at the
+    evaluation steps every run has; labels without ``only`` in them are left out."""
     runs: dict[str, dict[int, dict[int, float]]] = {}
     for s in sorted((read_summary(p.parent) for p in root.glob("*/summary.json")), key=run_order):
         runs.setdefault(summary_label(s), {})[s["seed"]] = dict(read_metrics(s["out_dir"])["val_loss"])
-    dense = runs.pop(run_label("dense"), None)
-    if not dense:
-        raise SystemExit(f"{root}: no finished dense run to compare with")
-    steps = sorted(set.intersection(*(set(v) for by_seed in [dense, *runs.values()] for v in by_seed.values())))
-    lines = ["| recipe | " + " | ".join(f"step {st}" for st in steps) + " |", "|---" * (len(steps) + 1) + "|"]
-    for name, by_seed in runs.items():
-        seeds = sorted(set(by_seed) & set(dense))
-        gaps = [np.mean([(by_seed[s][st] - dense[s][st]) / dense[s][st] for s in seeds]) * 100 for st in steps]
-        lines.append(f"| {name} | " + " | ".join(f"{g:+.2f} %" for g in gaps) + " |")
+    ref = runs.pop(base, None)
+    if not ref:
+        raise SystemExit(f"{root}: no finished run labelled {base!r} to compare with; labels: {', '.join(runs)}")
+    runs = {name: by_seed for name, by_seed in runs.items() if only in name}
+    steps = sorted(set.intersection(*(set(v) for by_seed in [ref, *runs.values()] for v in by_seed.values())))
+    return {name: {s: {st: (by_seed[s][st] / ref[s][st] - 1) * 100 for st in steps}
+                   for s in sorted(set(by_seed) & set(ref))}
+            for name, by_seed in runs.items() if set(by_seed) & set(ref)}
+
+
+def gap_table(root: Path, base: str = "dense", per_seed: bool = False, only: str = "") -> str:
+    """The markdown table of relative gaps to ``base`` (%) at each common evaluation step: one row
+    per recipe (the mean over seeds), or per recipe and seed."""
+    series = gap_series(root, base, only)
+    steps = sorted(next(iter(next(iter(series.values())).values()))) if series else []
+    head = "| recipe | seed | " if per_seed else "| recipe | "
+    lines = [head + " | ".join(f"step {st}" for st in steps) + " |",
+             "|---" * (len(steps) + 1 + per_seed) + "|"]
+    for name, by_seed in series.items():
+        rows = ([(f"{name} | {s}", [by_seed[s][st] for st in steps]) for s in by_seed] if per_seed else
+                [(name, [np.mean([by_seed[s][st] for s in by_seed]) for st in steps])])
+        lines += [f"| {label} | " + " | ".join(f"{g:+.2f} %" for g in gaps) + " |" for label, gaps in rows]
     return "\n".join(lines)
+
+
+def plot_gaps(series: dict[str, dict[int, dict[int, float]]], base: str, path: Path) -> None:
+    """The gaps over the steps: per recipe the mean over seeds, a band from the least to the
+    greatest seed where there are several."""
+    import matplotlib  # noqa: PLC0415
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt  # noqa: PLC0415
+
+    fig, ax = plt.subplots(figsize=(8, 4.5))
+    for i, (name, by_seed) in enumerate(series.items()):
+        steps = sorted(next(iter(by_seed.values())))
+        vals = np.array([[by_seed[s][st] for st in steps] for s in by_seed])
+        color = f"C{i % 10}"
+        ax.plot(steps, vals.mean(0), "o-", markersize=3, color=color,
+                label=f"{name} ({len(by_seed)} seed{'s' if len(by_seed) > 1 else ''})")
+        if len(by_seed) > 1:
+            ax.fill_between(steps, vals.min(0), vals.max(0), color=color, alpha=0.2, linewidth=0)
+    ax.axhline(0, color="black", linewidth=0.8)
+    ax.set(xlabel="step", ylabel=f"validation loss over {base}'s, same seed - 1 (%)",
+           title=f"relative gap to {base} (mean over seeds, band: min to max)")
+    ax.legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("root", type=Path, help="a twofour compare --out folder")
-    print(gap_table(ap.parse_args().root))
+    ap.add_argument("--base", default="dense", help="the baseline's run label (default %(default)s)")
+    ap.add_argument("--per-seed", action="store_true", help="one row per recipe and seed instead of the mean")
+    ap.add_argument("--only", default="", help="only the recipes whose label contains this text")
+    ap.add_argument("--plot", type=Path, default=None, help="also draw the gaps into this image")
+    args = ap.parse_args()
+    print(gap_table(args.root, args.base, args.per_seed, args.only))
+    if args.plot:
+        plot_gaps(gap_series(args.root, args.base, args.only), args.base, args.plot)
+        print(f"plot: {args.plot}")
 
 
 if __name__ == "__main__":
