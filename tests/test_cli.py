@@ -362,6 +362,29 @@ def test_resume_without_compile_drops_the_saved_compile_mode():
     assert other.compile and other.compile_mode == "max-autotune"
 
 
+def test_fp8_configs_name_their_gradient_format(tmp_path):
+    """An FP8 run's config names its dY format, so ``fp8=true`` with or without the default spelled
+    out is one run; a config or summary saved without it (e5m2 was the default then) reads as e5m2,
+    and a run resumed from it stays e5m2."""
+    from twofour.config import TrainConfig, TrainError, resumed_config  # noqa: PLC0415
+    from twofour.runs import read_config, read_summary  # noqa: PLC0415
+
+    cfg = TrainConfig(recipe="s-ste", recipe_options={"fp8": True})
+    assert cfg.recipe_options == {"fp8": True, "fp8_grad_e4m3": True} and cfg.recipe_object().fp8_grad_e4m3
+    assert TrainConfig(recipe="s-ste", recipe_options={"fp8": True, "fp8_grad_e4m3": True}) == cfg
+    assert TrainConfig.from_dict(cfg.to_dict()) == cfg
+    assert TrainConfig(recipe="s-ste").recipe_options == {}
+    old = {**cfg.to_dict(), "recipe_options": {"fp8": True}}
+    assert not TrainConfig.from_dict(old).recipe_object().fp8_grad_e4m3
+    assert not resumed_config(old, TrainConfig(), given=set()).recipe_object().fp8_grad_e4m3
+    with pytest.raises(TrainError, match="contradicts the run being resumed"):
+        resumed_config(old, cfg, given={"recipe_options"})
+    (tmp_path / "config.json").write_text(json.dumps(old))
+    (tmp_path / "summary.json").write_text(json.dumps({"recipe": "s-ste", "recipe_options": {"fp8": True}}))
+    assert read_config(tmp_path)["recipe_options"] == {"fp8": True, "fp8_grad_e4m3": False}
+    assert read_summary(tmp_path)["recipe_options"] == {"fp8": True, "fp8_grad_e4m3": False}
+
+
 def test_every_option_is_checked(tmp_path, corpus, capsys):
     base = ["train", *SMALL, "--data", corpus, "--out", str(tmp_path / "x")]
     for opt, value, says in [("--device", "tpu", "--device"), ("--warmup", "-3", "--warmup"),
@@ -478,7 +501,7 @@ def test_train_fp8(tmp_path, corpus, recipe, capsys):
     args = [*SMALL, "--data", corpus, "--recipe", recipe, "--fp8", "--out", str(out)]
     assert main(["train", *args, "--stop-at", "6"]) == 0
     ck = torch.load(out / "ckpt.pt", weights_only=True)
-    assert ck["config"]["recipe_options"] == {"fp8": True}
+    assert ck["config"]["recipe_options"] == {"fp8": True, "fp8_grad_e4m3": True}  # the default dY format, named
     train = [float(r[1]) for r in losses(out)]
     assert all(math.isfinite(v) for v in train) and train[-1] < train[0]
     assert main(["train", *args, "--resume"]) == 0 and losses(out)[-1][0] == 8
@@ -490,12 +513,30 @@ def test_train_fp8(tmp_path, corpus, recipe, capsys):
     assert main(["train", *args, "--overwrite", "--opt", "fp8=false"]) == 2
 
 
+def test_compare_reuses_a_run_saved_before_a_setting_existed(tmp_path, corpus, capsys):
+    """A finished run whose config.json lacks a setting (saved before it existed) counts it as its
+    default and is reused; one that differs in a setting is not."""
+    out = tmp_path / "cmp"
+    args = ["compare", *SMALL, "--steps", "2", "--eval-interval", "2", "--data", corpus, "--out", str(out),
+            "--recipes", "s-ste"]
+    assert main(args) == 0
+    run = next(p for p in out.iterdir() if p.is_dir())
+    saved = json.loads((run / "config.json").read_text())
+    (run / "config.json").write_text(json.dumps({k: v for k, v in saved.items() if k != "compile_mode"}))
+    stamp = (run / "summary.json").stat().st_mtime_ns
+    assert main(args) == 0 and (run / "summary.json").stat().st_mtime_ns == stamp
+    (run / "config.json").write_text(json.dumps({**saved, "weight_decay": 0.5}))
+    capsys.readouterr()
+    assert main(args) == 2 and "other settings" in capsys.readouterr().err
+
+
 def test_compare_fp8_pairs_with_dense_fp8(tmp_path, corpus):
     out = tmp_path / "cmp"
     assert main(["compare", *SMALL, "--steps", "2", "--eval-interval", "2", "--data", corpus, "--out", str(out),
                  "--recipes", "dense,s-ste", "--opt", "mvue=false", "--fp8"]) == 0
-    assert {p.name for p in out.iterdir() if p.is_dir()} == {"dense-fp8=true-s1337", "s-ste-fp8=true-mvue=false-s1337"}
+    sparse, dense = "s-ste-fp8=true-fp8_grad_e4m3=true-mvue=false-s1337", "dense-fp8=true-fp8_grad_e4m3=true-s1337"
+    assert {p.name for p in out.iterdir() if p.is_dir()} == {dense, sparse}
     val = {p.name: json.loads((p / "summary.json").read_text())["final_val_loss"] for p in out.iterdir() if p.is_dir()}
-    gap = val["s-ste-fp8=true-mvue=false-s1337"] - val["dense-fp8=true-s1337"]
-    assert f"| s-ste fp8=true mvue=false | 1337 | {val['s-ste-fp8=true-mvue=false-s1337']:.4f} | {gap:+.4f} |" \
+    gap = val[sparse] - val[dense]
+    assert f"| s-ste fp8=true fp8_grad_e4m3=true mvue=false | 1337 | {val[sparse]:.4f} | {gap:+.4f} |" \
         in (out / "compare.md").read_text()

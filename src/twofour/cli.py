@@ -52,8 +52,8 @@ def _run_args(p: argparse.ArgumentParser, default_out: str) -> None:
                    help="recipe option, repeatable: mvue=false, decay=6e-5, mask_interval=40, fp8=true, "
                         "fp8_rowwise=true, fp8_grad_e4m3=false, ...")
     g.add_argument("--fp8", action="store_true",
-                   help="FP8 GEMMs in the FFN linears, e4m3 operands with one scale per tensor (same as --opt "
-                        "fp8=true; every recipe, dense included)")
+                   help="FP8 GEMMs in the FFN linears, e4m3 operands and gradients with one scale per tensor "
+                        "(same as --opt fp8=true; every recipe, dense included)")
     g = p.add_argument_group("optimization (defaults marked 'regime' come from --regime; see the table below)")
     g.add_argument("--regime", default=d.regime, choices=list(REGIMES),
                    help="optimization defaults: ours (default) or the S-STE authors' GPT-2 settings")

@@ -104,12 +104,14 @@ def _continue(cfg: TrainConfig, overwrite: bool) -> TrainConfig:
 
 def _same_run(config: dict[str, Any] | None, cfg: TrainConfig) -> bool:
     """Whether a run's config (its config.json) is ``cfg``, up to how it was launched and how
-    often it logs, evaluates and checkpoints (device, compile and FSDP count: they change speed)."""
+    often it logs, evaluates and checkpoints (device, compile and FSDP count: they change speed).
+    A setting the saved config lacks (saved before it existed) counts as its default."""
     if config is None:
         return False
     launch = LAUNCH_OPTIONS | {"log_interval", "eval_interval", "ckpt_interval"}
     want = {k: v for k, v in json.loads(json.dumps(cfg.to_dict())).items() if k not in launch}
-    have = {k: v for k, v in config.items() if k not in launch}
+    saved = json.loads(json.dumps(TrainConfig.from_dict(config).to_dict()))
+    have = {k: v for k, v in saved.items() if k not in launch}
     return want == have
 
 

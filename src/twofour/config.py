@@ -17,10 +17,10 @@ from typing import Any
 import torch
 
 from .model import PRESETS
-from .recipes import DEFAULT_RECIPE, Recipe, make_recipe, recipe_options
+from .recipes import DEFAULT_RECIPE, RECIPES, Recipe, make_recipe, recipe_options
 
-__all__ = ["TrainConfig", "TrainError", "DEFAULT_LR", "Regime", "REGIMES", "lr_at", "resumed_config", "option_name",
-           "resolve_device", "LAUNCH_OPTIONS", "ADJUSTABLE_OPTIONS"]
+__all__ = ["TrainConfig", "TrainError", "DEFAULT_LR", "Regime", "REGIMES", "lr_at", "resumed_config", "saved_options",
+           "option_name", "resolve_device", "LAUNCH_OPTIONS", "ADJUSTABLE_OPTIONS"]
 
 #: Peak learning rate per preset (each :class:`~twofour.model.Preset`'s ``lr``: GPT-3 paper's table
 #: for the GPT-2 sizes, higher for the small ones, as nanoGPT's 10M-parameter example).
@@ -100,10 +100,20 @@ class TrainConfig:
     fsdp: bool = False
     progress: bool = True
 
+    def __post_init__(self) -> None:
+        # an FP8 run names its gradient format, so that its config, checkpoint and label say which
+        # it trained with whatever the default is (and ``--opt fp8=true`` with or without the
+        # default spelled out is one run)
+        opts = self.recipe_options
+        if (isinstance(opts, dict) and opts.get("fp8") is True and "fp8_grad_e4m3" not in opts
+                and self.recipe in RECIPES):
+            self.recipe_options = {**opts, "fp8_grad_e4m3": recipe_options(self.recipe)["fp8_grad_e4m3"]}
+
     @classmethod
     def from_dict(cls, d: dict[str, Any]) -> TrainConfig:
-        """The config a ``config.json`` or checkpoint holds (unknown keys ignored)."""
-        cfg = cls(**{k: v for k, v in d.items() if k in cls.__dataclass_fields__})
+        """The config a ``config.json`` or checkpoint holds (unknown keys ignored; recipe options
+        as :func:`saved_options` reads them)."""
+        cfg = cls(**{k: v for k, v in saved_options(d).items() if k in cls.__dataclass_fields__})
         cfg.betas = tuple(cfg.betas)
         return cfg
 
@@ -235,6 +245,16 @@ _OPTION_NAMES = {"out_dir": "--out", "recipe_options": "--opt", "bf16": "--no-bf
 def option_name(field_name: str) -> str:
     """The command-line option that sets a TrainConfig field (``batch_size`` -> ``--batch-size``)."""
     return _OPTION_NAMES.get(field_name, "--" + field_name.replace("_", "-"))
+
+
+def saved_options(d: dict[str, Any]) -> dict[str, Any]:
+    """A saved config or summary (``d``, with ``recipe_options``) as this version reads it: an FP8
+    run's options without ``fp8_grad_e4m3`` were saved while e5m2 was the default, so they get
+    ``fp8_grad_e4m3=False`` (configs name it since, :class:`TrainConfig`)."""
+    opts = d.get("recipe_options")
+    if isinstance(opts, dict) and opts.get("fp8") is True and "fp8_grad_e4m3" not in opts:
+        return {**d, "recipe_options": {**opts, "fp8_grad_e4m3": False}}
+    return d
 
 
 def resumed_config(saved: dict[str, Any], cfg: TrainConfig, given: set[str] | None = None) -> TrainConfig:

@@ -107,10 +107,8 @@ def make_recipe(recipe: str | Recipe = DEFAULT_RECIPE, **options: Any) -> Recipe
     """Build a :class:`Recipe` from its name and options, validating both.
 
     ``make_recipe("sr-ste", decay=6e-5)``; a Recipe passed in is returned with ``options``
-    applied. Unknown names or options raise ``ValueError`` listing the valid ones, and so does an
-    FP8 option given without ``fp8=True``.
+    applied. Unknown names or options raise ``ValueError`` listing the valid ones.
     """
-    given = set(options)
     if isinstance(recipe, Recipe):
         options = {**{k: getattr(recipe, k) for k in _TABLE[recipe.name][1]}, **options}
         recipe = recipe.name
@@ -123,18 +121,17 @@ def make_recipe(recipe: str | Recipe = DEFAULT_RECIPE, **options: Any) -> Recipe
         valid = ", ".join(defaults) or "none"
         raise ValueError(f"recipe {recipe!r} takes no option {', '.join(unknown)}; valid options: {valid}")
     values = {**defaults, **options}
-    _validate(recipe, values, given)
+    _validate(recipe, values)
     return Recipe(name=recipe, **fixed, **values)
 
 
-def _validate(name: str, v: dict[str, Any], given: set[str]) -> None:
+def _validate(name: str, v: dict[str, Any]) -> None:
     for key in ("mvue", "fp8", "fp8_rowwise", "fp8_grad_e4m3"):
         if key in v and not isinstance(v[key], bool):
             raise TypeError(f"recipe {name!r}: option {key} must be a bool, got {v[key]!r}")
-    if v.get("fp8_rowwise") and not v.get("fp8"):
-        raise ValueError(f"recipe {name!r}: fp8_rowwise=True needs fp8=True")
-    if "fp8_grad_e4m3" in given and not v.get("fp8"):  # its default is True: only a value given is checked
-        raise ValueError(f"recipe {name!r}: fp8_grad_e4m3={v['fp8_grad_e4m3']} needs fp8=True")
+    for key, default in _FP8.items():  # an FP8 option away from its default is an FP8 run's
+        if key != "fp8" and v.get(key, default) != default and not v.get("fp8"):
+            raise ValueError(f"recipe {name!r}: {key}={v[key]} needs fp8=True")
     if "decay" in v and (not isinstance(v["decay"], (int, float)) or v["decay"] < 0):
         raise ValueError(f"recipe {name!r}: decay must be a number >= 0, got {v['decay']!r}")
     if "mask_interval" in v and (not isinstance(v["mask_interval"], int) or v["mask_interval"] < 1):

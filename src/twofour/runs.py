@@ -25,7 +25,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from .config import TrainConfig, TrainError, resumed_config
+from .config import TrainConfig, TrainError, resumed_config, saved_options
 
 __all__ = ["CKPT", "METRICS", "FIELDS", "WEIGHTS", "MODEL_CONFIG", "prepare_run_dir", "save_checkpoint",
            "read_checkpoint", "load_checkpoint", "rng_state", "set_rng_state", "full_state_dicts", "load_state_dicts",
@@ -213,9 +213,10 @@ def read_metrics(run: str | Path) -> dict[str, list[tuple[int, float]]]:
 
 
 def read_config(run: str | Path) -> dict[str, Any] | None:
-    """A run folder's ``config.json`` as a dict, or None if it has none."""
+    """A run folder's ``config.json`` as a dict (recipe options as :func:`saved_options` reads
+    them), or None if it has none."""
     path = Path(run) / "config.json"
-    return json.loads(path.read_text()) if path.exists() else None
+    return saved_options(json.loads(path.read_text())) if path.exists() else None
 
 
 def read_summary(run: str | Path) -> dict[str, Any] | None:
@@ -224,7 +225,7 @@ def read_summary(run: str | Path) -> dict[str, Any] | None:
     path = Path(run) / "summary.json"
     if not path.exists():
         return None
-    summary = json.loads(path.read_text())
+    summary = saved_options(json.loads(path.read_text()))
     summary["out_dir"] = str(Path(run))
     if summary.get("plot"):
         summary["plot"] = str(Path(run) / Path(summary["plot"]).name)
