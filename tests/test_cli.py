@@ -4,6 +4,7 @@ import csv
 import json
 import math
 import os
+import shutil
 import socket
 import subprocess
 import sys
@@ -379,6 +380,9 @@ def test_fp8_configs_name_their_gradient_format(tmp_path):
     assert not resumed_config(old, TrainConfig(), given=set()).recipe_object().fp8_grad_e4m3
     with pytest.raises(TrainError, match="contradicts the run being resumed"):
         resumed_config(old, cfg, given={"recipe_options"})
+    later = TrainConfig(recipe="s-ste")
+    later.recipe_options = {"fp8": True}  # set after construction: saved naming the format all the same
+    assert later.to_dict()["recipe_options"] == cfg.recipe_options
     (tmp_path / "config.json").write_text(json.dumps(old))
     (tmp_path / "summary.json").write_text(json.dumps({"recipe": "s-ste", "recipe_options": {"fp8": True}}))
     assert read_config(tmp_path)["recipe_options"] == {"fp8": True, "fp8_grad_e4m3": False}
@@ -528,6 +532,27 @@ def test_compare_reuses_a_run_saved_before_a_setting_existed(tmp_path, corpus, c
     (run / "config.json").write_text(json.dumps({**saved, "weight_decay": 0.5}))
     capsys.readouterr()
     assert main(args) == 2 and "other settings" in capsys.readouterr().err
+
+
+def test_compare_counts_a_run_once_when_an_older_folder_repeats_it(tmp_path, corpus, caplog):
+    """A run whose folder has an older label's name (FP8 without its dY format named) and the same
+    run in its label's folder: the table has one row of it, the one in its label's folder."""
+    out = tmp_path / "cmp"
+    args = ["compare", *SMALL, "--steps", "2", "--eval-interval", "2", "--data", corpus, "--out", str(out),
+            "--recipes", "dense", "--fp8"]
+    assert main(args) == 0
+    (run,) = [p for p in out.iterdir() if p.is_dir()]
+    assert run.name == "dense-fp8=true-fp8_grad_e4m3=true-s1337"
+    old = out / "dense-fp8=true-s1337"
+    shutil.copytree(run, old)
+    summary = json.loads((old / "summary.json").read_text())
+    (old / "summary.json").write_text(json.dumps({**summary, "recipe_options": {"fp8": True, "fp8_grad_e4m3": True},
+                                                  "final_val_loss": 9.0}))
+    with caplog.at_level("WARNING", logger="twofour"):
+        assert main(args) == 0
+    rows = [ln for ln in (out / "compare.md").read_text().splitlines() if ln.startswith("| dense fp8=true")]
+    assert len(rows) == 2 and "9.0000" not in rows[0]  # one run row, one recipe row
+    assert "left out of the table" in caplog.text and str(old) in caplog.text
 
 
 def test_compare_fp8_pairs_with_dense_fp8(tmp_path, corpus):

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import logging
 from pathlib import Path
 from typing import Any
 
@@ -17,6 +18,8 @@ from .recipes import RECIPES, recipe_options
 from .runs import CKPT, METRICS, pyplot, read_config, read_metrics, read_summary
 from .train import train
 
+log = logging.getLogger("twofour")
+
 __all__ = ["compare", "results_table", "recipe_stats", "plot_compare", "run_label", "summary_label",
            "run_order"]
 
@@ -25,6 +28,12 @@ def run_label(recipe: str, options: dict[str, Any] | None = None) -> str:
     """How a run's recipe is named in tables, plots and folder names: the recipe, then the
     options it was given (``s-ste mvue=false``), so variants of one recipe stay apart."""
     return " ".join([recipe, *(f"{k}={json.dumps(v)}" for k, v in sorted((options or {}).items()))])
+
+
+def _folder(recipe: str, options: dict[str, Any] | None, seed: int) -> str:
+    """The folder of a run under a comparison's root: its label's words joined by '-', then the seed
+    (``s-ste-mvue=false-s1``)."""
+    return run_label(recipe, options).replace(" ", "-") + f"-s{seed}"
 
 
 def summary_label(summary: dict[str, Any]) -> str:
@@ -64,9 +73,8 @@ def compare(recipes: list[str], base: TrainConfig, seeds: list[int] | None = Non
     for recipe in recipes:
         for seed in seeds:
             options = _options_for(recipe, base.recipe_options)
-            folder = run_label(recipe, options).replace(" ", "-") + f"-s{seed}"  # s-ste-mvue=false-s1
-            cfg = dataclasses.replace(base, recipe=recipe, seed=seed, out_dir=str(root / folder),
-                                      recipe_options=options)
+            out = root / _folder(recipe, options, seed)
+            cfg = dataclasses.replace(base, recipe=recipe, seed=seed, out_dir=str(out), recipe_options=options)
             cfg.validate()
             if _finished(cfg, base.overwrite):
                 summaries.append(read_summary(cfg.out_dir))
@@ -117,13 +125,24 @@ def _same_run(config: dict[str, Any] | None, cfg: TrainConfig) -> bool:
 
 def _all_runs(root: Path, like: dict[str, Any]) -> list[dict[str, Any]]:
     """Every finished run under ``root`` with the same model, regime and token budget as ``like``,
-    in recipe order then seed (so a later call with more seeds extends the table)."""
+    in recipe order then seed (so a later call with more seeds extends the table). Of two runs
+    with one label and seed (a folder named by an older label), the one in its label's folder
+    counts, and the other is named in a warning."""
     def key(r: dict[str, Any]) -> tuple:
         return r["model"], r.get("regime", "ours"), r["tokens"]
 
-    runs = [read_summary(p.parent) for p in root.glob("*/summary.json")]
-    runs = [r for r in runs if key(r) == key(like)]
-    return sorted(runs, key=run_order)
+    runs = [read_summary(p.parent) for p in sorted(root.glob("*/summary.json"))]
+    kept: dict[tuple, dict[str, Any]] = {}
+    # the run in the folder its label names first
+    for r in sorted(runs, key=lambda r: Path(r["out_dir"]).name != _folder(r["recipe"], r.get("recipe_options"),
+                                                                          r["seed"])):
+        if key(r) != key(like):
+            continue
+        same = kept.setdefault((summary_label(r), r["seed"]), r)
+        if same is not r:
+            log.warning("%s repeats the run %s (seed %s) of %s; it is left out of the table", r["out_dir"],
+                        summary_label(r), r["seed"], same["out_dir"])
+    return sorted(kept.values(), key=run_order)
 
 
 def _mean_std(values: list[float]) -> tuple[float, float | None]:

@@ -101,13 +101,7 @@ class TrainConfig:
     progress: bool = True
 
     def __post_init__(self) -> None:
-        # an FP8 run names its gradient format, so that its config, checkpoint and label say which
-        # it trained with whatever the default is (and ``--opt fp8=true`` with or without the
-        # default spelled out is one run)
-        opts = self.recipe_options
-        if (isinstance(opts, dict) and opts.get("fp8") is True and "fp8_grad_e4m3" not in opts
-                and self.recipe in RECIPES):
-            self.recipe_options = {**opts, "fp8_grad_e4m3": recipe_options(self.recipe)["fp8_grad_e4m3"]}
+        self.recipe_options = _fp8_named(self.recipe, self.recipe_options)
 
     @classmethod
     def from_dict(cls, d: dict[str, Any]) -> TrainConfig:
@@ -118,8 +112,11 @@ class TrainConfig:
         return cfg
 
     def to_dict(self) -> dict[str, Any]:
-        """Plain data (JSON), what config.json and checkpoints hold."""
-        return dataclasses.asdict(self)
+        """Plain data (JSON), what config.json, checkpoints and summaries hold (an FP8 run's
+        options naming its gradient format, also where they were set after construction)."""
+        d = dataclasses.asdict(self)
+        d["recipe_options"] = _fp8_named(self.recipe, d["recipe_options"])
+        return d
 
     def recipe_object(self) -> Recipe:
         """The run's :class:`twofour.Recipe`: the name and options, with ``total_steps`` set to
@@ -245,6 +242,15 @@ _OPTION_NAMES = {"out_dir": "--out", "recipe_options": "--opt", "bf16": "--no-bf
 def option_name(field_name: str) -> str:
     """The command-line option that sets a TrainConfig field (``batch_size`` -> ``--batch-size``)."""
     return _OPTION_NAMES.get(field_name, "--" + field_name.replace("_", "-"))
+
+
+def _fp8_named(recipe: str, opts: Any) -> Any:
+    """``opts`` of an FP8 run with its gradient format named (the recipe's default where it is not
+    given), so that its config, checkpoint and label say which format it trained with whatever the
+    default is, and ``--opt fp8=true`` with or without the default spelled out is one run."""
+    if isinstance(opts, dict) and opts.get("fp8") is True and "fp8_grad_e4m3" not in opts and recipe in RECIPES:
+        return {**opts, "fp8_grad_e4m3": recipe_options(recipe)["fp8_grad_e4m3"]}
+    return opts
 
 
 def saved_options(d: dict[str, Any]) -> dict[str, Any]:
