@@ -19,13 +19,13 @@ from pathlib import Path
 
 import numpy as np
 
-from twofour.compare import run_order, summary_label
-from twofour.runs import read_metrics, read_summary
+from twofour.compare import _band, run_order, summary_label
+from twofour.runs import pyplot, read_metrics, read_summary
 
 
-def gap_series(root: Path, base: str = "dense", only: str = "") -> dict[str, dict[int, dict[int, float]]]:
-    """``{label: {seed: {step: gap %}}}`` against the run labelled ``base`` of the same seed, at the
-    evaluation steps every run has; labels without ``only`` in them are left out."""
+def gap_series(root: Path, base: str = "dense", only: str = "") -> tuple[list[int], dict[str, dict[int, list[float]]]]:
+    """The evaluation steps every run has, and ``{label: {seed: [gap % at each of them]}}`` against
+    the run labelled ``base`` of the same seed; labels without ``only`` in them are left out."""
     runs: dict[str, dict[int, dict[int, float]]] = {}
     for s in sorted((read_summary(p.parent) for p in root.glob("*/summary.json")), key=run_order):
         runs.setdefault(summary_label(s), {})[s["seed"]] = dict(read_metrics(s["out_dir"])["val_loss"])
@@ -34,43 +34,39 @@ def gap_series(root: Path, base: str = "dense", only: str = "") -> dict[str, dic
         raise SystemExit(f"{root}: no finished run labelled {base!r} to compare with; labels: {', '.join(runs)}")
     runs = {name: by_seed for name, by_seed in runs.items() if only in name}
     steps = sorted(set.intersection(*(set(v) for by_seed in [ref, *runs.values()] for v in by_seed.values())))
-    return {name: {s: {st: (by_seed[s][st] / ref[s][st] - 1) * 100 for st in steps}
-                   for s in sorted(set(by_seed) & set(ref))}
-            for name, by_seed in runs.items() if set(by_seed) & set(ref)}
+    return steps, {name: {s: [(by_seed[s][st] / ref[s][st] - 1) * 100 for st in steps]
+                          for s in sorted(set(by_seed) & set(ref))}
+                   for name, by_seed in runs.items() if set(by_seed) & set(ref)}
 
 
 def gap_table(root: Path, base: str = "dense", per_seed: bool = False, only: str = "") -> str:
     """The markdown table of relative gaps to ``base`` (%) at each common evaluation step: one row
     per recipe (the mean over seeds), or per recipe and seed."""
-    series = gap_series(root, base, only)
-    steps = sorted(next(iter(next(iter(series.values())).values()))) if series else []
+    steps, series = gap_series(root, base, only)
     head = "| recipe | seed | " if per_seed else "| recipe | "
     lines = [head + " | ".join(f"step {st}" for st in steps) + " |",
              "|---" * (len(steps) + 1 + per_seed) + "|"]
     for name, by_seed in series.items():
-        rows = ([(f"{name} | {s}", [by_seed[s][st] for st in steps]) for s in by_seed] if per_seed else
-                [(name, [np.mean([by_seed[s][st] for s in by_seed]) for st in steps])])
+        rows = ([(f"{name} | {s}", gaps) for s, gaps in by_seed.items()] if per_seed else
+                [(name, np.mean(list(by_seed.values()), axis=0))])
         lines += [f"| {label} | " + " | ".join(f"{g:+.2f} %" for g in gaps) + " |" for label, gaps in rows]
     return "\n".join(lines)
 
 
-def plot_gaps(series: dict[str, dict[int, dict[int, float]]], base: str, path: Path) -> None:
+def plot_gaps(steps: list[int], series: dict[str, dict[int, list[float]]], base: str, path: Path) -> None:
     """The gaps over the steps: per recipe the mean over seeds, a band from the least to the
     greatest seed where there are several."""
-    import matplotlib  # noqa: PLC0415
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt  # noqa: PLC0415
-
+    plt = pyplot()
+    if plt is None:
+        raise SystemExit("--plot needs matplotlib (pip install matplotlib)")
     fig, ax = plt.subplots(figsize=(8, 4.5))
     for i, (name, by_seed) in enumerate(series.items()):
-        steps = sorted(next(iter(by_seed.values())))
-        vals = np.array([[by_seed[s][st] for st in steps] for s in by_seed])
+        at, mean, lo, hi = _band([list(zip(steps, gaps)) for gaps in by_seed.values()])
         color = f"C{i % 10}"
-        ax.plot(steps, vals.mean(0), "o-", markersize=3, color=color,
+        ax.plot(at, mean, "o-", markersize=3, color=color,
                 label=f"{name} ({len(by_seed)} seed{'s' if len(by_seed) > 1 else ''})")
         if len(by_seed) > 1:
-            ax.fill_between(steps, vals.min(0), vals.max(0), color=color, alpha=0.2, linewidth=0)
+            ax.fill_between(at, lo, hi, color=color, alpha=0.2, linewidth=0)
     ax.axhline(0, color="black", linewidth=0.8)
     ax.set(xlabel="step", ylabel=f"validation loss over {base}'s, same seed - 1 (%)",
            title=f"relative gap to {base} (mean over seeds, band: min to max)")
@@ -90,7 +86,7 @@ def main() -> None:
     args = ap.parse_args()
     print(gap_table(args.root, args.base, args.per_seed, args.only))
     if args.plot:
-        plot_gaps(gap_series(args.root, args.base, args.only), args.base, args.plot)
+        plot_gaps(*gap_series(args.root, args.base, args.only), args.base, args.plot)
         print(f"plot: {args.plot}")
 
 

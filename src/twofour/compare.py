@@ -117,10 +117,11 @@ def _same_run(config: dict[str, Any] | None, cfg: TrainConfig) -> bool:
     if config is None:
         return False
     launch = LAUNCH_OPTIONS | {"log_interval", "eval_interval", "ckpt_interval"}
-    want = {k: v for k, v in json.loads(json.dumps(cfg.to_dict())).items() if k not in launch}
-    saved = json.loads(json.dumps(TrainConfig.from_dict(config).to_dict()))
-    have = {k: v for k, v in saved.items() if k not in launch}
-    return want == have
+
+    def compared(c: TrainConfig) -> dict[str, Any]:  # as JSON holds them (tuples and lists alike)
+        return {k: v for k, v in json.loads(json.dumps(c.to_dict())).items() if k not in launch}
+
+    return compared(cfg) == compared(TrainConfig.from_dict(config))
 
 
 def _all_runs(root: Path, like: dict[str, Any]) -> list[dict[str, Any]]:

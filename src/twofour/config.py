@@ -101,7 +101,7 @@ class TrainConfig:
     progress: bool = True
 
     def __post_init__(self) -> None:
-        self.recipe_options = _fp8_named(self.recipe, self.recipe_options)
+        self.recipe_options = self._named(self.recipe_options)
 
     @classmethod
     def from_dict(cls, d: dict[str, Any]) -> TrainConfig:
@@ -115,8 +115,15 @@ class TrainConfig:
         """Plain data (JSON), what config.json, checkpoints and summaries hold (an FP8 run's
         options naming its gradient format, also where they were set after construction)."""
         d = dataclasses.asdict(self)
-        d["recipe_options"] = _fp8_named(self.recipe, d["recipe_options"])
+        d["recipe_options"] = self._named(d["recipe_options"])
         return d
+
+    def _named(self, opts: Any) -> Any:
+        """Recipe options ``opts``, an FP8 run's with its gradient format named (the recipe's default
+        where it is not given), so that its config, checkpoint and label say which format it
+        trained with whatever the default is, and ``--opt fp8=true`` with or without the default
+        spelled out is one run."""
+        return _fp8_named(opts, recipe_options(self.recipe)["fp8_grad_e4m3"]) if self.recipe in RECIPES else opts
 
     def recipe_object(self) -> Recipe:
         """The run's :class:`twofour.Recipe`: the name and options, with ``total_steps`` set to
@@ -244,12 +251,11 @@ def option_name(field_name: str) -> str:
     return _OPTION_NAMES.get(field_name, "--" + field_name.replace("_", "-"))
 
 
-def _fp8_named(recipe: str, opts: Any) -> Any:
-    """``opts`` of an FP8 run with its gradient format named (the recipe's default where it is not
-    given), so that its config, checkpoint and label say which format it trained with whatever the
-    default is, and ``--opt fp8=true`` with or without the default spelled out is one run."""
-    if isinstance(opts, dict) and opts.get("fp8") is True and "fp8_grad_e4m3" not in opts and recipe in RECIPES:
-        return {**opts, "fp8_grad_e4m3": recipe_options(recipe)["fp8_grad_e4m3"]}
+def _fp8_named(opts: Any, grad_e4m3: bool) -> Any:
+    """Recipe options ``opts`` with ``fp8_grad_e4m3=grad_e4m3`` where they turn FP8 on and do not
+    name the gradient format (the same object otherwise)."""
+    if isinstance(opts, dict) and opts.get("fp8") is True and "fp8_grad_e4m3" not in opts:
+        return {**opts, "fp8_grad_e4m3": grad_e4m3}
     return opts
 
 
@@ -257,10 +263,8 @@ def saved_options(d: dict[str, Any]) -> dict[str, Any]:
     """A saved config or summary (``d``, with ``recipe_options``) as this version reads it: an FP8
     run's options without ``fp8_grad_e4m3`` were saved while e5m2 was the default, so they get
     ``fp8_grad_e4m3=False`` (configs name it since, :class:`TrainConfig`)."""
-    opts = d.get("recipe_options")
-    if isinstance(opts, dict) and opts.get("fp8") is True and "fp8_grad_e4m3" not in opts:
-        return {**d, "recipe_options": {**opts, "fp8_grad_e4m3": False}}
-    return d
+    opts = _fp8_named(d.get("recipe_options"), False)
+    return d if opts is d.get("recipe_options") else {**d, "recipe_options": opts}
 
 
 def resumed_config(saved: dict[str, Any], cfg: TrainConfig, given: set[str] | None = None) -> TrainConfig:

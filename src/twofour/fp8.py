@@ -78,18 +78,23 @@ def _check_fmt(fmt: torch.dtype) -> None:
         raise TypeError(f"fmt must be torch.float8_e4m3fn or torch.float8_e5m2, got {fmt}")
 
 
+def _current_scale(t: torch.Tensor, fmt: torch.dtype, rowwise: bool = False) -> torch.Tensor:
+    """The float32 dequantization scale of ``t`` (of each row with ``rowwise``, as (rows, 1)):
+    max |t| in one reduction, NaN propagating, times 1 / fmax (as the compiler lowers a division by
+    a constant: the same bits eager and compiled); 1 where that is 0 (all zeros, or an amax too
+    small to scale), a NaN amax stays NaN."""
+    amax = torch.linalg.vector_norm(t, float("inf"), dim=-1 if rowwise else None, keepdim=rowwise,
+                                    dtype=torch.float32)
+    scale = amax * (1.0 / torch.finfo(fmt).max)
+    return torch.where(scale == 0, torch.ones_like(scale), scale)
+
+
 def _quantize(t: torch.Tensor, fmt: torch.dtype, rowwise: bool,
               transposed: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
     """The quantization in plain torch: ``(q, scale, q^T row-major or None)``. One amax reduction
     (no |t| tensor), then scale, saturate and cast."""
     fmax = torch.finfo(fmt).max
-    # max |t| (of each row with rowwise) in one reduction, NaN propagating
-    amax = torch.linalg.vector_norm(t, float("inf"), dim=-1 if rowwise else None, keepdim=rowwise,
-                                    dtype=torch.float32)
-    # times the reciprocal, as the compiler lowers a division by a constant: same bits eager and
-    # compiled; 1 where that is 0 (all zeros, or an amax too small to scale), a NaN amax stays NaN
-    scale = amax * (1.0 / fmax)
-    scale = torch.where(scale == 0, torch.ones_like(scale), scale)
+    scale = _current_scale(t, fmt, rowwise)
     q = (t.float() / scale).clamp(-fmax, fmax).to(fmt)
     return q, scale, (q.t().contiguous() if transposed else None)
 
@@ -335,19 +340,13 @@ def _mvue_estimate(dyt: torch.Tensor) -> torch.Tensor:
 
 
 def _mvue_dw_fits(dy2: torch.Tensor, qxt: torch.Tensor, fmt: torch.dtype, scaling: Scaling, cdt: torch.dtype) -> bool:
-    """The traceable half of :func:`_mvue_dw_sparse_applies`: e4m3 gradients with one scale (both
-    operands of an FP8 2:4 GEMM share a format, and the bound of :mod:`twofour.kernels.mvue_fp8`
-    scales from dY's tensorwise scale), Triton and the fast path on, dY on a GPU, and sizes
-    :func:`_fp8_24_fits` (K: the tokens)."""
+    """Whether dW on the MVUE estimate may run as one FP8 2:4 GEMM, as far as a trace can tell (the
+    device's half, :func:`_fp8_24_device`, is checked when the route runs): e4m3 gradients with
+    one scale (both operands of an FP8 2:4 GEMM share a format, and the bound of
+    :mod:`twofour.kernels.mvue_fp8` scales from dY's tensorwise scale), Triton and the fast path
+    on, dY on a GPU, and sizes :func:`_fp8_24_fits` (K: the tokens)."""
     return (fmt == E4M3 and not scaling.rowwise and HAS_TRITON and settings.fast and dy2.is_cuda
             and _fp8_24_fits(dy2.shape[1], dy2.shape[0], qxt.shape[0], cdt))
-
-
-def _mvue_dw_sparse_applies(dy2: torch.Tensor, qxt: torch.Tensor, fmt: torch.dtype, scaling: Scaling,
-                            cdt: torch.dtype) -> bool:
-    """Whether dW on the MVUE estimate can also run as one FP8 2:4 GEMM: :func:`_mvue_dw_fits` on a
-    GPU :func:`_fp8_24_device`."""
-    return _mvue_dw_fits(dy2, qxt, fmt, scaling, cdt) and _fp8_24_device(dy2)
 
 
 def _mvue_dw_dense(dy2: torch.Tensor, qxt: torch.Tensor, sxt: torch.Tensor, fmt: torch.dtype, scaling: Scaling,
@@ -359,8 +358,8 @@ def _mvue_dw_dense(dy2: torch.Tensor, qxt: torch.Tensor, sxt: torch.Tensor, fmt:
 
 def _mvue_dw_timed(dy2: torch.Tensor, sd: torch.Tensor | None, qxt: torch.Tensor, sxt: torch.Tensor,
                    cdt: torch.dtype) -> torch.Tensor:
-    """dW = est(dY^T) X with e4m3 gradients and one scale, where :func:`_mvue_dw_sparse_applies`,
-    by the faster of two routes, timed whole once per shape (``ops.choices()`` key
+    """dW = est(dY^T) X with e4m3 gradients and one scale, where :func:`_mvue_dw_fits` on a GPU
+    :func:`_fp8_24_device`, by the faster of two routes, timed whole once per shape (``ops.choices()`` key
     ``fp8-dw-mvue``): the dense one, or FP8 2:4, where one kernel writes the estimate compressed
     in e4m3 at the bound scale (:func:`mvue_e4m3`), the FP8 2:4 GEMM multiplies it by X (``qxt``
     row-major is X column-major) and one pass applies the two scales. ``sd``: dY's e4m3 scale
@@ -374,11 +373,8 @@ def _mvue_dw_timed(dy2: torch.Tensor, sd: torch.Tensor | None, qxt: torch.Tensor
         return dense()
 
     def sparse() -> torch.Tensor:
-        scale = sd
-        if scale is None:  # no dX GEMM quantized dY: its tensorwise scale from one reduction, as quantize's
-            scale = torch.linalg.vector_norm(dy2, float("inf"), dtype=torch.float32) * (1.0 / torch.finfo(E4M3).max)
-            scale = torch.where(scale == 0, torch.ones_like(scale), scale)
-        s = scale * SCALE_BOUND
+        # dY's e4m3 scale: the dX GEMM's, else from one reduction (no dX GEMM quantized dY)
+        s = (sd if sd is not None else _current_scale(dy2, E4M3)) * SCALE_BOUND
         packed = mvue_e4m3(dy2.t(), s)
         return fp8cast.rescale_(ops.spmm(packed, qxt.t(), n, False, out_dtype=cdt), s, sxt)
 
@@ -394,8 +390,9 @@ def _mvue_dw_timed(dy2: torch.Tensor, sd: torch.Tensor | None, qxt: torch.Tensor
 
 def _mvue_dw_routes(dy2: torch.Tensor, sd: torch.Tensor | None, qxt: torch.Tensor, sxt: torch.Tensor,
                     cdt: torch.dtype) -> torch.Tensor:
-    """:func:`_mvue_dw_timed` where the FP8 2:4 route can run, else the dense route."""
-    if _mvue_dw_sparse_applies(dy2, qxt, E4M3, TENSORWISE, cdt):
+    """For operands :func:`_mvue_dw_fits`: :func:`_mvue_dw_timed` on a GPU with FP8 2:4 GEMMs, else
+    the dense route."""
+    if dy2.is_cuda and _fp8_24_device(dy2):
         return _mvue_dw_timed(dy2, sd, qxt, sxt, cdt)
     return _mvue_dw_dense(dy2, qxt, sxt, E4M3, TENSORWISE, cdt)
 
@@ -411,18 +408,13 @@ def _(dy2, sd, qxt, sxt, cdt):
 
 def _mvue_dw(dy2: torch.Tensor, sd: torch.Tensor | None, qxt: torch.Tensor, sxt: torch.Tensor, fmt: torch.dtype,
              scaling: Scaling, cdt: torch.dtype) -> torch.Tensor:
-    """dW = est(dY^T) X on the MVUE 2:4 estimate of dY^T, in ``cdt``: where
-    :func:`_mvue_dw_sparse_applies`, the faster of its dense and FP8 2:4 routes
-    (:func:`_mvue_dw_timed`; under torch's tracers the custom op ``twofour::mvue_dw_e4m3``, which
-    checks the device and shape when it runs, so a compiled model, CUDA graphs included, takes the
-    2:4 route too), else the dense route."""
+    """dW = est(dY^T) X on the MVUE 2:4 estimate of dY^T, in ``cdt``: where :func:`_mvue_dw_fits`,
+    :func:`_mvue_dw_routes` (under torch's tracers the custom op ``twofour::mvue_dw_e4m3``, which
+    checks the device when it runs, so a compiled model, CUDA graphs included, takes the 2:4 route
+    too), else the dense route."""
     if not _mvue_dw_fits(dy2, qxt, fmt, scaling, cdt):
         return _mvue_dw_dense(dy2, qxt, sxt, fmt, scaling, cdt)
-    if torch.compiler.is_compiling():  # the op checks the device (not traceable) when it runs
-        return _mvue_dw_op(dy2, sd, qxt, sxt, cdt)
-    if _fp8_24_device(dy2):
-        return _mvue_dw_timed(dy2, sd, qxt, sxt, cdt)
-    return _mvue_dw_dense(dy2, qxt, sxt, fmt, scaling, cdt)
+    return (_mvue_dw_op if torch.compiler.is_compiling() else _mvue_dw_routes)(dy2, sd, qxt, sxt, cdt)
 
 
 class FP8LinearFn(torch.autograd.Function):
