@@ -11,7 +11,7 @@ from twofour.kernels import compress as ck
 from twofour.kernels.layout import decompress_reference
 from twofour.kernels.swiglu import swiglu_backward_reference
 
-pytestmark = pytest.mark.skipif(not ck.HAS_TRITON, reason="needs triton")
+pytestmark = [pytest.mark.skipif(not ck.HAS_TRITON, reason="needs triton"), pytest.mark.triton]
 #: (tokens, features of z): partial bands of 64 features and partial token tiles
 SHAPES = [(64, 128), (96, 160), (160, 64)]
 ACTS = {"gelu": actgrad.GELU_TANH, "swiglu": actgrad.SWIGLU}

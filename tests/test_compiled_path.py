@@ -18,6 +18,7 @@ def operands(pruner, n=64, k=96):
 
 
 @pytest.mark.filterwarnings("ignore::DeprecationWarning")
+@pytest.mark.triton  # pruner.compress on CPU tensors
 @pytest.mark.parametrize("pruner", [HARD, SOFT, TRANSPOSABLE], ids=lambda p: p.name)
 @pytest.mark.parametrize("bias", [True, False])
 def test_compiled_linear_matches_reference(pruner, bias):
@@ -46,6 +47,7 @@ def test_compiled_linear_matches_reference(pruner, bias):
 
 
 @pytest.mark.filterwarnings("ignore::DeprecationWarning")
+@pytest.mark.triton
 def test_custom_ops_pass_opcheck():
     torch.manual_seed(0)
     w, _, wc, wd, wtc = operands(SOFT)

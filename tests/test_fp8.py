@@ -119,6 +119,7 @@ def test_scaled_mm_adds_the_bias(device, scaling):
 
 
 @pytest.mark.skipif(not fp8cast.HAS_TRITON, reason="needs triton")
+@pytest.mark.triton
 @pytest.mark.parametrize("out", [torch.bfloat16, torch.float16], ids=str)
 @pytest.mark.parametrize("shape", [(64, 256), (37, 100)], ids=str)  # the second: partial tiles
 @pytest.mark.parametrize("with_bias", [False, True], ids=["no-bias", "bias"])
@@ -300,6 +301,7 @@ VARIANTS = [(TENSORWISE, False), (TENSORWISE, True), (ROWWISE, False)]
 
 
 @pytest.mark.skipif(not fp8cast.HAS_TRITON, reason="needs triton")
+@pytest.mark.triton
 @pytest.mark.parametrize("fmt", FORMATS, ids=str)
 @pytest.mark.parametrize(("scaling", "transposed"), VARIANTS, ids=["tensorwise", "tensorwise+T", "rowwise"])
 def test_triton_quantization_matches_plain_torch(device, dtype, fmt, scaling, transposed):
@@ -322,6 +324,7 @@ def test_triton_quantization_matches_plain_torch(device, dtype, fmt, scaling, tr
 
 
 @pytest.mark.skipif(not fp8cast.HAS_TRITON, reason="needs triton")
+@pytest.mark.triton
 @pytest.mark.parametrize("rowwise", [False, True], ids=["tensorwise", "rowwise"])
 @pytest.mark.filterwarnings("ignore:invalid value encountered")  # the interpreter's numpy on inf / inf
 def test_triton_quantization_propagates_nan_and_inf(device, rowwise):

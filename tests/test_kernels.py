@@ -16,7 +16,7 @@ from twofour.pruning import (
     transposable_mask_24,
 )
 
-pytestmark = pytest.mark.skipif(not ck.HAS_TRITON, reason="needs triton")
+pytestmark = [pytest.mark.skipif(not ck.HAS_TRITON, reason="needs triton"), pytest.mark.triton]
 SHAPES = [(64, 64), (100, 96), (128, 256), (32, 160)]
 OUT = [torch.bfloat16, torch.float16]
 

@@ -218,5 +218,5 @@ def rescale_(y: torch.Tensor, sa: torch.Tensor, sb: torch.Tensor, bias: torch.Te
     bf16 = y.dtype == torch.bfloat16
     _rescale_kernel[(triton.cdiv(m, bm) * triton.cdiv(n, bn),)](
         y.view(torch.int16) if bf16 else y, sa, sb, bias if bias is not None else sa, m, n, HAS_BIAS=bias is not None,
-        OUT_BF16=bf16, BM=bm, BN=bn, num_warps=4)
+        OUT_BF16=bf16, BM=bm, BN=bn, num_warps=4, enable_fp_fusion=False)  # no FMA: torch rounds y*s, then +b
     return y
