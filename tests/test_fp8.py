@@ -314,6 +314,11 @@ def test_triton_quantization_matches_plain_torch(device, dtype, fmt, scaling, tr
         if shape[0] > 2:
             t[2] = 0  # an all-zero row: scale 1 rowwise
         t = t.to(dtype)
+        if not fp8cast.supported(t.to(device), scaling.rowwise, transposed):  # a float32 copy to transpose, GPU
+            assert device.type == "cuda" and transposed and dtype == torch.float32
+            with pytest.raises(ValueError, match="contiguous float tensor"):
+                fp8cast.quantize(t.to(device), fmt, scaling.rowwise, transposed)
+            continue
         for x in [t, torch.zeros_like(t), torch.full_like(t, 1e-44)]:  # 1e-44 / fmax is 0 in float32
             q, s, qt = fp8cast.quantize(x.to(device), fmt, scaling.rowwise, transposed)
             rq, rs, rqt = quantize_t(x, fmt, scaling, transposed=transposed)

@@ -138,10 +138,14 @@ if HAS_TRITON:
 def supported(t: torch.Tensor, rowwise: bool, transposed: bool) -> bool:
     """Whether :func:`quantize` takes ``t``: Triton here, a contiguous float tensor with elements,
     2-D for rowwise scales or a transposed copy, and on a GPU one with FP8 types (sm89+: Triton
-    refuses e4m3 before)."""
+    refuses e4m3 before) and no transposed copy of a float32 tensor: on an H100 the weight gradient
+    of a small FP8 layer (x 128 x 64 in float32) had NaN columns in exactly the fresh processes
+    whose dispatch took this kernel for x's transposed copy (4 of 6), and none where it took the
+    compiled plain-torch pass (``benchmarks/fp8_route_check.py --layer-test``)."""
     return (HAS_TRITON and t.is_contiguous() and t.numel() > 0 and t.is_floating_point()
             and (t.dim() == 2 or not (rowwise or transposed))
-            and (not t.is_cuda or _capability(_index(t)) >= (8, 9)))
+            and (not t.is_cuda or (_capability(_index(t)) >= (8, 9)
+                                   and not (transposed and t.dtype == torch.float32))))
 
 
 def _index(t: torch.Tensor) -> int:
