@@ -40,9 +40,12 @@ def test_train_writes_its_outputs(tmp_path, corpus, capsys):
     assert [r[0] for r in rows] == list(range(1, 9)) and rows[3][2] and rows[7][2]
 
 
-def test_resume_is_bit_identical(tmp_path, corpus):
+@pytest.mark.parametrize("recipe", [["--recipe", "t-sr-ste", "--opt", "mask_interval=2"],
+                                    ["--recipe", "dense", "--fp8", "--opt", "bf16_finetune=0.25"]],
+                         ids=["t-sr-ste", "dense-fp8-bf16-finetune"])  # the second leaves FP8 after step 6
+def test_resume_is_bit_identical(tmp_path, corpus, recipe):
     full, part = tmp_path / "full", tmp_path / "part"
-    args = [*SMALL, "--data", corpus, "--ckpt-interval", "4", "--recipe", "t-sr-ste", "--opt", "mask_interval=2"]
+    args = [*SMALL, "--data", corpus, "--ckpt-interval", "4", *recipe]
     assert main(["train", *args, "--out", str(full)]) == 0
     assert main(["train", *args, "--out", str(part), "--stop-at", "5"]) == 0  # "killed" after step 5...
     assert losses(part)[-1][0] == 5

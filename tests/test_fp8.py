@@ -233,6 +233,51 @@ def test_layer_fp8_rowwise_runs_the_rowwise_gemms(device, recipe):
         SparseLinear(32, 16, recipe=recipe, fp8_rowwise=True)
 
 
+@pytest.mark.parametrize("recipe", ["dense", "s-ste"])
+def test_layer_bf16_finetune_leaves_fp8_on_schedule(device, recipe):
+    """``bf16_finetune=f``: FP8 GEMMs until ``(1 - f) * total_steps`` optimizer steps, then the
+    reference math on the same effective weight; the phase comes back from the state dict."""
+    torch.manual_seed(0)
+    opts = dict(recipe=recipe, fp8=True, bf16_finetune=0.5, total_steps=4)
+    lin = SparseLinear(32, 16, **opts).to(device)
+    x = torch.randn(64, 32, device=device)
+    phases = []
+    for _ in range(4):
+        y = lin(x)
+        gap = rel(y, F.linear(x, lin.effective_weight(), lin.bias))
+        phases.append(lin.is_fp8_phase)
+        assert gap > 0 if lin.is_fp8_phase else gap < 1e-6
+        y.pow(2).sum().backward()
+        lin.advance()
+    assert phases == [True, True, False, False]  # steps 3 and 4 of 4 without FP8
+    for step, fp8 in ((1, True), (2, False)):
+        state = {**lin.state_dict(), "step": torch.tensor(step)}
+        fresh = SparseLinear(32, 16, **opts).to(device)
+        fresh.load_state_dict(state)
+        assert fresh.is_fp8_phase is fp8
+
+
+def test_dense_layer_keeps_a_step_counter_only_for_bf16_finetune():
+    """A dense layer's state dict is nn.Linear's unless its FP8 phase ends (it then counts steps),
+    and nn.Linear's loads into it as a run at step 0."""
+    plain = torch.nn.Linear(32, 16)
+    assert set(SparseLinear(32, 16, recipe="dense", fp8=True).state_dict()) == set(plain.state_dict())
+    lin = SparseLinear(32, 16, recipe="dense", fp8=True, bf16_finetune=0.5, total_steps=4)
+    assert set(lin.state_dict()) == {*plain.state_dict(), "step"}
+    lin.load_state_dict(plain.state_dict())
+    assert int(lin.step) == 0 and lin.is_fp8_phase and torch.equal(lin.weight, plain.weight)
+
+
+def test_layer_bf16_finetune_recompiles_at_the_switch():
+    torch.manual_seed(0)
+    lin = SparseLinear(32, 16, recipe="s-ste", fp8=True, bf16_finetune=0.5, total_steps=2)
+    compiled = torch.compile(lin, backend="aot_eager")
+    x = torch.randn(64, 32)
+    assert rel(compiled(x), F.linear(x, lin.effective_weight(), lin.bias)) > 0
+    lin.advance()
+    torch.testing.assert_close(compiled(x), F.linear(x, lin.effective_weight(), lin.bias))
+
+
 @pytest.mark.parametrize("scaling", SCALING, ids=lambda s: s.name)
 def test_layer_fp8_grad_e4m3_quantizes_the_gradient_in_e4m3(device, scaling):
     """``fp8_grad_e4m3=True``: the layer's gradients are the FP8 linear's with an e4m3 dY, closer to

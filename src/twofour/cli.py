@@ -50,7 +50,7 @@ def _run_args(p: argparse.ArgumentParser, default_out: str) -> None:
     g = p.add_argument_group("recipe")
     g.add_argument("--opt", type=_option, action="append", default=[], metavar="KEY=VALUE",
                    help="recipe option, repeatable: mvue=false, decay=6e-5, mask_interval=40, fp8=true, "
-                        "fp8_rowwise=true, fp8_grad_e4m3=false, ...")
+                        "fp8_rowwise=true, fp8_grad_e4m3=false, bf16_finetune=0.1, ...")
     g.add_argument("--fp8", action="store_true",
                    help="FP8 GEMMs in the FFN linears, e4m3 operands and gradients with one scale per tensor "
                         "(same as --opt fp8=true; every recipe, dense included)")

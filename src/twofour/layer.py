@@ -129,17 +129,32 @@ class SparseLinear(nn.Linear):
         if reason:
             raise ValueError(f"SparseLinear: recipe {self.recipe.name!r} can't prune weight shape "
                              f"{tuple(self.weight.shape)}: {reason}")
-        state = self._initial_state(self.weight.detach()) if self.recipe.sparse else {}
+        state = self._initial_state(self.weight.detach()) if self._keeps_state else {}
         for name in RECIPE_BUFFERS:
             self.register_buffer(name, state.get(name))  # None (not in the state dict) if unused
         self._step, self._dense = 0, not self.recipe.sparse or self.recipe.starts_dense
+        self._fp8 = self.recipe.fp8
         self.compressed = CompressedWeight()
 
+    @property
+    def _keeps_state(self) -> bool:
+        """Whether the layer keeps recipe buffers: a sparse recipe's, or the step counter of a
+        dense one whose FP8 phase ends (``bf16_finetune``)."""
+        return self.recipe.sparse or self._fp8_ends
+
+    @property
+    def _fp8_ends(self) -> bool:
+        r = self.recipe
+        return bool(r.fp8 and r.bf16_finetune and r.total_steps)
+
     def _initial_state(self, w: torch.Tensor) -> dict[str, torch.Tensor]:
-        """Buffers for a layer made sparse from weight ``w`` (fresh init or a dense checkpoint)."""
+        """Buffers for a layer made sparse from weight ``w`` (fresh init or a dense checkpoint);
+        for a dense recipe the step counter alone."""
         dev = w.device
-        return {"step": torch.zeros((), dtype=torch.long, device=dev),
-                "flips": torch.zeros((), dtype=torch.long, device=dev),
+        step = {"step": torch.zeros((), dtype=torch.long, device=dev)}
+        if not self.recipe.sparse:
+            return step
+        return {**step, "flips": torch.zeros((), dtype=torch.long, device=dev),
                 "dense": torch.tensor(self.recipe.starts_dense, device=dev),
                 **self.pruner.initial_state(w)}
 
@@ -149,13 +164,16 @@ class SparseLinear(nn.Linear):
         wkey = prefix + "weight"
         if self._conv1d_layout and wkey in state_dict:
             state_dict[wkey] = state_dict[wkey].t()
-        if self.recipe.sparse and wkey in state_dict and prefix + "mask" not in state_dict:
+        if self._keeps_state and wkey in state_dict and prefix + "step" not in state_dict:
             for name, value in self._initial_state(state_dict[wkey].detach().to(self.weight.device)).items():
                 state_dict[prefix + name] = value
         super()._load_from_state_dict(state_dict, prefix, local_metadata, strict, missing_keys,
                                       unexpected_keys, error_msgs)
+        if self._keeps_state:
+            self._step = int(self.step)
+            self._fp8 = self.recipe.fp8 and not self._in_bf16_finetune()
         if self.recipe.sparse:
-            self._step, self._dense = int(self.step), bool(self.dense)
+            self._dense = bool(self.dense)
 
     def _set_dense(self, dense: bool) -> None:
         if dense == self._dense:
@@ -179,14 +197,22 @@ class SparseLinear(nn.Linear):
         """Count one optimizer step and move the phases on (host state only; the ``step`` buffer is
         the caller's to update). False for a dense recipe, which keeps no state."""
         r = self.recipe
-        if not r.sparse:
+        if not self._keeps_state:
             return False
         self._step += 1
+        if self._fp8 and self._in_bf16_finetune():
+            self._fp8 = False
+        if not r.sparse:
+            return True
         if r.starts_dense and sparse_phase:
             self._set_dense(False)
         if r.dense_finetune and r.total_steps and self._step >= r.total_steps * (1 - r.dense_finetune):
             self._set_dense(True)
         return True
+
+    def _in_bf16_finetune(self) -> bool:
+        r = self.recipe
+        return self._fp8_ends and self._step >= r.total_steps * (1 - r.bf16_finetune)
 
     def _refresh_due(self) -> bool:
         return not self._dense and self.pruner.refresh_due(self._step, self.recipe.mask_interval)
@@ -221,6 +247,11 @@ class SparseLinear(nn.Linear):
         g.add_(w.masked_fill(m, 0).to(g.dtype), alpha=self.recipe.decay)
 
     @property
+    def is_fp8_phase(self) -> bool:
+        """True while the layer's GEMMs run in FP8 (an FP8 recipe before its ``bf16_finetune``)."""
+        return self._fp8
+
+    @property
     def is_dense_phase(self) -> bool:
         """True while the layer trains dense (dense recipe, STEP's phase 1, final dense fine-tune)."""
         return self._dense
@@ -242,7 +273,7 @@ class SparseLinear(nn.Linear):
         estimate of dY^T in one kernel (``kernels/actgrad.py``) where that measures faster."""
         r = self.recipe
         if act is not None:
-            if (r.sparse and r.mvue and not r.fp8 and not self._dense and not torch.compiler.is_compiling()
+            if (r.sparse and r.mvue and not self._fp8 and not self._dense and not torch.compiler.is_compiling()
                     and applies(x, self.in_features, self.out_features)):
                 cdt = compute_dtype(x)
                 with torch.autocast("cuda", enabled=False):
@@ -250,7 +281,7 @@ class SparseLinear(nn.Linear):
                     return FastLinearActFn.apply(x.to(cdt), self.weight, self.bias, wc, wd, wtc,
                                                  self.transposed_output, act)
             return act(self.forward(x))
-        if r.fp8:  # FP8 GEMMs (torch._scaled_mm or FP8 2:4, else their reference), dense recipe included
+        if self._fp8:  # FP8 GEMMs (torch._scaled_mm or FP8 2:4, else their reference), dense recipe included
             if self._dense or torch.compiler.is_compiling() or not applies(x, self.in_features, self.out_features):
                 w_eff = self.effective_weight()
             else:  # the fused kernel's dense effective weight (no 2:4 operands), once per optimizer step
@@ -290,7 +321,7 @@ def advance_layers(layers: Iterable[SparseLinear], sparse_phase: bool | None = N
     torch._foreach_add_([layer.step for layer in moved], 1)
     due = [layer for layer in moved if layer._refresh_due()]
     due_set = set(due)
-    idle = [layer.flips for layer in moved if layer not in due_set]
+    idle = [layer.flips for layer in moved if layer not in due_set and layer.flips is not None]
     if idle:
         torch._foreach_zero_(idle)
     fused = [layer for layer in due if layer._fused_refresh_ok()]

@@ -37,11 +37,15 @@ class Recipe:
             mantissa bit than e5m2, less range, which current scaling covers; it trained to a lower
             loss, docs/RESULTS.md, and the FP8 2:4 weight-gradient GEMM needs it), or in e5m2
             with ``False``.
+        bf16_finetune: with ``fp8``, the fraction of ``total_steps`` at the end trained without FP8
+            (the compute dtype's GEMMs, bf16 in training): FP8's rounding weighs most where the
+            learning rate has decayed, and its gap to bf16 grows there (docs/RESULTS.md).
         decay: SR-STE masked decay lambda, added to the gradient as ``decay * (1 - m) * W`` once per
             optimizer step, after gradient clipping (:func:`twofour.attach` does it).
         mask_interval: optimizer steps between mask refreshes (transposable masks only).
         dense_finetune: fraction of ``total_steps`` at the end trained dense (masks dropped).
-        total_steps: the run's length in optimizer steps; needed for ``dense_finetune``.
+        total_steps: the run's length in optimizer steps; needed for ``dense_finetune`` and
+            ``bf16_finetune``.
         starts_dense: the layer begins dense and an Adam-aware optimizer switches it (STEP).
     """
 
@@ -51,6 +55,7 @@ class Recipe:
     fp8: bool = False
     fp8_rowwise: bool = False
     fp8_grad_e4m3: bool = True
+    bf16_finetune: float = 0.0
     decay: float = 0.0
     mask_interval: int = 1
     dense_finetune: float = 0.0
@@ -68,10 +73,11 @@ class Recipe:
 
 
 # name -> (fixed fields, {option: default}) ; options not listed are refused
-_FP8 = {"fp8": False, "fp8_rowwise": False, "fp8_grad_e4m3": True}
-_SPARSE_COMMON = {"mvue": False, **_FP8}
+_FP8 = {"fp8": False, "fp8_rowwise": False, "fp8_grad_e4m3": True, "bf16_finetune": 0.0}
+_COMMON = {**_FP8, "total_steps": None}
+_SPARSE_COMMON = {"mvue": False, **_COMMON}
 _TABLE: dict[str, tuple[dict[str, Any], dict[str, Any]]] = {
-    "dense": ({"pruning": NONE}, dict(_FP8)),
+    "dense": ({"pruning": NONE}, dict(_COMMON)),
     "ste": ({"pruning": HARD}, dict(_SPARSE_COMMON)),
     "sr-ste": ({"pruning": HARD}, {**_SPARSE_COMMON, "decay": 2e-4}),
     "s-ste": ({"pruning": SOFT}, {**_SPARSE_COMMON, "mvue": True}),
@@ -83,7 +89,6 @@ _TABLE: dict[str, tuple[dict[str, Any], dict[str, Any]]] = {
             "decay": 2e-4,
             "mask_interval": 40,
             "dense_finetune": 1 / 6,
-            "total_steps": None,
         },
     ),
     "step": ({"pruning": HARD, "starts_dense": True}, {**_SPARSE_COMMON, "decay": 2e-4}),
@@ -136,8 +141,11 @@ def _validate(name: str, v: dict[str, Any]) -> None:
         raise ValueError(f"recipe {name!r}: decay must be a number >= 0, got {v['decay']!r}")
     if "mask_interval" in v and (not isinstance(v["mask_interval"], int) or v["mask_interval"] < 1):
         raise ValueError(f"recipe {name!r}: mask_interval must be an int >= 1, got {v['mask_interval']!r}")
-    if "dense_finetune" in v and not 0 <= v["dense_finetune"] < 1:
-        raise ValueError(f"recipe {name!r}: dense_finetune must be in [0, 1), got {v['dense_finetune']!r}")
+    for key in ("dense_finetune", "bf16_finetune"):
+        if key in v and (not isinstance(v[key], (int, float)) or isinstance(v[key], bool) or not 0 <= v[key] < 1):
+            raise ValueError(f"recipe {name!r}: {key} must be in [0, 1), got {v[key]!r}")
     ts = v.get("total_steps")
-    if ts is not None and (not isinstance(ts, int) or ts < 1):
+    if ts is not None and (not isinstance(ts, int) or isinstance(ts, bool) or ts < 1):
         raise ValueError(f"recipe {name!r}: total_steps must be a positive int, got {ts!r}")
+    if v.get("bf16_finetune") and ts is None:
+        raise ValueError(f"recipe {name!r}: bf16_finetune needs total_steps (the run's length in optimizer steps)")
