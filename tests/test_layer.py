@@ -138,8 +138,16 @@ def test_beta_survives_round_trip_and_stays_frozen(device):
     assert torch.equal(other.beta, beta0)
 
 
-def test_dense_checkpoint_loads_as_made_sparse(device):
-    dense = nn.Linear(32, 16, device=device)
+@pytest.mark.parametrize("source", ["nn.Linear", "dense FP8 with bf16_finetune"])
+def test_dense_checkpoint_loads_as_made_sparse(device, source):
+    """A dense checkpoint, also one whose FP8 phase ends (it holds a step count), loads into a sparse
+    layer as made sparse from its weights: fresh recipe state, step 0."""
+    if source == "nn.Linear":
+        dense = nn.Linear(32, 16, device=device)
+    else:
+        dense = SparseLinear(32, 16, recipe="dense", fp8=True, bf16_finetune=0.5, total_steps=4, device=device)
+        dense.advance()
+        assert int(dense.step) == 1
     lin = layer_for("s-ste", device, seed=5)
     lin.load_state_dict(dense.state_dict())  # strict: recipe buffers are derived from the weight
     torch.testing.assert_close(lin.beta, fixed_scale(dense.weight))

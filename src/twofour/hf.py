@@ -140,13 +140,13 @@ def load_recipe_state(model: torch.nn.Module, folder: str | Path) -> list[str]:
     for name, layer in sparse_layers(model):
         wanted = [b for b in RECIPE_BUFFERS if getattr(layer, b) is not None]
         if not wanted:
-            continue  # a dense-recipe layer keeps no state
+            continue  # a dense-recipe layer keeps no state (unless its FP8 phase ends: a step count)
         keys = {b: f"{name}.{b}" for b in wanted}
         missing = [k for k in keys.values() if k not in saved]
         if missing:
             raise ValueError(f"{folder} holds no twofour state for {name} (no {', '.join(missing)}): it was saved "
-                             f"from a model without this sparse layer or with another recipe than "
-                             f"{layer.recipe.name!r}")
+                             f"from a model without this sparse layer or with other recipe options than "
+                             f"{layer.recipe.name!r} and its {', '.join(wanted)}")
         layer.load_state_dict({b: saved[k] for b, k in keys.items()}, strict=False)
         layer.compressed.clear()  # beta or the mask changed under an unchanged weight
         used.update(keys.values())

@@ -164,7 +164,9 @@ class SparseLinear(nn.Linear):
         wkey = prefix + "weight"
         if self._conv1d_layout and wkey in state_dict:
             state_dict[wkey] = state_dict[wkey].t()
-        if self._keeps_state and wkey in state_dict and prefix + "step" not in state_dict:
+        # the key only this recipe's state has (a dense FP8 run's checkpoint holds ``step`` alone)
+        own = prefix + ("mask" if self.recipe.sparse else "step")
+        if self._keeps_state and wkey in state_dict and own not in state_dict:
             for name, value in self._initial_state(state_dict[wkey].detach().to(self.weight.device)).items():
                 state_dict[prefix + name] = value
         super()._load_from_state_dict(state_dict, prefix, local_metadata, strict, missing_keys,
@@ -195,7 +197,9 @@ class SparseLinear(nn.Linear):
 
     def _next_step(self, sparse_phase: bool | None) -> bool:
         """Count one optimizer step and move the phases on (host state only; the ``step`` buffer is
-        the caller's to update). False for a dense recipe, which keeps no state."""
+        the caller's to update). False for a layer that keeps no state (a dense recipe's, unless
+        its FP8 phase ends). The FP8 phase follows ``step`` and ``total_steps``, so a run resumed
+        with more steps (``--reschedule``) is in FP8 again until its new last fraction."""
         r = self.recipe
         if not self._keeps_state:
             return False
