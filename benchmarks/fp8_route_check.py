@@ -59,6 +59,19 @@ def check_quantization(repeats: int) -> list[str]:
     return rows
 
 
+def fp8_layer_step(recipe: str, seed: int, x_grad: bool = False):
+    """tests/test_fp8.py's fused-effective-weight case: a 64 -> 96 FP8 layer on 128 float32 tokens
+    under bf16 autocast, forward and backward; ``(layer, x, y)``."""
+    torch.manual_seed(seed)
+    lin = SparseLinear(64, 96, recipe=recipe, fp8=True).cuda()
+    x = torch.randn(128, 64, device="cuda", requires_grad=x_grad)
+    poison(1 << 20)
+    with torch.autocast("cuda", dtype=torch.bfloat16):
+        y = lin(x)
+    y.float().pow(2).sum().backward()
+    return lin, x, y
+
+
 def layer_grads(route: str | None, repeats: int) -> list[str]:
     """The FP8 layer test's forward and backward with the quantization route forced (None: the
     dispatch's own choice), repeated; how many runs gave non-finite dX, dW or db."""
@@ -75,13 +88,7 @@ def layer_grads(route: str | None, repeats: int) -> list[str]:
         for recipe in ("ste", "s-ste"):
             bad = {"dx": 0, "dw": 0, "db": 0}
             for i in range(repeats):
-                torch.manual_seed(i)
-                lin = SparseLinear(64, 96, recipe=recipe, fp8=True).cuda()
-                x = torch.randn(128, 64, device="cuda", requires_grad=True)
-                poison(1 << 20)
-                with torch.autocast("cuda", dtype=torch.bfloat16):
-                    y = lin(x)
-                y.float().pow(2).sum().backward()
+                lin, x, y = fp8_layer_step(recipe, i, x_grad=True)
                 for name, g in (("dx", x.grad), ("dw", lin.weight.grad), ("db", lin.bias.grad)):
                     bad[name] += not bool(torch.isfinite(g).all())
                 assert rel_ok(y, F.linear(x, lin.effective_weight(), lin.bias))
@@ -96,13 +103,7 @@ def layer_test_once() -> list[str]:
     went with a non-finite weight gradient."""
     rows = []
     for recipe in ("s-ste", "ste", "t-sr-ste"):
-        torch.manual_seed(0)
-        lin = SparseLinear(64, 96, recipe=recipe, fp8=True).cuda()
-        x = torch.randn(128, 64, device="cuda")
-        with torch.autocast("cuda", dtype=torch.bfloat16):
-            y = lin(x)
-        y.float().pow(2).sum().backward()
-        g = lin.weight.grad
+        g = fp8_layer_step(recipe, 0)[0].weight.grad
         rows.append(f"{recipe}: non-finite dW entries {int((~torch.isfinite(g)).sum())} of {g.numel()}, "
                     f"rows {sorted(set((~torch.isfinite(g)).nonzero()[:, 0].tolist()))[:12]}")
     return rows

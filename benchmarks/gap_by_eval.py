@@ -39,10 +39,9 @@ def gap_series(root: Path, base: str = "dense", only: str = "") -> tuple[list[in
                    for name, by_seed in runs.items() if set(by_seed) & set(ref)}
 
 
-def gap_table(root: Path, base: str = "dense", per_seed: bool = False, only: str = "") -> str:
-    """The markdown table of relative gaps to ``base`` (%) at each common evaluation step: one row
+def gap_table(steps: list[int], series: dict[str, dict[int, list[float]]], per_seed: bool = False) -> str:
+    """The markdown table of :func:`gap_series`' gaps (%) at each common evaluation step: one row
     per recipe (the mean over seeds), or per recipe and seed."""
-    steps, series = gap_series(root, base, only)
     head = "| recipe | seed | " if per_seed else "| recipe | "
     lines = [head + " | ".join(f"step {st}" for st in steps) + " |",
              "|---" * (len(steps) + 1 + per_seed) + "|"]
@@ -84,9 +83,10 @@ def main() -> None:
     ap.add_argument("--only", default="", help="only the recipes whose label contains this text")
     ap.add_argument("--plot", type=Path, default=None, help="also draw the gaps into this image")
     args = ap.parse_args()
-    print(gap_table(args.root, args.base, args.per_seed, args.only))
+    steps, series = gap_series(args.root, args.base, args.only)
+    print(gap_table(steps, series, args.per_seed))
     if args.plot:
-        plot_gaps(*gap_series(args.root, args.base, args.only), args.base, args.plot)
+        plot_gaps(steps, series, args.base, args.plot)
         print(f"plot: {args.plot}")
 
 

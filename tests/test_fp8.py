@@ -269,13 +269,19 @@ def test_dense_layer_keeps_a_step_counter_only_for_bf16_finetune():
 
 
 def test_layer_bf16_finetune_recompiles_at_the_switch():
+    """A compiled layer follows the switch, compiling twice in all: once per phase."""
+    from torch._dynamo.testing import CompileCounterWithBackend
+
     torch.manual_seed(0)
     lin = SparseLinear(32, 16, recipe="s-ste", fp8=True, bf16_finetune=0.5, total_steps=2)
-    compiled = torch.compile(lin, backend="aot_eager")
+    counter = CompileCounterWithBackend("aot_eager")
+    compiled = torch.compile(lin, backend=counter)
     x = torch.randn(64, 32)
     assert rel(compiled(x), F.linear(x, lin.effective_weight(), lin.bias)) > 0
     lin.advance()
     torch.testing.assert_close(compiled(x), F.linear(x, lin.effective_weight(), lin.bias))
+    compiled(x)
+    assert counter.frame_count == 2
 
 
 @pytest.mark.parametrize("scaling", SCALING, ids=lambda s: s.name)

@@ -133,7 +133,7 @@ class SparseLinear(nn.Linear):
         for name in RECIPE_BUFFERS:
             self.register_buffer(name, state.get(name))  # None (not in the state dict) if unused
         self._step, self._dense = 0, not self.recipe.sparse or self.recipe.starts_dense
-        self._fp8 = self.recipe.fp8
+        self._fp8 = self._fp8_phase()
         self.compressed = CompressedWeight()
 
     @property
@@ -173,7 +173,7 @@ class SparseLinear(nn.Linear):
                                       unexpected_keys, error_msgs)
         if self._keeps_state:
             self._step = int(self.step)
-            self._fp8 = self.recipe.fp8 and not self._in_bf16_finetune()
+            self._fp8 = self._fp8_phase()
         if self.recipe.sparse:
             self._dense = bool(self.dense)
 
@@ -204,8 +204,7 @@ class SparseLinear(nn.Linear):
         if not self._keeps_state:
             return False
         self._step += 1
-        if self._fp8 and self._in_bf16_finetune():
-            self._fp8 = False
+        self._fp8 = self._fp8_phase()
         if not r.sparse:
             return True
         if r.starts_dense and sparse_phase:
@@ -214,9 +213,11 @@ class SparseLinear(nn.Linear):
             self._set_dense(True)
         return True
 
-    def _in_bf16_finetune(self) -> bool:
+    def _fp8_phase(self) -> bool:
+        """Whether the GEMMs run in FP8 at the current step: an FP8 recipe before its ``bf16_finetune``
+        (kept in ``_fp8``, a plain bool that a compiled forward guards on)."""
         r = self.recipe
-        return self._fp8_ends and self._step >= r.total_steps * (1 - r.bf16_finetune)
+        return r.fp8 and not (self._fp8_ends and self._step >= r.total_steps * (1 - r.bf16_finetune))
 
     def _refresh_due(self) -> bool:
         return not self._dense and self.pruner.refresh_due(self._step, self.recipe.mask_interval)
