@@ -2,8 +2,11 @@
 
 Tensorwise: one kernel reduces max |t| over the whole tensor (a grid-stride loop, one atomic per
 program), a second reads ``t`` again and writes ``q = sat(t / scale)`` and, on request, ``q^T``
-row-major from the same tile (two reads and one or two FP8 writes: the scale needs the whole
-tensor's amax before the first cast). Rowwise: one kernel per band of rows reduces each row's
+row-major, reading its tile a second time along the other axis (mostly from cache) rather than
+transposing the cast tile in registers (two reads from memory and one or two FP8 writes: the
+scale needs the whole tensor's amax before the first cast). On an H100 the in-register transpose
+of a tile read from float32 wrote wrong bytes in every fourth row of ``q^T``, with an FP8 or a
+float32 tile alike (``benchmarks/fp8_route_check.py``). Rowwise: one kernel per band of rows reduces each row's
 amax and casts the row on a second read of it (mostly from L2). ``scale`` is
 ``amax * (1 / fmax)``, 1 where that is 0 (an all-zero tensor or row), NaN or inf where the amax
 is; quotients are IEEE-rounded (``div_rn``) and then rounded to the FP8 grid in float32: the same
@@ -88,8 +91,11 @@ if HAS_TRITON:
         q = _to_grid(tl.clamp(tl.math.div_rn(x, scale), -FMAX, FMAX, propagate_nan=tl.PropagateNan.ALL), MBITS, EMIN)
         q = q.to(q_ptr.dtype.element_ty)
         tl.store(q_ptr + rm[:, None] * N + rn[None, :], q, mask=mask)
-        if TRANS:
-            tl.store(qt_ptr + rn[:, None] * M + rm[None, :], tl.trans(q), mask=tl.trans(mask))
+        if TRANS:  # the tile read again along the other axis (from cache) and cast again: no transpose
+            xt = tl.load(x_ptr + rm[None, :] * N + rn[:, None], mask=tl.trans(mask), other=0.0).to(tl.float32)
+            qt = _to_grid(tl.clamp(tl.math.div_rn(xt, scale), -FMAX, FMAX, propagate_nan=tl.PropagateNan.ALL),
+                          MBITS, EMIN)
+            tl.store(qt_ptr + rn[:, None] * M + rm[None, :], qt.to(q_ptr.dtype.element_ty), mask=tl.trans(mask))
 
     @triton.jit
     def _rowwise_kernel(x_ptr, q_ptr, scale_ptr, M, N, FMAX: tl.constexpr, INV_FMAX: tl.constexpr,
@@ -138,14 +144,10 @@ if HAS_TRITON:
 def supported(t: torch.Tensor, rowwise: bool, transposed: bool) -> bool:
     """Whether :func:`quantize` takes ``t``: Triton here, a contiguous float tensor with elements,
     2-D for rowwise scales or a transposed copy, and on a GPU one with FP8 types (sm89+: Triton
-    refuses e4m3 before) and no transposed copy of a float32 tensor: on an H100 the weight gradient
-    of a small FP8 layer (x 128 x 64 in float32) had NaN columns in exactly the fresh processes
-    whose dispatch took this kernel for x's transposed copy (4 of 6), and none where it took the
-    compiled plain-torch pass (``benchmarks/fp8_route_check.py --layer-test``)."""
+    refuses e4m3 before)."""
     return (HAS_TRITON and t.is_contiguous() and t.numel() > 0 and t.is_floating_point()
             and (t.dim() == 2 or not (rowwise or transposed))
-            and (not t.is_cuda or (_capability(_index(t)) >= (8, 9)
-                                   and not (transposed and t.dtype == torch.float32))))
+            and (not t.is_cuda or _capability(_index(t)) >= (8, 9)))
 
 
 def _index(t: torch.Tensor) -> int:
@@ -183,7 +185,7 @@ def quantize(t: torch.Tensor, fmt: torch.dtype, rowwise: bool = False,
     float32 scale, or (rows, 1) with ``rowwise`` (see the module doc). ``t`` as :func:`supported`."""
     if not supported(t, rowwise, transposed):
         raise ValueError(f"fp8cast.quantize takes a contiguous float tensor (2-D for rowwise scales or a "
-                         f"transposed copy, not float32 with a transposed copy on a GPU), got shape "
+                         f"transposed copy), got shape "
                          f"{tuple(t.shape)}, strides {t.stride()}, {t.dtype}")
     consts = _constants(fmt)
     n_cols = t.shape[-1] if t.dim() else 1
