@@ -21,12 +21,12 @@
 3. ``fp8.scaled_mm(..., sparse_b=True)`` with the dispatch free (``gemm=auto``), without and with a
    bias: the route it picked, the times it measured, and the error of each route against the
    reference.
-4. dW on the MVUE estimate of dY^T with e4m3 gradients: the dense route (the bf16 estimate, its
-   quantization, ``_scaled_mm``) and the FP8 2:4 route (``kernels/mvue_fp8.py`` writing the
-   estimate compressed in e4m3, the FP8 2:4 GEMM, the scaling pass), each part against its limit
-   (copy bandwidth: the estimate reads and writes dY's size in bf16, its quantization reads it
-   twice and writes it once in e4m3, the fused kernel reads dY once and writes the compressed
-   bytes; the GEMMs against the FP8 peaks), the routes whole and the dispatch's choice.
+4. dW with MVUE and e4m3 gradients: the dense route (the exact GEMM dY^T X, ``_scaled_mm`` on dY^T
+   as the backward quantizes it) and the FP8 2:4 route on the estimate (``kernels/mvue_fp8.py``
+   writing the estimate compressed in e4m3, the FP8 2:4 GEMM, the scaling pass), each part
+   against its limit (copy bandwidth: the fused kernel reads dY once and writes the compressed
+   bytes, the scaling pass reads and writes dW; the GEMMs against the FP8 peaks), the routes
+   whole and the dispatch's choice.
 """
 
 from __future__ import annotations
@@ -239,27 +239,24 @@ def dispatch(shapes) -> list[str]:
     return lines
 
 
-DW = ["MVUE estimate (bf16, dense)", "quantize it (e4m3)", "FP8 dense GEMM", "dense route",
-      "MVUE -> e4m3 compressed (fused)", "FP8 2:4 GEMM", "scale pass", "FP8 2:4 route"]
+DW = ["FP8 dense GEMM (exact)", "MVUE -> e4m3 compressed (fused)", "FP8 2:4 GEMM", "scale pass", "FP8 2:4 route"]
 
 
 def dw_timings(shapes) -> list[str]:
-    """Section 4: dW = est(dY^T) X with e4m3 gradients, each route's parts and the routes whole as
+    """Section 4: dW with MVUE and e4m3 gradients, each route's parts and the routes whole as
     ``fp8._mvue_dw`` runs them (forced), with each part's share of its limit, and the dispatch's
     own timing and choice."""
     copy_bw = copy_bandwidth() * 1e9
     lines = ["| at 16384 tokens | " + " | ".join(DW) + " | 2:4 / dense route | dispatch (ms sparse / dense) |",
              "|---" * (len(DW) + 3) + "|"]
-    shares = ["| share of limit | " + " | ".join(c for c in DW if "route" not in c) + " |",
-              "|---" * (len(DW) - 1) + "|"]
+    shares = ["| share of limit | " + " | ".join(DW[:4]) + " |", "|---" * 5 + "|"]
     for name, t, k, n in shapes:
         ms, chosen = dw_shape(t, k, n)
         lines.append(f"| {name} {k}->{n} | " + " | ".join(f"{ms[c]:.3f} ms" for c in DW)
-                     + f" | {ms[DW[3]] / ms[DW[7]]:.2f}x | {chosen} |")
+                     + f" | {ms[DW[0]] / ms[DW[4]]:.2f}x | {chosen} |")
         e, flop = t * n, 2 * t * k * n
-        limit = {DW[0]: 4 * e / copy_bw, DW[1]: 5 * e / copy_bw, DW[2]: flop / PEAK["fp8"],
-                 DW[4]: (2 * e + compressed_size(n, t, 1)) / copy_bw, DW[5]: flop / (2 * PEAK["fp8"]),
-                 DW[6]: 4 * n * k / copy_bw}
+        limit = {DW[0]: flop / PEAK["fp8"], DW[1]: (2 * e + compressed_size(n, t, 1)) / copy_bw,
+                 DW[2]: flop / (2 * PEAK["fp8"]), DW[3]: 4 * n * k / copy_bw}
         shares.append(f"| {name} | " + " | ".join(f"{limit[c] * 1e3 / ms[c]:.0%}" for c in limit) + " |")
         torch.cuda.empty_cache()
     return lines + ["", f"copy bandwidth measured here: {copy_bw / 1e9:.0f} GB/s", ""] + shares
@@ -270,9 +267,7 @@ def dw_shape(t: int, k: int, n: int) -> tuple[dict[str, float], str]:
     x = torch.randn(t, k, device="cuda", dtype=BF)
     dy = torch.randn(t, n, device="cuda", dtype=BF)
     qxt, sxt = F8.quantize(x.t().contiguous(), F8.E4M3)
-    _, sd = F8.quantize(dy, F8.E4M3)
-    est = F8._mvue_estimate(dy.t())
-    qe, se = F8.quantize(est, F8.E4M3)
+    _, sd, qdt = F8.quantize_t(dy, F8.E4M3, transposed=True)
     s2 = sd * SCALE_BOUND
     packed = mvue_e4m3(dy.t(), s2)
     out = ops.spmm(packed, qxt.t(), n, False, out_dtype=BF)
@@ -283,16 +278,15 @@ def dw_shape(t: int, k: int, n: int) -> tuple[dict[str, float], str]:
         return do_bench(fn, warmup=10, rep=60)
 
     def dw() -> torch.Tensor:
-        return F8._mvue_dw(dy, sd, qxt, sxt, F8.E4M3, F8.TENSORWISE, BF)
+        return F8._mvue_dw(dy, sd, qdt, sd, qxt, sxt, BF)
 
     def route(mode: str) -> float:
         with settings.override(gemm=mode):
             return bench(dw)
 
-    ms = {DW[0]: bench(lambda: F8._mvue_estimate(dy.t())), DW[1]: bench(lambda: F8.quantize(est, F8.E4M3)),
-          DW[2]: bench(lambda: torch._scaled_mm(qe, qxt.t(), se, sxt, out_dtype=BF)), DW[3]: route("dense"),
-          DW[4]: bench(lambda: mvue_e4m3(dy.t(), s2)), DW[5]: bench(lambda: plan.matmul(packed, qxt.t(), out)),
-          DW[6]: bench(lambda: fp8cast.rescale_(out, s2, sxt)), DW[7]: route("sparse")}
+    ms = {DW[0]: route("dense"), DW[1]: bench(lambda: mvue_e4m3(dy.t(), s2)),
+          DW[2]: bench(lambda: plan.matmul(packed, qxt.t(), out)), DW[3]: bench(lambda: fp8cast.rescale_(out, s2, sxt)),
+          DW[4]: route("sparse")}
     ops.clear_choices()
     dw()
     hit = next((v for key, v in ops.choices().items() if key.startswith(f"fp8-dw-mvue:{n}x{t}x{k}:")), None)

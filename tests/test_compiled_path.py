@@ -81,15 +81,16 @@ def test_fp8_layer_compiles_whole(recipe):
 
 @pytest.mark.filterwarnings("ignore::DeprecationWarning")
 def test_fp8_mvue_weight_gradient_op_passes_opcheck():
-    """The op a compiled FP8 backward calls for dW on the MVUE estimate (e4m3 gradients, one scale),
-    with and without dY's scale from the dX GEMM."""
+    """The op a compiled FP8 backward calls for dW with MVUE (e4m3 gradients, one scale: the 2:4
+    route on the estimate or the exact GEMM), with and without dY's scale from the dX GEMM."""
     from twofour.fp8 import E4M3, quantize_t  # noqa: PLC0415
 
     dy = torch.randn(64, 48, dtype=torch.bfloat16)
-    _, sd, _ = quantize_t(dy, E4M3)
+    _, sd, qdt = quantize_t(dy, E4M3, transposed=True)
     _, sxt, qxt = quantize_t(torch.randn(64, 32, dtype=torch.bfloat16), E4M3, transposed=True)
     for scale in (sd, None):
-        torch.library.opcheck(torch.ops.twofour.mvue_dw_e4m3.default, (dy, scale, qxt, sxt, torch.bfloat16),
+        torch.library.opcheck(torch.ops.twofour.mvue_dw_e4m3.default,
+                              (dy, scale, qdt, sd, qxt, sxt, torch.bfloat16),
                               test_utils=("test_faketensor", "test_aot_dispatch_dynamic"))
 
 

@@ -44,7 +44,10 @@ def test_unknown_option_lists_valid(name, opt):
 @pytest.mark.parametrize("opts", [dict(mvue="yes"), dict(decay=-1.0), dict(mask_interval=0),
                                   dict(dense_finetune=1.5), dict(total_steps=0), dict(fp8=True, fp8_grad_e4m3="on"),
                                   dict(fp8_grad_e4m3=False), dict(bf16_finetune=0.1, total_steps=10),
-                                  dict(fp8=True, bf16_finetune=1.0, total_steps=10), dict(fp8=True, bf16_finetune=0.1)])
+                                  dict(fp8=True, bf16_finetune=1.0, total_steps=10), dict(fp8=True, bf16_finetune=0.1),
+                                  dict(fp8_backward=False), dict(fp8=True, fp8_backward=0),
+                                  dict(fp8=True, fp8_backward=False, fp8_grad_e4m3=False), dict(fp8_forward=False),
+                                  dict(fp8=True, fp8_forward=False, fp8_backward=False)])
 def test_bad_option_values(opts):
     with pytest.raises((ValueError, TypeError)):
         make_recipe("t-sr-ste", **opts)

@@ -16,8 +16,10 @@ bias, since cuSPARSELt 0.8 on sm90 refuses a per-row alpha for FP8 and ignores d
 operand scales (``benchmarks/fp8_spmm.py``), and a host-side alpha would need the scale on the
 host (a sync per GEMM). cuSPARSELt builds FP8 2:4 GEMMs of two e4m3 or two e5m2 operands, not
 of one of each: with e5m2 gradients the backward GEMMs stay dense; with e4m3 gradients and one
-scale, dW on the MVUE estimate has an FP8 2:4 route too (:func:`_mvue_dw`, the estimate written
-compressed by :func:`twofour.kernels.mvue_fp8.mvue_e4m3`). dX multiplies the dense effective
+scale, dW with MVUE has an FP8 2:4 route on the estimate (:func:`_mvue_dw`, the estimate written
+compressed by :func:`twofour.kernels.mvue_fp8.mvue_e4m3`), taken where it measures faster than
+the exact dense GEMM; as in the bf16 fast path, dW is exact wherever the estimate's 2:4 GEMM does
+not pay (only the plain-torch reference always draws it). dX multiplies the dense effective
 weight (its 2:4 groups run along the other axis).
 
 On a GPU the quantization runs Triton kernels (:mod:`twofour.kernels.fp8cast`) or compiled
@@ -38,6 +40,7 @@ import types
 from dataclasses import dataclass
 
 import torch
+import torch.nn.functional as F
 
 from . import settings
 from .kernels import cusparselt, fp8cast, ops
@@ -349,23 +352,26 @@ def _mvue_dw_fits(dy2: torch.Tensor, qxt: torch.Tensor, fmt: torch.dtype, scalin
             and _fp8_24_fits(dy2.shape[1], dy2.shape[0], qxt.shape[0], cdt))
 
 
-def _mvue_dw_dense(dy2: torch.Tensor, qxt: torch.Tensor, sxt: torch.Tensor, fmt: torch.dtype, scaling: Scaling,
-                   cdt: torch.dtype) -> torch.Tensor:
-    """dW = est(dY^T) X, dense: the estimate, its own quantization, then ``scaled_mm``."""
-    qdt, sdt = quantize(_mvue_estimate(dy2.t()), fmt, scaling)
-    return scaled_mm(qdt, sdt, qxt, sxt, cdt)
+def _mvue_dw_reference(dy2: torch.Tensor, qxt: torch.Tensor, sxt: torch.Tensor, fmt: torch.dtype, scaling: Scaling,
+                       cdt: torch.dtype) -> torch.Tensor:
+    """dW = est(dY^T) X as the plain-torch reference draws it: the estimate, its own quantization,
+    then ``scaled_mm``."""
+    qet, set_ = quantize(_mvue_estimate(dy2.t()), fmt, scaling)
+    return scaled_mm(qet, set_, qxt, sxt, cdt)
 
 
-def _mvue_dw_timed(dy2: torch.Tensor, sd: torch.Tensor | None, qxt: torch.Tensor, sxt: torch.Tensor,
-                   cdt: torch.dtype) -> torch.Tensor:
-    """dW = est(dY^T) X with e4m3 gradients and one scale, where :func:`_mvue_dw_fits` on a GPU
-    :func:`_fp8_24_device`, by the faster of two routes, timed whole once per shape (``ops.choices()`` key
-    ``fp8-dw-mvue``): the dense one, or FP8 2:4, where one kernel writes the estimate compressed
+def _mvue_dw_timed(dy2: torch.Tensor, sd: torch.Tensor | None, qdt: torch.Tensor, sdt: torch.Tensor,
+                   qxt: torch.Tensor, sxt: torch.Tensor, cdt: torch.dtype) -> torch.Tensor:
+    """dW with e4m3 gradients and one scale, where :func:`_mvue_dw_fits` on a GPU
+    :func:`_fp8_24_device`, by the faster of two routes, timed whole once per shape
+    (``ops.choices()`` key ``fp8-dw-mvue``): the exact dense GEMM dY^T X (``qdt``, ``sdt``: dY^T
+    quantized), or FP8 2:4 on the MVUE estimate, where one kernel writes the estimate compressed
     in e4m3 at the bound scale (:func:`mvue_e4m3`), the FP8 2:4 GEMM multiplies it by X (``qxt``
-    row-major is X column-major) and one pass applies the two scales. ``sd``: dY's e4m3 scale
-    where the dX GEMM computed it, else None."""
+    row-major is X column-major) and one pass applies the two scales. As in the bf16 fast path,
+    the estimate is drawn only where its 2:4 GEMM pays. ``sd``: dY's e4m3 scale where the dX GEMM
+    computed it, else None."""
     def dense() -> torch.Tensor:
-        return _mvue_dw_dense(dy2, qxt, sxt, E4M3, TENSORWISE, cdt)
+        return scaled_mm(qdt, sdt, qxt, sxt, cdt)
 
     n, t, k = dy2.shape[1], dy2.shape[0], qxt.shape[0]
     failed = ("dw", n, t, k, dy2.device.index, cdt)
@@ -388,13 +394,13 @@ def _mvue_dw_timed(dy2: torch.Tensor, sd: torch.Tensor | None, qxt: torch.Tensor
         return dense()
 
 
-def _mvue_dw_routes(dy2: torch.Tensor, sd: torch.Tensor | None, qxt: torch.Tensor, sxt: torch.Tensor,
-                    cdt: torch.dtype) -> torch.Tensor:
+def _mvue_dw_routes(dy2: torch.Tensor, sd: torch.Tensor | None, qdt: torch.Tensor, sdt: torch.Tensor,
+                    qxt: torch.Tensor, sxt: torch.Tensor, cdt: torch.dtype) -> torch.Tensor:
     """For operands :func:`_mvue_dw_fits`: :func:`_mvue_dw_timed` on a GPU with FP8 2:4 GEMMs, else
-    the dense route."""
+    the exact dense GEMM."""
     if dy2.is_cuda and _fp8_24_device(dy2):
-        return _mvue_dw_timed(dy2, sd, qxt, sxt, cdt)
-    return _mvue_dw_dense(dy2, qxt, sxt, E4M3, TENSORWISE, cdt)
+        return _mvue_dw_timed(dy2, sd, qdt, sdt, qxt, sxt, cdt)
+    return scaled_mm(qdt, sdt, qxt, sxt, cdt)
 
 
 # one opaque node in a compiled backward, so that the routes are timed and taken at run time there too
@@ -402,25 +408,25 @@ _mvue_dw_op = torch.library.custom_op("twofour::mvue_dw_e4m3", _mvue_dw_routes, 
 
 
 @_mvue_dw_op.register_fake
-def _(dy2, sd, qxt, sxt, cdt):
+def _(dy2, sd, qdt, sdt, qxt, sxt, cdt):
     return dy2.new_empty((dy2.shape[1], qxt.shape[0]), dtype=cdt)
 
 
-def _mvue_dw(dy2: torch.Tensor, sd: torch.Tensor | None, qxt: torch.Tensor, sxt: torch.Tensor, fmt: torch.dtype,
-             scaling: Scaling, cdt: torch.dtype) -> torch.Tensor:
-    """dW = est(dY^T) X on the MVUE 2:4 estimate of dY^T, in ``cdt``: where :func:`_mvue_dw_fits`,
-    :func:`_mvue_dw_routes` (under torch's tracers the custom op ``twofour::mvue_dw_e4m3``, which
-    checks the device when it runs, so a compiled model, CUDA graphs included, takes the 2:4 route
-    too), else the dense route."""
-    if not _mvue_dw_fits(dy2, qxt, fmt, scaling, cdt):
-        return _mvue_dw_dense(dy2, qxt, sxt, fmt, scaling, cdt)
-    return (_mvue_dw_op if torch.compiler.is_compiling() else _mvue_dw_routes)(dy2, sd, qxt, sxt, cdt)
+def _mvue_dw(dy2: torch.Tensor, sd: torch.Tensor | None, qdt: torch.Tensor, sdt: torch.Tensor, qxt: torch.Tensor,
+             sxt: torch.Tensor, cdt: torch.dtype) -> torch.Tensor:
+    """dW in ``cdt`` for operands :func:`_mvue_dw_fits`: :func:`_mvue_dw_routes` (under torch's
+    tracers the custom op ``twofour::mvue_dw_e4m3``, which checks the device when it runs, so a
+    compiled model, CUDA graphs included, takes the 2:4 route too)."""
+    return (_mvue_dw_op if torch.compiler.is_compiling() else _mvue_dw_routes)(dy2, sd, qdt, sdt, qxt, sxt, cdt)
 
 
 class FP8LinearFn(torch.autograd.Function):
     """y = x W_eff^T + b with FP8 GEMMs: forward x(e4m3) W_eff(e4m3)^T, dX = dY(g) W_eff(e4m3),
-    dW = dY^T(g) X(e4m3) (on the MVUE 2:4 estimate of dY^T with ``mvue``), g = ``grad_fmt`` (e4m3
-    by default, or e5m2: one mantissa bit less, more range), outputs in the compute dtype; dW
+    dW = dY^T(g) X(e4m3) (with ``mvue``, on the MVUE 2:4 estimate of dY^T where its FP8 2:4 GEMM
+    pays, and always in the plain-torch reference), g = ``grad_fmt`` (e4m3
+    by default, or e5m2: one mantissa bit less, more range; None: dX and dW in the compute dtype
+    from the unquantized x and W_eff), outputs in the compute dtype; ``fp8_forward=False``: the
+    forward GEMM in the compute dtype, only the backward's in FP8; dW
     passed straight through to the master ``weight``; ``grad``: whether grad mode was on at the
     call (no backward copies otherwise); ``sparse``: W_eff is 2:4 (the forward GEMM may then run
     FP8 2:4, :func:`scaled_mm`). Tensorwise, each operand is quantized once, with the transposed
@@ -429,13 +435,19 @@ class FP8LinearFn(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, x, weight, bias, w_eff, mvue: bool, scaling: Scaling, cdt: torch.dtype, grad: bool = True,
-                sparse: bool = False, grad_fmt: torch.dtype = E4M3):
+                sparse: bool = False, grad_fmt: torch.dtype | None = E4M3, fp8_forward: bool = True):
         x2 = x.reshape(-1, x.shape[-1])
-        tw = not scaling.rowwise
+        tw = not scaling.rowwise and grad_fmt is not None  # transposed copies for FP8 backward GEMMs
         need_dx, need_dw = grad and ctx.needs_input_grad[0], grad and ctx.needs_input_grad[1]
-        qx, sx, qxt = quantize_t(x2, E4M3, scaling, transposed=tw and need_dw)
-        qw, sw, qwt = quantize_t(w_eff, E4M3, scaling, transposed=tw and need_dx)
-        y = scaled_mm(qx, sx, qw, sw, cdt, sparse_b=sparse, bias=None if bias is None else bias.to(cdt))
+        b = None if bias is None else bias.to(cdt)
+        if fp8_forward:
+            qx, sx, qxt = quantize_t(x2, E4M3, scaling, transposed=tw and need_dw)
+            qw, sw, qwt = quantize_t(w_eff, E4M3, scaling, transposed=tw and need_dx)
+            y = scaled_mm(qx, sx, qw, sw, cdt, sparse_b=sparse, bias=b)
+        else:  # the forward GEMM in the compute dtype; only the copies the FP8 backward reads
+            y = F.linear(x2.to(cdt), w_eff.to(cdt), b)
+            qxt, sx = quantize(x2.t().contiguous(), E4M3, scaling) if tw and need_dw else (None, None)
+            qwt, sw = quantize(w_eff.t().contiguous(), E4M3, scaling) if tw and need_dx else (None, None)
         if tw:  # what the backward multiplies: W^T and X^T, row-major along N and T
             ctx.save_for_backward(qwt, sw, qxt, sx)
         else:
@@ -451,6 +463,16 @@ class FP8LinearFn(torch.autograd.Function):
         dy2 = dy.reshape(-1, dy.shape[-1]).to(cdt)
         dx = dw = db = None
         need_dx, need_dw = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
+        if ctx.has_bias and ctx.needs_input_grad[2]:
+            db = dy2.sum(0)
+        if gf is None:  # the backward GEMMs dense in the compute dtype: the estimate only in the reference
+            x2, w_eff = ctx.saved_tensors
+            if need_dx:
+                dx = (dy2 @ w_eff.to(cdt)).reshape(ctx.x_shape).to(ctx.x_dtype)
+            if need_dw:
+                est = ctx.mvue and not (dy2.is_cuda and settings.fast)
+                dw = ((_mvue_estimate(dy2.t()) if est else dy2.t()) @ x2.to(cdt)).to(ctx.w_dtype)
+            return dx, dw, db, None, None, None, None, None, None, None, None
         if sc.rowwise:
             x2, w_eff = ctx.saved_tensors
             if need_dx:
@@ -459,36 +481,47 @@ class FP8LinearFn(torch.autograd.Function):
                 qxt, sxt = quantize(x2.t().contiguous(), E4M3, sc)
         else:
             qwt, swt, qxt, sxt = ctx.saved_tensors
-        dy_t = need_dw and not ctx.mvue  # dY^T exact: from dY's quantization (tensorwise) or its own
+        # MVUE's estimate: drawn by the plain-torch reference; on the GPU fast path only where its
+        # FP8 2:4 GEMM measures faster than the exact GEMM, else dW is exact (unbiased either way)
+        fast = dy2.is_cuda and settings.fast
+        est = need_dw and ctx.mvue and not fast
+        dy_t = need_dw and not est  # dY^T exact: from dY's quantization (tensorwise) or its own
         qd = sd = qdt = sdt = None
         if need_dx or (dy_t and not sc.rowwise):
             qd, sd, qdt = quantize_t(dy2, gf, sc, transposed=dy_t and not sc.rowwise)
             sdt = sd
         if need_dx:
             dx = scaled_mm(qd, sd, qwt, swt, cdt).reshape(ctx.x_shape).to(ctx.x_dtype)
-        if need_dw and ctx.mvue:  # the unbiased 2:4 estimate of dY^T (along tokens), dense or FP8 2:4
-            dw = _mvue_dw(dy2, sd, qxt, sxt, gf, sc, cdt).to(ctx.w_dtype)
+        if est:
+            dw = _mvue_dw_reference(dy2, qxt, sxt, gf, sc, cdt).to(ctx.w_dtype)
         elif need_dw:
             if sc.rowwise:
                 qdt, sdt = quantize(dy2.t().contiguous(), gf, sc)
-            dw = scaled_mm(qdt, sdt, qxt, sxt, cdt).to(ctx.w_dtype)
-        if ctx.has_bias and ctx.needs_input_grad[2]:
-            db = dy2.sum(0)
-        return dx, dw, db, None, None, None, None, None, None, None
+            if ctx.mvue and _mvue_dw_fits(dy2, qxt, gf, sc, cdt):
+                dw = _mvue_dw(dy2, sd, qdt, sdt, qxt, sxt, cdt)
+            else:
+                dw = scaled_mm(qdt, sdt, qxt, sxt, cdt)
+            dw = dw.to(ctx.w_dtype)
+        return dx, dw, db, None, None, None, None, None, None, None, None
 
 
 def fp8_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, w_eff: torch.Tensor | None = None,
                *, mvue: bool = False, scaling: Scaling = DEFAULT_SCALING, sparse: bool = False,
-               grad_fmt: torch.dtype = E4M3) -> torch.Tensor:
+               grad_fmt: torch.dtype | None = E4M3, fp8_forward: bool = True) -> torch.Tensor:
     """``F.linear(x, w_eff, bias)`` with FP8 GEMMs (:class:`FP8LinearFn`), the gradient of the
     effective weight ``w_eff`` (default ``weight``) going to ``weight``. The GEMMs run in
     autocast's dtype if on, else ``x``'s; the output has that dtype. ``sparse``: ``w_eff`` is 2:4
     along its rows, so the forward GEMM may run FP8 2:4 where that measures faster. ``grad_fmt``:
-    the FP8 format of the output gradient dY (:data:`E4M3` or :data:`E5M2`)."""
-    _check_fmt(grad_fmt)
+    the FP8 format of the output gradient dY (:data:`E4M3` or :data:`E5M2`), or None for backward
+    GEMMs in the compute dtype. ``fp8_forward=False``: the forward GEMM in the compute dtype (with
+    ``grad_fmt``, the backward's in FP8)."""
+    if grad_fmt is not None:
+        _check_fmt(grad_fmt)
+    elif not fp8_forward:
+        raise ValueError("fp8_linear: fp8_forward=False with grad_fmt=None leaves no GEMM in FP8 (use F.linear)")
     dev = x.device.type
     cdt = torch.get_autocast_dtype(dev) if torch.is_autocast_enabled(dev) else x.dtype
     w_eff = weight.detach() if w_eff is None else w_eff
     with torch.autocast(dev, enabled=False):
         return FP8LinearFn.apply(x, weight, bias, w_eff.detach(), mvue, scaling, cdt, torch.is_grad_enabled(), sparse,
-                                 grad_fmt)
+                                 grad_fmt, fp8_forward)

@@ -294,7 +294,8 @@ class SparseLinear(nn.Linear):
                                             compute_dtype(x), sparse=False)[1]
             return fp8_linear(x, self.weight, self.bias, w_eff, mvue=r.mvue and not self._dense, sparse=not self._dense,
                               scaling=ROWWISE if r.fp8_rowwise else DEFAULT_SCALING,
-                              grad_fmt=E4M3 if r.fp8_grad_e4m3 else E5M2)
+                              grad_fmt=None if not r.fp8_backward else E4M3 if r.fp8_grad_e4m3 else E5M2,
+                              fp8_forward=r.fp8_forward)
         if not r.sparse:
             return super().forward(x)
         if not self._dense and applies(x, self.in_features, self.out_features):

@@ -37,6 +37,12 @@ class Recipe:
             mantissa bit than e5m2, less range, which current scaling covers; it trained to a lower
             loss, docs/RESULTS.md, and the FP8 2:4 weight-gradient GEMM needs it), or in e5m2
             with ``False``.
+        fp8_forward: with ``fp8``, the forward GEMM in FP8 (the default), or with ``False`` in the
+            compute dtype from the unquantized x and W_eff, only the backward's in FP8.
+        fp8_backward: with ``fp8``, the backward GEMMs (dX and dW) in FP8 (the default), or with
+            ``False`` in the compute dtype from the unquantized operands, only the forward's in FP8.
+            At gpt2-124m the forward's FP8 rounding cost the loss, the backward's did not
+            (docs/RESULTS.md).
         bf16_finetune: with ``fp8``, the fraction of ``total_steps`` at the end trained without FP8
             (the compute dtype's GEMMs, bf16 in training). At gpt2-124m over 200M tokens the last
             10 % in bf16 ended no closer to bf16 than FP8 throughout (docs/RESULTS.md).
@@ -55,6 +61,8 @@ class Recipe:
     fp8: bool = False
     fp8_rowwise: bool = False
     fp8_grad_e4m3: bool = True
+    fp8_forward: bool = True
+    fp8_backward: bool = True
     bf16_finetune: float = 0.0
     decay: float = 0.0
     mask_interval: int = 1
@@ -73,7 +81,8 @@ class Recipe:
 
 
 # name -> (fixed fields, {option: default}) ; options not listed are refused
-_FP8 = {"fp8": False, "fp8_rowwise": False, "fp8_grad_e4m3": True, "bf16_finetune": 0.0}
+_FP8 = {"fp8": False, "fp8_rowwise": False, "fp8_grad_e4m3": True, "fp8_forward": True, "fp8_backward": True,
+        "bf16_finetune": 0.0}
 _COMMON = {**_FP8, "total_steps": None}
 _SPARSE_COMMON = {"mvue": False, **_COMMON}
 _TABLE: dict[str, tuple[dict[str, Any], dict[str, Any]]] = {
@@ -131,12 +140,18 @@ def make_recipe(recipe: str | Recipe = DEFAULT_RECIPE, **options: Any) -> Recipe
 
 
 def _validate(name: str, v: dict[str, Any]) -> None:
-    for key in ("mvue", "fp8", "fp8_rowwise", "fp8_grad_e4m3"):
+    for key in ("mvue", "fp8", "fp8_rowwise", "fp8_grad_e4m3", "fp8_forward", "fp8_backward"):
         if key in v and not isinstance(v[key], bool):
             raise TypeError(f"recipe {name!r}: option {key} must be a bool, got {v[key]!r}")
     for key, default in _FP8.items():  # an FP8 option away from its default is an FP8 run's
         if key != "fp8" and v.get(key, default) != default and not v.get("fp8"):
             raise ValueError(f"recipe {name!r}: {key}={v[key]} needs fp8=True")
+    if v.get("fp8_forward") is False and v.get("fp8_backward") is False:
+        raise ValueError(f"recipe {name!r}: fp8_forward=False with fp8_backward=False leaves no GEMM in FP8 "
+                         f"(leave fp8 off instead)")
+    if v.get("fp8_grad_e4m3") is False and v.get("fp8_backward") is False:
+        raise ValueError(f"recipe {name!r}: fp8_grad_e4m3=False needs fp8_backward=True (with fp8_backward=False "
+                         f"the gradients stay in the compute dtype)")
     if "decay" in v and (not isinstance(v["decay"], (int, float)) or v["decay"] < 0):
         raise ValueError(f"recipe {name!r}: decay must be a number >= 0, got {v['decay']!r}")
     if "mask_interval" in v and (not isinstance(v["mask_interval"], int) or v["mask_interval"] < 1):
