@@ -1,7 +1,7 @@
 """Which route each linear's weight gradient took in a short ``twofour train`` run (GPU): the
 dispatch's ``dw`` choices after the run. ``dw-mvue`` (bf16) picks between the 2:4 GEMM on the
-MVUE estimate (``sparse``) and the exact dense GEMM (``dense``, no estimate); ``fp8-dw-mvue``
-picks between two routes that both multiply the estimate.
+MVUE estimate (``sparse``) and the exact dense GEMM (``dense``, no estimate); so does
+``fp8-dw-mvue`` in FP8.
 
     PYTHONPATH=src python benchmarks/dw_routes.py [twofour train options]
     PYTHONPATH=src python benchmarks/dw_routes.py --model gpt2-124m --steps 3 --batch-size 32 --compile

@@ -45,7 +45,6 @@ import torch.nn.functional as F
 from . import settings
 from .kernels import cusparselt, fp8cast, ops
 from .kernels.compress import HAS_TRITON, compress_e4m3
-from .kernels.layout import supported_shape
 from .kernels.mvue_fp8 import SCALE_BOUND, mvue_e4m3
 from .pruning import mvue_24_padded
 
@@ -333,15 +332,6 @@ def scaled_mm(qa: torch.Tensor, sa: torch.Tensor, qb: torch.Tensor, sb: torch.Te
 # --------------------------------------------------------------------------------------------
 
 
-def _mvue_estimate(dyt: torch.Tensor) -> torch.Tensor:
-    """The unbiased 2:4 estimate of ``dY^T`` (N, T) along tokens, dense: the fused MVUE kernel on a
-    GPU (reading ``dY`` in place), the plain-torch one elsewhere."""
-    n, t = dyt.shape
-    if ops.triton_ok(dyt) and dyt.dtype in (torch.bfloat16, torch.float16) and supported_shape(n, t):
-        return ops.compress(dyt, "mvue", dense_out=True, sparse_out=False, out_dtype=dyt.dtype)[1]
-    return mvue_24_padded(dyt.contiguous())
-
-
 def _mvue_dw_fits(dy2: torch.Tensor, qxt: torch.Tensor, fmt: torch.dtype, scaling: Scaling, cdt: torch.dtype) -> bool:
     """Whether dW on the MVUE estimate may run as one FP8 2:4 GEMM, as far as a trace can tell (the
     device's half, :func:`_fp8_24_device`, is checked when the route runs): e4m3 gradients with
@@ -356,22 +346,29 @@ def _mvue_dw_reference(dy2: torch.Tensor, qxt: torch.Tensor, sxt: torch.Tensor, 
                        cdt: torch.dtype) -> torch.Tensor:
     """dW = est(dY^T) X as the plain-torch reference draws it: the estimate, its own quantization,
     then ``scaled_mm``."""
-    qet, set_ = quantize(_mvue_estimate(dy2.t()), fmt, scaling)
+    qet, set_ = quantize(mvue_24_padded(dy2.t().contiguous()), fmt, scaling)
     return scaled_mm(qet, set_, qxt, sxt, cdt)
 
 
-def _mvue_dw_timed(dy2: torch.Tensor, sd: torch.Tensor | None, qdt: torch.Tensor, sdt: torch.Tensor,
-                   qxt: torch.Tensor, sxt: torch.Tensor, cdt: torch.dtype) -> torch.Tensor:
+def _exact_dw(dy2: torch.Tensor, qxt: torch.Tensor, sxt: torch.Tensor, cdt: torch.dtype) -> torch.Tensor:
+    """dW = dY^T X exact, e4m3 and one scale: dY^T quantized in one pass over dY (its transposed
+    copy), then ``scaled_mm``."""
+    _, sdt, qdt = quantize_t(dy2, E4M3, TENSORWISE, transposed=True)
+    return scaled_mm(qdt, sdt, qxt, sxt, cdt)
+
+
+def _mvue_dw_timed(dy2: torch.Tensor, sd: torch.Tensor | None, qxt: torch.Tensor, sxt: torch.Tensor,
+                   cdt: torch.dtype) -> torch.Tensor:
     """dW with e4m3 gradients and one scale, where :func:`_mvue_dw_fits` on a GPU
     :func:`_fp8_24_device`, by the faster of two routes, timed whole once per shape
-    (``ops.choices()`` key ``fp8-dw-mvue``): the exact dense GEMM dY^T X (``qdt``, ``sdt``: dY^T
-    quantized), or FP8 2:4 on the MVUE estimate, where one kernel writes the estimate compressed
-    in e4m3 at the bound scale (:func:`mvue_e4m3`), the FP8 2:4 GEMM multiplies it by X (``qxt``
-    row-major is X column-major) and one pass applies the two scales. As in the bf16 fast path,
-    the estimate is drawn only where its 2:4 GEMM pays. ``sd``: dY's e4m3 scale where the dX GEMM
-    computed it, else None."""
+    (``ops.choices()`` key ``fp8-dw-mvue``): the exact dense GEMM dY^T X (:func:`_exact_dw`, its
+    quantization of dY^T included), or FP8 2:4 on the MVUE estimate, where one kernel writes the
+    estimate compressed in e4m3 at the bound scale (:func:`mvue_e4m3`), the FP8 2:4 GEMM multiplies
+    it by X (``qxt`` row-major is X column-major) and one pass applies the two scales. As in the
+    bf16 fast path, the estimate is drawn only where its 2:4 GEMM pays. ``sd``: dY's e4m3 scale
+    where the dX GEMM computed it, else None."""
     def dense() -> torch.Tensor:
-        return scaled_mm(qdt, sdt, qxt, sxt, cdt)
+        return _exact_dw(dy2, qxt, sxt, cdt)
 
     n, t, k = dy2.shape[1], dy2.shape[0], qxt.shape[0]
     failed = ("dw", n, t, k, dy2.device.index, cdt)
@@ -394,13 +391,13 @@ def _mvue_dw_timed(dy2: torch.Tensor, sd: torch.Tensor | None, qdt: torch.Tensor
         return dense()
 
 
-def _mvue_dw_routes(dy2: torch.Tensor, sd: torch.Tensor | None, qdt: torch.Tensor, sdt: torch.Tensor,
-                    qxt: torch.Tensor, sxt: torch.Tensor, cdt: torch.dtype) -> torch.Tensor:
+def _mvue_dw_routes(dy2: torch.Tensor, sd: torch.Tensor | None, qxt: torch.Tensor, sxt: torch.Tensor,
+                    cdt: torch.dtype) -> torch.Tensor:
     """For operands :func:`_mvue_dw_fits`: :func:`_mvue_dw_timed` on a GPU with FP8 2:4 GEMMs, else
     the exact dense GEMM."""
     if dy2.is_cuda and _fp8_24_device(dy2):
-        return _mvue_dw_timed(dy2, sd, qdt, sdt, qxt, sxt, cdt)
-    return scaled_mm(qdt, sdt, qxt, sxt, cdt)
+        return _mvue_dw_timed(dy2, sd, qxt, sxt, cdt)
+    return _exact_dw(dy2, qxt, sxt, cdt)
 
 
 # one opaque node in a compiled backward, so that the routes are timed and taken at run time there too
@@ -408,16 +405,16 @@ _mvue_dw_op = torch.library.custom_op("twofour::mvue_dw_e4m3", _mvue_dw_routes, 
 
 
 @_mvue_dw_op.register_fake
-def _(dy2, sd, qdt, sdt, qxt, sxt, cdt):
+def _(dy2, sd, qxt, sxt, cdt):
     return dy2.new_empty((dy2.shape[1], qxt.shape[0]), dtype=cdt)
 
 
-def _mvue_dw(dy2: torch.Tensor, sd: torch.Tensor | None, qdt: torch.Tensor, sdt: torch.Tensor, qxt: torch.Tensor,
-             sxt: torch.Tensor, cdt: torch.dtype) -> torch.Tensor:
+def _mvue_dw(dy2: torch.Tensor, sd: torch.Tensor | None, qxt: torch.Tensor, sxt: torch.Tensor,
+             cdt: torch.dtype) -> torch.Tensor:
     """dW in ``cdt`` for operands :func:`_mvue_dw_fits`: :func:`_mvue_dw_routes` (under torch's
     tracers the custom op ``twofour::mvue_dw_e4m3``, which checks the device when it runs, so a
     compiled model, CUDA graphs included, takes the 2:4 route too)."""
-    return (_mvue_dw_op if torch.compiler.is_compiling() else _mvue_dw_routes)(dy2, sd, qdt, sdt, qxt, sxt, cdt)
+    return (_mvue_dw_op if torch.compiler.is_compiling() else _mvue_dw_routes)(dy2, sd, qxt, sxt, cdt)
 
 
 class FP8LinearFn(torch.autograd.Function):
@@ -446,8 +443,8 @@ class FP8LinearFn(torch.autograd.Function):
             y = scaled_mm(qx, sx, qw, sw, cdt, sparse_b=sparse, bias=b)
         else:  # the forward GEMM in the compute dtype; only the copies the FP8 backward reads
             y = F.linear(x2.to(cdt), w_eff.to(cdt), b)
-            qxt, sx = quantize(x2.t().contiguous(), E4M3, scaling) if tw and need_dw else (None, None)
-            qwt, sw = quantize(w_eff.t().contiguous(), E4M3, scaling) if tw and need_dx else (None, None)
+            _, sx, qxt = quantize_t(x2, E4M3, scaling, transposed=True) if tw and need_dw else (None, None, None)
+            _, sw, qwt = quantize_t(w_eff, E4M3, scaling, transposed=True) if tw and need_dx else (None, None, None)
         if tw:  # what the backward multiplies: W^T and X^T, row-major along N and T
             ctx.save_for_backward(qwt, sw, qxt, sx)
         else:
@@ -471,7 +468,7 @@ class FP8LinearFn(torch.autograd.Function):
                 dx = (dy2 @ w_eff.to(cdt)).reshape(ctx.x_shape).to(ctx.x_dtype)
             if need_dw:
                 est = ctx.mvue and not (dy2.is_cuda and settings.fast)
-                dw = ((_mvue_estimate(dy2.t()) if est else dy2.t()) @ x2.to(cdt)).to(ctx.w_dtype)
+                dw = ((mvue_24_padded(dy2.t().contiguous()) if est else dy2.t()) @ x2.to(cdt)).to(ctx.w_dtype)
             return dx, dw, db, None, None, None, None, None, None, None, None
         if sc.rowwise:
             x2, w_eff = ctx.saved_tensors
@@ -485,7 +482,8 @@ class FP8LinearFn(torch.autograd.Function):
         # FP8 2:4 GEMM measures faster than the exact GEMM, else dW is exact (unbiased either way)
         fast = dy2.is_cuda and settings.fast
         est = need_dw and ctx.mvue and not fast
-        dy_t = need_dw and not est  # dY^T exact: from dY's quantization (tensorwise) or its own
+        routed = need_dw and ctx.mvue and fast and _mvue_dw_fits(dy2, qxt, gf, sc, cdt)  # quantizes dY^T itself
+        dy_t = need_dw and not est and not routed  # dY^T exact: from dY's quantization (tensorwise) or its own
         qd = sd = qdt = sdt = None
         if need_dx or (dy_t and not sc.rowwise):
             qd, sd, qdt = quantize_t(dy2, gf, sc, transposed=dy_t and not sc.rowwise)
@@ -497,11 +495,7 @@ class FP8LinearFn(torch.autograd.Function):
         elif need_dw:
             if sc.rowwise:
                 qdt, sdt = quantize(dy2.t().contiguous(), gf, sc)
-            if ctx.mvue and _mvue_dw_fits(dy2, qxt, gf, sc, cdt):
-                dw = _mvue_dw(dy2, sd, qdt, sdt, qxt, sxt, cdt)
-            else:
-                dw = scaled_mm(qdt, sdt, qxt, sxt, cdt)
-            dw = dw.to(ctx.w_dtype)
+            dw = (_mvue_dw(dy2, sd, qxt, sxt, cdt) if routed else scaled_mm(qdt, sdt, qxt, sxt, cdt)).to(ctx.w_dtype)
         return dx, dw, db, None, None, None, None, None, None, None, None
 
 

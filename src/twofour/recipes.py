@@ -40,9 +40,8 @@ class Recipe:
         fp8_forward: with ``fp8``, the forward GEMM in FP8 (the default), or with ``False`` in the
             compute dtype from the unquantized x and W_eff, only the backward's in FP8.
         fp8_backward: with ``fp8``, the backward GEMMs (dX and dW) in FP8 (the default), or with
-            ``False`` in the compute dtype from the unquantized operands, only the forward's in FP8.
-            At gpt2-124m the forward's FP8 rounding cost the loss, the backward's did not
-            (docs/RESULTS.md).
+            ``False`` in the compute dtype from the unquantized operands, only the forward's in FP8
+            (docs/RESULTS.md has runs of both).
         bf16_finetune: with ``fp8``, the fraction of ``total_steps`` at the end trained without FP8
             (the compute dtype's GEMMs, bf16 in training). At gpt2-124m over 200M tokens the last
             10 % in bf16 ended no closer to bf16 than FP8 throughout (docs/RESULTS.md).
