@@ -15,6 +15,7 @@ import torch
 
 from twofour import sparse_layers
 from twofour.cli import build_parser, main
+from twofour.kernels import ops
 from twofour.pruning import mask_24
 from twofour.runs import pyplot
 
@@ -30,11 +31,17 @@ def losses(run):
 
 def test_train_writes_its_outputs(tmp_path, corpus, capsys):
     out = tmp_path / "run"
-    assert main(["train", *SMALL, "--data", corpus, "--out", str(out)]) == 0
+    key = "dw-mvue:96x128x32:Brow:bfloat16:dense|sparse"  # a pinned choice is one the run made
+    ops.set_choice(key, "dense")
+    try:
+        assert main(["train", *SMALL, "--data", corpus, "--out", str(out)]) == 0
+    finally:
+        ops.clear_choices()
     for name in ("metrics.csv", "ckpt.pt", "summary.json", "curves.png", "config.json"):
         assert (out / name).exists(), name
     s = json.loads((out / "summary.json").read_text())
     assert s["steps"] == 8 and s["recipe"] == "s-ste" and s["final_val_loss"] > 0 and s["tokens"] == 8 * 4 * 32
+    assert s["gemm_choices"][key]["choice"] == "dense"
     assert "final train loss" in capsys.readouterr().out
     rows = losses(out)
     assert [r[0] for r in rows] == list(range(1, 9)) and rows[3][2] and rows[7][2]

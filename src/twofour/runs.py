@@ -26,6 +26,7 @@ import numpy as np
 import torch
 
 from .config import TrainConfig, TrainError, resumed_config, saved_options
+from .kernels import ops
 
 __all__ = ["CKPT", "METRICS", "FIELDS", "WEIGHTS", "MODEL_CONFIG", "prepare_run_dir", "save_checkpoint",
            "read_checkpoint", "load_checkpoint", "rng_state", "set_rng_state", "full_state_dicts", "load_state_dicts",
@@ -277,7 +278,9 @@ def _steady_throughput(rows: list[tuple[int, float]]) -> float:
 
 
 def write_summary(out: Path, cfg: TrainConfig) -> dict[str, Any]:
-    """summary.json (final losses, throughput, flip rates) and curves.png from the metrics."""
+    """summary.json (final losses, throughput, flip rates, and the GEMM dispatch's choices in this
+    process: which route each GEMM took, dW on MVUE's estimate or exact for one, and what each
+    measured) and curves.png from the metrics."""
     m = read_metrics(out)
     flips = [v for _, v in m["flip_rate"]]
     summary = {
@@ -290,6 +293,7 @@ def write_summary(out: Path, cfg: TrainConfig) -> dict[str, Any]:
         "mean_flip_rate": float(np.mean(flips)),
         "final_flip_rate": flips[-1],
         "wall_s": m["elapsed_s"][-1][1],
+        "gemm_choices": ops.choices(),
         "out_dir": str(out),
     }
     plot = plot_run(out, f"{cfg.model}, {cfg.recipe}")
