@@ -21,13 +21,12 @@
 3. ``fp8.scaled_mm(..., sparse_b=True)`` with the dispatch free (``gemm=auto``), without and with a
    bias: the route it picked, the times it measured, and the error of each route against the
    reference.
-4. dW with MVUE and e4m3 gradients: the dense route (the exact GEMM dY^T X: dY^T quantized in one
-   pass over dY, then ``_scaled_mm``) and the FP8 2:4 route on the estimate (``kernels/mvue_fp8.py``
-   writing the estimate compressed in e4m3, the FP8 2:4 GEMM, the scaling pass), each part
-   against its limit (copy bandwidth: the fused kernel reads dY once and writes the compressed
-   bytes, the scaling pass reads and writes dW; the GEMMs, and the dense route whole, against the
-   FP8 peaks), the routes
-   whole and the dispatch's choice.
+4. dW with MVUE and e4m3 gradients: the dense route (the exact GEMM dY^T X: the dX GEMM's e4m3
+   copy of dY transposed, then ``_scaled_mm``) and the FP8 2:4 route on the estimate
+   (``kernels/mvue_fp8.py`` writing the estimate compressed in e4m3, the FP8 2:4 GEMM, the
+   scaling pass), each part against its limit (copy bandwidth: the fused kernel reads dY once and
+   writes the compressed bytes, the scaling pass reads and writes dW; the GEMMs, and the dense
+   route whole, against the FP8 peaks), the routes whole and the dispatch's choice.
 """
 
 from __future__ import annotations
@@ -268,7 +267,7 @@ def dw_shape(t: int, k: int, n: int) -> tuple[dict[str, float], str]:
     x = torch.randn(t, k, device="cuda", dtype=BF)
     dy = torch.randn(t, n, device="cuda", dtype=BF)
     qxt, sxt = F8.quantize(x.t().contiguous(), F8.E4M3)
-    _, sd = F8.quantize(dy, F8.E4M3)
+    qd, sd = F8.quantize(dy, F8.E4M3)  # as the dX GEMM quantizes dY
     s2 = sd * SCALE_BOUND
     packed = mvue_e4m3(dy.t(), s2)
     out = ops.spmm(packed, qxt.t(), n, False, out_dtype=BF)
@@ -279,7 +278,7 @@ def dw_shape(t: int, k: int, n: int) -> tuple[dict[str, float], str]:
         return do_bench(fn, warmup=10, rep=60)
 
     def dw() -> torch.Tensor:
-        return F8._mvue_dw(dy, sd, qxt, sxt, BF)
+        return F8._mvue_dw(dy, qd, sd, qxt, sxt, BF)
 
     def route(mode: str) -> float:
         with settings.override(gemm=mode):

@@ -86,10 +86,10 @@ def test_fp8_mvue_weight_gradient_op_passes_opcheck():
     from twofour.fp8 import E4M3, quantize_t  # noqa: PLC0415
 
     dy = torch.randn(64, 48, dtype=torch.bfloat16)
-    _, sd, _ = quantize_t(dy, E4M3)
+    qd, sd, _ = quantize_t(dy, E4M3)
     _, sxt, qxt = quantize_t(torch.randn(64, 32, dtype=torch.bfloat16), E4M3, transposed=True)
-    for scale in (sd, None):
-        torch.library.opcheck(torch.ops.twofour.mvue_dw_e4m3.default, (dy, scale, qxt, sxt, torch.bfloat16),
+    for q, scale in ((qd, sd), (None, None)):
+        torch.library.opcheck(torch.ops.twofour.mvue_dw_e4m3.default, (dy, q, scale, qxt, sxt, torch.bfloat16),
                               test_utils=("test_faketensor", "test_aot_dispatch_dynamic"))
 
 

@@ -184,16 +184,21 @@ def test_fp8_linear_bf16_autocast_and_effective_weight(device):
     assert rel(y, F.linear(x, w_eff)) < 0.05
 
 
-@pytest.mark.parametrize("scaling", SCALING, ids=lambda s: s.name)
-def test_fp8_linear_forward_only(device, scaling):
-    """``grad_fmt=None``: the forward GEMM in FP8 as before, dX and dW the exact products of dY with
-    the unquantized W_eff and x."""
+def linear_case(device):
+    """x (64 x 48, requiring grad), a weight W (32 x 48), a bias, W_eff (W with about half its entries
+    zeroed) and dY (64 x 32): a linear's operands with seed 0."""
     torch.manual_seed(0)
     x = torch.randn(64, 48, device=device, requires_grad=True)
     w = torch.nn.Parameter(torch.randn(32, 48, device=device) / 7)
     b = torch.randn(32, device=device, requires_grad=True)
-    w_eff = w.detach() * (torch.rand_like(w) > 0.5)
-    dy = torch.randn(64, 32, device=device)
+    return x, w, b, w.detach() * (torch.rand_like(w) > 0.5), torch.randn(64, 32, device=device)
+
+
+@pytest.mark.parametrize("scaling", SCALING, ids=lambda s: s.name)
+def test_fp8_linear_forward_only(device, scaling):
+    """``grad_fmt=None``: the forward GEMM in FP8 as before, dX and dW the exact products of dY with
+    the unquantized W_eff and x."""
+    x, w, b, w_eff, dy = linear_case(device)
     y = fp8_linear(x, w, b, w_eff, scaling=scaling, grad_fmt=None)
     y.backward(dy)
     assert torch.equal(y, fp8_linear(x.detach(), w.detach(), b.detach(), w_eff, scaling=scaling))
@@ -212,12 +217,7 @@ def test_fp8_linear_forward_only(device, scaling):
 def test_fp8_linear_backward_only(device, scaling):
     """``fp8_forward=False``: the forward is the exact product in the compute dtype, and dX and dW are
     the FP8 backward's, the same as with the forward in FP8."""
-    torch.manual_seed(0)
-    x = torch.randn(64, 48, device=device, requires_grad=True)
-    w = torch.nn.Parameter(torch.randn(32, 48, device=device) / 7)
-    b = torch.randn(32, device=device, requires_grad=True)
-    w_eff = w.detach() * (torch.rand_like(w) > 0.5)
-    dy = torch.randn(64, 32, device=device)
+    x, w, b, w_eff, dy = linear_case(device)
     y = fp8_linear(x, w, b, w_eff, scaling=scaling, fp8_forward=False)
     y.backward(dy)
     assert rel(y, F.linear(x.detach(), w_eff, b.detach())) < 1e-6

@@ -350,25 +350,30 @@ def _mvue_dw_reference(dy2: torch.Tensor, qxt: torch.Tensor, sxt: torch.Tensor, 
     return scaled_mm(qet, set_, qxt, sxt, cdt)
 
 
-def _exact_dw(dy2: torch.Tensor, qxt: torch.Tensor, sxt: torch.Tensor, cdt: torch.dtype) -> torch.Tensor:
-    """dW = dY^T X exact, e4m3 and one scale: dY^T quantized in one pass over dY (its transposed
-    copy), then ``scaled_mm``."""
-    _, sdt, qdt = quantize_t(dy2, E4M3, TENSORWISE, transposed=True)
-    return scaled_mm(qdt, sdt, qxt, sxt, cdt)
+def _exact_dw(dy2: torch.Tensor, qd: torch.Tensor | None, sd: torch.Tensor | None, qxt: torch.Tensor,
+              sxt: torch.Tensor, cdt: torch.dtype) -> torch.Tensor:
+    """dW = dY^T X exact, e4m3 and one scale: ``scaled_mm`` on dY's e4m3 copy transposed (``qd``,
+    ``sd``: the dX GEMM's quantization of dY; where there was none, one pass over dY writes the
+    transposed copy)."""
+    if qd is None:
+        _, sd, qdt = quantize_t(dy2, E4M3, TENSORWISE, transposed=True)
+    else:
+        qdt = qd.t()  # scaled_mm makes it row-major: one copy of the FP8 bytes, no second quantization
+    return scaled_mm(qdt, sd, qxt, sxt, cdt)
 
 
-def _mvue_dw_timed(dy2: torch.Tensor, sd: torch.Tensor | None, qxt: torch.Tensor, sxt: torch.Tensor,
-                   cdt: torch.dtype) -> torch.Tensor:
+def _mvue_dw_timed(dy2: torch.Tensor, qd: torch.Tensor | None, sd: torch.Tensor | None, qxt: torch.Tensor,
+                   sxt: torch.Tensor, cdt: torch.dtype) -> torch.Tensor:
     """dW with e4m3 gradients and one scale, where :func:`_mvue_dw_fits` on a GPU
     :func:`_fp8_24_device`, by the faster of two routes, timed whole once per shape
-    (``ops.choices()`` key ``fp8-dw-mvue``): the exact dense GEMM dY^T X (:func:`_exact_dw`, its
-    quantization of dY^T included), or FP8 2:4 on the MVUE estimate, where one kernel writes the
+    (``ops.choices()`` key ``fp8-dw-mvue``): the exact dense GEMM dY^T X (:func:`_exact_dw`, making
+    dY^T included), or FP8 2:4 on the MVUE estimate, where one kernel writes the
     estimate compressed in e4m3 at the bound scale (:func:`mvue_e4m3`), the FP8 2:4 GEMM multiplies
     it by X (``qxt`` row-major is X column-major) and one pass applies the two scales. As in the
-    bf16 fast path, the estimate is drawn only where its 2:4 GEMM pays. ``sd``: dY's e4m3 scale
-    where the dX GEMM computed it, else None."""
+    bf16 fast path, the estimate is drawn only where its 2:4 GEMM pays. ``qd``, ``sd``: dY in e4m3
+    and its scale where the dX GEMM quantized it, else None."""
     def dense() -> torch.Tensor:
-        return _exact_dw(dy2, qxt, sxt, cdt)
+        return _exact_dw(dy2, qd, sd, qxt, sxt, cdt)
 
     n, t, k = dy2.shape[1], dy2.shape[0], qxt.shape[0]
     failed = ("dw", n, t, k, dy2.device.index, cdt)
@@ -391,13 +396,13 @@ def _mvue_dw_timed(dy2: torch.Tensor, sd: torch.Tensor | None, qxt: torch.Tensor
         return dense()
 
 
-def _mvue_dw_routes(dy2: torch.Tensor, sd: torch.Tensor | None, qxt: torch.Tensor, sxt: torch.Tensor,
-                    cdt: torch.dtype) -> torch.Tensor:
+def _mvue_dw_routes(dy2: torch.Tensor, qd: torch.Tensor | None, sd: torch.Tensor | None, qxt: torch.Tensor,
+                    sxt: torch.Tensor, cdt: torch.dtype) -> torch.Tensor:
     """For operands :func:`_mvue_dw_fits`: :func:`_mvue_dw_timed` on a GPU with FP8 2:4 GEMMs, else
     the exact dense GEMM."""
     if dy2.is_cuda and _fp8_24_device(dy2):
-        return _mvue_dw_timed(dy2, sd, qxt, sxt, cdt)
-    return _exact_dw(dy2, qxt, sxt, cdt)
+        return _mvue_dw_timed(dy2, qd, sd, qxt, sxt, cdt)
+    return _exact_dw(dy2, qd, sd, qxt, sxt, cdt)
 
 
 # one opaque node in a compiled backward, so that the routes are timed and taken at run time there too
@@ -405,16 +410,16 @@ _mvue_dw_op = torch.library.custom_op("twofour::mvue_dw_e4m3", _mvue_dw_routes, 
 
 
 @_mvue_dw_op.register_fake
-def _(dy2, sd, qxt, sxt, cdt):
+def _(dy2, qd, sd, qxt, sxt, cdt):
     return dy2.new_empty((dy2.shape[1], qxt.shape[0]), dtype=cdt)
 
 
-def _mvue_dw(dy2: torch.Tensor, sd: torch.Tensor | None, qxt: torch.Tensor, sxt: torch.Tensor,
-             cdt: torch.dtype) -> torch.Tensor:
+def _mvue_dw(dy2: torch.Tensor, qd: torch.Tensor | None, sd: torch.Tensor | None, qxt: torch.Tensor,
+             sxt: torch.Tensor, cdt: torch.dtype) -> torch.Tensor:
     """dW in ``cdt`` for operands :func:`_mvue_dw_fits`: :func:`_mvue_dw_routes` (under torch's
     tracers the custom op ``twofour::mvue_dw_e4m3``, which checks the device when it runs, so a
     compiled model, CUDA graphs included, takes the 2:4 route too)."""
-    return (_mvue_dw_op if torch.compiler.is_compiling() else _mvue_dw_routes)(dy2, sd, qxt, sxt, cdt)
+    return (_mvue_dw_op if torch.compiler.is_compiling() else _mvue_dw_routes)(dy2, qd, sd, qxt, sxt, cdt)
 
 
 class FP8LinearFn(torch.autograd.Function):
@@ -462,12 +467,15 @@ class FP8LinearFn(torch.autograd.Function):
         need_dx, need_dw = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
         if ctx.has_bias and ctx.needs_input_grad[2]:
             db = dy2.sum(0)
-        if gf is None:  # the backward GEMMs dense in the compute dtype: the estimate only in the reference
+        # MVUE's estimate: drawn by the plain-torch reference; on the GPU fast path only where its
+        # FP8 2:4 GEMM measures faster than the exact GEMM, else dW is exact (unbiased either way)
+        fast = dy2.is_cuda and settings.fast
+        est = need_dw and ctx.mvue and not fast
+        if gf is None:  # the backward GEMMs dense in the compute dtype (no 2:4 route for the estimate)
             x2, w_eff = ctx.saved_tensors
             if need_dx:
                 dx = (dy2 @ w_eff.to(cdt)).reshape(ctx.x_shape).to(ctx.x_dtype)
             if need_dw:
-                est = ctx.mvue and not (dy2.is_cuda and settings.fast)
                 dw = ((mvue_24_padded(dy2.t().contiguous()) if est else dy2.t()) @ x2.to(cdt)).to(ctx.w_dtype)
             return dx, dw, db, None, None, None, None, None, None, None, None
         if sc.rowwise:
@@ -478,11 +486,7 @@ class FP8LinearFn(torch.autograd.Function):
                 qxt, sxt = quantize(x2.t().contiguous(), E4M3, sc)
         else:
             qwt, swt, qxt, sxt = ctx.saved_tensors
-        # MVUE's estimate: drawn by the plain-torch reference; on the GPU fast path only where its
-        # FP8 2:4 GEMM measures faster than the exact GEMM, else dW is exact (unbiased either way)
-        fast = dy2.is_cuda and settings.fast
-        est = need_dw and ctx.mvue and not fast
-        routed = need_dw and ctx.mvue and fast and _mvue_dw_fits(dy2, qxt, gf, sc, cdt)  # quantizes dY^T itself
+        routed = need_dw and ctx.mvue and fast and _mvue_dw_fits(dy2, qxt, gf, sc, cdt)  # transposes dY's copy itself
         dy_t = need_dw and not est and not routed  # dY^T exact: from dY's quantization (tensorwise) or its own
         qd = sd = qdt = sdt = None
         if need_dx or (dy_t and not sc.rowwise):
@@ -495,7 +499,8 @@ class FP8LinearFn(torch.autograd.Function):
         elif need_dw:
             if sc.rowwise:
                 qdt, sdt = quantize(dy2.t().contiguous(), gf, sc)
-            dw = (_mvue_dw(dy2, sd, qxt, sxt, cdt) if routed else scaled_mm(qdt, sdt, qxt, sxt, cdt)).to(ctx.w_dtype)
+            dw = _mvue_dw(dy2, qd, sd, qxt, sxt, cdt) if routed else scaled_mm(qdt, sdt, qxt, sxt, cdt)
+            dw = dw.to(ctx.w_dtype)
         return dx, dw, db, None, None, None, None, None, None, None, None
 
 
