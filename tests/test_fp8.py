@@ -466,6 +466,27 @@ def test_triton_quantization_refuses_what_it_cannot_take():
         fp8cast.quantize(t.t(), E4M3)
 
 
+@pytest.mark.skipif(not fp8cast.HAS_TRITON, reason="needs triton")
+@pytest.mark.triton
+@pytest.mark.parametrize("fmt", FORMATS, ids=str)
+@pytest.mark.parametrize("shape", [(64, 96), (37, 100), (1, 33), (130, 5)], ids=str)  # partial tiles, thin
+def test_triton_transpose_is_the_transpose(device, fmt, shape):
+    """The FP8 transpose writes exactly q^T, row-major, with every byte pattern (NaN included)."""
+    bits = torch.randint(0, 256, shape, dtype=torch.uint8, generator=torch.Generator().manual_seed(sum(shape)))
+    q = bits.view(fmt).to(device)
+    got = fp8cast.transpose(q)
+    assert got.dtype == fmt and got.shape == shape[::-1] and got.is_contiguous()
+    assert torch.equal(got.cpu().view(torch.uint8), bits.t())
+
+
+def test_transpose_refuses_what_it_cannot_take():
+    """A strided, 1-D or wider-than-a-byte tensor: a one-line error."""
+    q = torch.zeros(8, 16, dtype=E4M3)
+    for bad in (q.t(), q[0], torch.zeros(8, 16)):
+        with pytest.raises(ValueError, match="contiguous 2-D tensor of 1-byte elements"):
+            fp8cast.transpose(bad)
+
+
 @pytest.mark.gpu
 def test_gpu_quantization_compiles_every_variant(caplog):
     """Every input dtype x format x scaling x transposed copy, at two shapes each, runs compiled

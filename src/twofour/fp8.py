@@ -353,12 +353,13 @@ def _mvue_dw_reference(dy2: torch.Tensor, qxt: torch.Tensor, sxt: torch.Tensor, 
 def _exact_dw(dy2: torch.Tensor, qd: torch.Tensor | None, sd: torch.Tensor | None, qxt: torch.Tensor,
               sxt: torch.Tensor, cdt: torch.dtype) -> torch.Tensor:
     """dW = dY^T X exact, e4m3 and one scale: ``scaled_mm`` on dY's e4m3 copy transposed (``qd``,
-    ``sd``: the dX GEMM's quantization of dY; where there was none, one pass over dY writes the
+    ``sd``: the dX GEMM's quantization of dY, transposed in one pass of
+    :func:`twofour.kernels.fp8cast.transpose`; where there was none, one pass over dY writes the
     transposed copy)."""
     if qd is None:
         _, sd, qdt = quantize_t(dy2, E4M3, TENSORWISE, transposed=True)
-    else:
-        qdt = qd.t()  # scaled_mm makes it row-major: one copy of the FP8 bytes, no second quantization
+    else:  # one copy of the FP8 bytes, no second quantization
+        qdt = fp8cast.transpose(qd) if ops.triton_ok(qd) else qd.t().contiguous()
     return scaled_mm(qdt, sd, qxt, sxt, cdt)
 
 

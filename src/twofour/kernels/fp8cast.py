@@ -30,7 +30,7 @@ from .compress import HAS_TRITON
 if HAS_TRITON:
     from .compress import _out
 
-__all__ = ["quantize", "supported", "rescale_"]
+__all__ = ["quantize", "supported", "rescale_", "transpose"]
 
 if HAS_TRITON:
     import triton
@@ -119,6 +119,20 @@ if HAS_TRITON:
             q = _to_grid(q, MBITS, EMIN)
             tl.store(q_ptr + rm[:, None] * N + rn[None, :], q.to(q_ptr.dtype.element_ty), mask=mask)
 
+
+    @triton.jit
+    def _transpose_kernel(x_ptr, y_ptr, M, N, BM: tl.constexpr, BN: tl.constexpr):
+        """y = x^T for one BM x BN tile of the row-major (M, N) x of bytes, y row-major (N, M):
+        the tile read along y's rows (as the cast kernel's transposed copy reads it) and stored
+        as read, with no transpose in registers; a 1-D grid over the tiles."""
+        tiles_n = tl.cdiv(N, BN)
+        pid_m = tl.program_id(0) // tiles_n
+        pid_n = tl.program_id(0) % tiles_n
+        rm = pid_m.to(tl.int64) * BM + tl.arange(0, BM)
+        rn = pid_n.to(tl.int64) * BN + tl.arange(0, BN)
+        mask = (rn[:, None] < N) & (rm[None, :] < M)
+        v = tl.load(x_ptr + rm[None, :] * N + rn[:, None], mask=mask, other=0)
+        tl.store(y_ptr + rn[:, None] * M + rm[None, :], v, mask=mask)
 
     @triton.jit
     def _rescale_kernel(y_ptr, sa_ptr, sb_ptr, bias_ptr, M, N, HAS_BIAS: tl.constexpr, OUT_BF16: tl.constexpr,
@@ -227,3 +241,25 @@ def rescale_(y: torch.Tensor, sa: torch.Tensor, sb: torch.Tensor, bias: torch.Te
         y.view(torch.int16) if bf16 else y, sa, sb, bias if bias is not None else sa, m, n, HAS_BIAS=bias is not None,
         OUT_BF16=bf16, BM=bm, BN=bn, num_warps=4, enable_fp_fusion=False)  # no FMA: torch rounds y*s, then +b
     return y
+
+
+#: Tile of :func:`transpose` on a GPU (BM, BN, warps), from ``benchmarks/fp8_transpose.py``.
+TRANSPOSE_TILE = (128, 128, 8)
+
+
+def transpose(q: torch.Tensor, tile: tuple[int, int, int] | None = None) -> torch.Tensor:
+    """``q^T`` row-major, for a contiguous 2-D tensor of 1-byte elements (FP8 from
+    :func:`quantize`): one Triton pass at about copy bandwidth on a GPU (torch's strided copy of
+    a 1-byte transpose runs near a tenth of it on an H100), plain torch elsewhere (the same bytes).
+    ``tile``: (BM, BN, warps), default :data:`TRANSPOSE_TILE`."""
+    if q.dim() != 2 or not q.is_contiguous() or q.element_size() != 1:
+        raise ValueError(f"transpose takes a contiguous 2-D tensor of 1-byte elements, got shape "
+                         f"{tuple(q.shape)}, strides {q.stride()}, {q.dtype}")
+    if not (HAS_TRITON and (q.is_cuda or os.environ.get("TRITON_INTERPRET") == "1")) or q.numel() == 0:
+        return q.t().contiguous()
+    m, n = q.shape
+    out = torch.empty((n, m), dtype=q.dtype, device=q.device)
+    bm, bn, warps = (tile or TRANSPOSE_TILE) if q.is_cuda else (16, 32, 4)
+    _transpose_kernel[(triton.cdiv(m, bm) * triton.cdiv(n, bn),)](q.view(torch.uint8), out.view(torch.uint8), m, n,
+                                                                  BM=bm, BN=bn, num_warps=warps)
+    return out
