@@ -247,7 +247,7 @@ def dw_timings(shapes) -> list[str]:
     ``fp8._mvue_dw`` runs them (forced), with each part's share of its limit, and the dispatch's
     own timing and choice."""
     copy_bw = copy_bandwidth() * 1e9
-    lines = ["| at 16384 tokens | " + " | ".join(DW) + " | 2:4 / dense route | dispatch (ms sparse / dense) |",
+    lines = ["| at 16384 tokens | " + " | ".join(DW) + " | dense route / 2:4 route | dispatch (ms sparse / dense) |",
              "|---" * (len(DW) + 3) + "|"]
     shares = ["| share of limit | " + " | ".join(DW[:4]) + " |", "|---" * 5 + "|"]
     for name, t, k, n in shapes:

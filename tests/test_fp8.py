@@ -469,12 +469,14 @@ def test_triton_quantization_refuses_what_it_cannot_take():
 @pytest.mark.skipif(not fp8cast.HAS_TRITON, reason="needs triton")
 @pytest.mark.triton
 @pytest.mark.parametrize("fmt", FORMATS, ids=str)
-@pytest.mark.parametrize("shape", [(64, 96), (37, 100), (1, 33), (130, 5)], ids=str)  # partial tiles, thin
-def test_triton_transpose_is_the_transpose(device, fmt, shape):
-    """The FP8 transpose writes exactly q^T, row-major, with every byte pattern (NaN included)."""
+@pytest.mark.parametrize("shape", [(64, 96), (37, 100), (1, 33), (130, 5), (300, 260)], ids=str)  # partial tiles
+@pytest.mark.parametrize("tile", [None, (64, 128, 4)], ids=["default-tile", "64x128"])
+def test_triton_transpose_is_the_transpose(device, fmt, shape, tile):
+    """The FP8 transpose writes exactly q^T, row-major, with every byte pattern (NaN included),
+    over several tiles along both axes and partial ones."""
     bits = torch.randint(0, 256, shape, dtype=torch.uint8, generator=torch.Generator().manual_seed(sum(shape)))
     q = bits.view(fmt).to(device)
-    got = fp8cast.transpose(q)
+    got = fp8cast.transpose(q, tile)
     assert got.dtype == fmt and got.shape == shape[::-1] and got.is_contiguous()
     assert torch.equal(got.cpu().view(torch.uint8), bits.t())
 
@@ -593,7 +595,8 @@ def test_gpu_fp8_mvue_dw_routes(shape, caplog):
     """e4m3 gradients, one scale, MVUE: dW through the FP8 2:4 route (the estimate written
     compressed in e4m3 at the bound scale, the FP8 2:4 GEMM, one scaling pass) is a noisy estimate
     of dY^T X whose average over draws converges; through the dense route it is exact (the FP8
-    product of dY^T and X, the same every call); the dispatch times both routes once."""
+    product of dY^T and X, the same every call, and for dY stored column-major); the dispatch times
+    both routes once."""
     if not _fp8_sparse_gpu():
         pytest.skip("needs an sm89+ GPU with the fast path")
     torch.manual_seed(0)
@@ -604,9 +607,9 @@ def test_gpu_fp8_mvue_dw_routes(shape, caplog):
     exact = dy.float().t() @ x.float()
     x_grad = {"with dX": x.clone().requires_grad_(), "without dX": x}  # dY's scale from dX's quantization or its own
 
-    def draw(xs=x_grad["with dX"]):
+    def draw(xs=x_grad["with dX"], g=dy):
         w.grad = None
-        fp8_linear(xs, w, None, mvue=True, grad_fmt=E4M3).backward(dy)
+        fp8_linear(xs, w, None, mvue=True, grad_fmt=E4M3).backward(g)
         return w.grad.float()
 
     for name, xs in x_grad.items():
@@ -617,7 +620,9 @@ def test_gpu_fp8_mvue_dw_routes(shape, caplog):
         assert torch.isfinite(grads).all() and one > 0.2 and mean < min(one / 4, 0.1), name
         with settings.override(gemm="dense"):
             grads = torch.stack([draw(xs) for _ in range(3)])
+            column_major = draw(xs, dy.t().contiguous().t())  # the same dY, stored column-major
         assert (grads == grads[0]).all() and rel(grads[0], exact) < 0.1, name
+        assert torch.equal(column_major, grads[0]), name
     if settings.gemm == "auto":
         for xs in x_grad.values():
             ops.clear_choices()

@@ -359,8 +359,25 @@ def _exact_dw(dy2: torch.Tensor, qd: torch.Tensor | None, sd: torch.Tensor | Non
     if qd is None:
         _, sd, qdt = quantize_t(dy2, E4M3, TENSORWISE, transposed=True)
     else:  # one copy of the FP8 bytes, no second quantization
-        qdt = fp8cast.transpose(qd) if ops.triton_ok(qd) else qd.t().contiguous()
+        qdt = _transposed(qd)
     return scaled_mm(qdt, sd, qxt, sxt, cdt)
+
+
+def _transposed(q: torch.Tensor) -> torch.Tensor:
+    """``q^T`` row-major: a view where ``q`` is column-major, else one pass of
+    :func:`twofour.kernels.fp8cast.transpose` on a GPU (torch's strided copy, about a tenth as
+    fast for 1-byte elements, where the kernel cannot run or once it failed: logged once)."""
+    if q.t().is_contiguous():
+        return q.t()
+    key = ("transpose", q.device.type, q.dtype)
+    if q.is_contiguous() and ops.triton_ok(q) and ("triton", key) not in _failed:
+        try:
+            return fp8cast.transpose(q)
+        except Exception as e:  # noqa: BLE001 - any compiler or launch failure: torch's copy answers
+            _failed.add(("triton", key))
+            log.warning("the FP8 transpose kernel failed for %s (%s: %s); torch's copy runs from now on", key,
+                        type(e).__name__, (str(e).splitlines() or [""])[0])
+    return q.t().contiguous()
 
 
 def _mvue_dw_timed(dy2: torch.Tensor, qd: torch.Tensor | None, sd: torch.Tensor | None, qxt: torch.Tensor,
