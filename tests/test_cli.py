@@ -17,7 +17,7 @@ from twofour import sparse_layers
 from twofour.cli import build_parser, main
 from twofour.kernels import ops
 from twofour.pruning import mask_24
-from twofour.runs import pyplot
+from twofour.runs import pyplot, source_digest
 
 SMALL = ["--model", "tiny", "--steps", "8", "--batch-size", "4", "--seq-len", "32", "--eval-interval", "4",
          "--eval-iters", "2", "--log-interval", "1", "--no-progress"]
@@ -42,6 +42,7 @@ def test_train_writes_its_outputs(tmp_path, corpus, capsys):
     s = json.loads((out / "summary.json").read_text())
     assert s["steps"] == 8 and s["recipe"] == "s-ste" and s["final_val_loss"] > 0 and s["tokens"] == 8 * 4 * 32
     assert s["gemm_choices"][key]["choice"] == "dense"
+    assert s["code"]["source"] == source_digest() and s["code"]["torch"] == torch.__version__
     assert "final train loss" in capsys.readouterr().out
     rows = losses(out)
     assert [r[0] for r in rows] == list(range(1, 9)) and rows[3][2] and rows[7][2]
@@ -575,3 +576,20 @@ def test_compare_fp8_pairs_with_dense_fp8(tmp_path, corpus):
     gap = val[sparse] - val[dense]
     assert f"| s-ste fp8=true fp8_grad_e4m3=true mvue=false | 1337 | {val[sparse]:.4f} | {gap:+.4f} |" \
         in (out / "compare.md").read_text()
+
+
+def test_source_digest_names_the_code(tmp_path):
+    """The digest a summary records changes with any source file's content or name, and only
+    with the .py files."""
+    pkg = tmp_path / "pkg"
+    (pkg / "sub").mkdir(parents=True)
+    (pkg / "a.py").write_text("x = 1\n")
+    (pkg / "sub" / "b.py").write_text("y = 2\n")
+    first = source_digest(pkg)
+    (pkg / "notes.txt").write_text("not code")
+    assert source_digest(pkg) == first and len(first) == 16
+    (pkg / "sub" / "b.py").write_text("y = 3\n")
+    assert source_digest(pkg) != first
+    (pkg / "sub" / "b.py").write_text("y = 2\n")
+    (pkg / "sub" / "b.py").rename(pkg / "sub" / "c.py")
+    assert source_digest(pkg) != first

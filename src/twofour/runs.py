@@ -4,7 +4,8 @@
 Public: :func:`prepare_run_dir`, :func:`save_checkpoint`, :func:`read_checkpoint`,
 :func:`load_checkpoint`, :func:`rng_state`, :func:`set_rng_state`, :func:`full_state_dicts`,
 :func:`load_state_dicts`, :class:`MetricsLog`, :func:`read_metrics`, :func:`read_config`,
-:func:`read_summary`, :func:`pyplot`, :func:`plot_run`, :func:`write_summary`.
+:func:`read_summary`, :func:`pyplot`, :func:`plot_run`, :func:`write_summary`,
+:func:`source_digest`.
 
 Checkpoints hold only tensors and plain Python data (RNG states included), so they load with
 ``torch.load(..., weights_only=True)``: a file that smuggles in any other object is refused.
@@ -14,6 +15,7 @@ from __future__ import annotations
 
 import contextlib
 import csv
+import hashlib
 import json
 import os
 import pickle
@@ -30,7 +32,8 @@ from .kernels import ops
 
 __all__ = ["CKPT", "METRICS", "FIELDS", "WEIGHTS", "MODEL_CONFIG", "prepare_run_dir", "save_checkpoint",
            "read_checkpoint", "load_checkpoint", "rng_state", "set_rng_state", "full_state_dicts", "load_state_dicts",
-           "MetricsLog", "read_metrics", "read_config", "read_summary", "pyplot", "plot_run", "write_summary"]
+           "MetricsLog", "read_metrics", "read_config", "read_summary", "pyplot", "plot_run", "write_summary",
+           "source_digest"]
 
 CKPT = "ckpt.pt"
 METRICS = "metrics.csv"
@@ -277,10 +280,28 @@ def _steady_throughput(rows: list[tuple[int, float]]) -> float:
     return float(np.median(steady or [v for _, v in rows]))
 
 
+def _version() -> str:
+    from . import __version__  # noqa: PLC0415 - the package imports this module
+
+    return __version__
+
+
+def source_digest(root: Path | None = None) -> str:
+    """The first 16 hex digits of a SHA-256 over the ``.py`` files under ``root`` (default: this
+    package), paths and contents in sorted order: which code a run ran, where no git checkout
+    travels with it (compare with ``source_digest(Path("src/twofour"))`` in a checkout)."""
+    root = Path(__file__).parent if root is None else Path(root)
+    h = hashlib.sha256()
+    for f in sorted(root.rglob("*.py")):
+        h.update(f.relative_to(root).as_posix().encode() + b"\0" + f.read_bytes() + b"\0")
+    return h.hexdigest()[:16]
+
+
 def write_summary(out: Path, cfg: TrainConfig) -> dict[str, Any]:
-    """summary.json (final losses, throughput, flip rates, and the GEMM dispatch's choices in this
+    """summary.json (final losses, throughput, flip rates, the GEMM dispatch's choices in this
     process: which route each GEMM took, dW on MVUE's estimate or exact for one, and what each
-    measured) and curves.png from the metrics."""
+    measured, and the code that ran: twofour's and torch's versions and :func:`source_digest`)
+    and curves.png from the metrics."""
     m = read_metrics(out)
     flips = [v for _, v in m["flip_rate"]]
     summary = {
@@ -294,6 +315,7 @@ def write_summary(out: Path, cfg: TrainConfig) -> dict[str, Any]:
         "final_flip_rate": flips[-1],
         "wall_s": m["elapsed_s"][-1][1],
         "gemm_choices": ops.choices(),
+        "code": {"twofour": _version(), "torch": torch.__version__, "source": source_digest()},
         "out_dir": str(out),
     }
     plot = plot_run(out, f"{cfg.model}, {cfg.recipe}")
