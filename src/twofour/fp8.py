@@ -125,16 +125,21 @@ def _variant(t: torch.Tensor, fmt: torch.dtype, rowwise: bool, transposed: bool)
 _failed: set[tuple] = set()  # (route, variant) whose kernels failed to compile or launch
 
 
-def _guarded(route: str, key: tuple, fn, *args) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
-    """``fn(*args)``; if it raises, this route is dropped for this variant (logged once) and plain
-    torch, which computes the same bytes, answers: a failing kernel never stops a training run."""
+def _why(e: BaseException) -> str:
+    """An exception in one line for a warning: its type and its message's first line."""
+    return f"{type(e).__name__}: {(str(e).splitlines() or [''])[0]}"
+
+
+def _guarded(route: str, what: str, key: tuple, fn, fallback, *args):
+    """``fn(*args)`` (``what``: the operation, for the log); if it raises, ``(route, key)`` joins
+    ``_failed`` (logged once) and ``fallback(*args)``, plain torch computing the same bytes,
+    answers: a failing kernel never stops a training run."""
     try:
         return fn(*args)
     except Exception as e:  # noqa: BLE001 - any compiler or launch failure
         _failed.add((route, key))
-        log.warning("%s FP8 quantization failed for %s (%s: %s); it is not used from now on", route, key,
-                    type(e).__name__, (str(e).splitlines() or [""])[0])
-        return _quantize(*args)
+        log.warning("%s FP8 %s failed for %s (%s); it is not used from now on", route, what, key, _why(e))
+        return fallback(*args)
 
 
 def quantize_t(t: torch.Tensor, fmt: torch.dtype = E4M3, scaling: Scaling = TENSORWISE, *,
@@ -156,9 +161,10 @@ def quantize_t(t: torch.Tensor, fmt: torch.dtype = E4M3, scaling: Scaling = TENS
     key = _variant(*args)
     routes = {}
     if ("triton", key) not in _failed and ops.triton_ok(t) and fp8cast.supported(t, rowwise, transposed):
-        routes["triton"] = lambda: _guarded("triton", key, fp8cast.quantize, *args)
+        routes["triton"] = lambda: _guarded("triton", "quantization", key, fp8cast.quantize, _quantize, *args)
     if ("compiled", key) not in _failed:
-        routes["compiled"] = lambda: _guarded("compiled", key, _compiled_quantize(key), *args)
+        routes["compiled"] = lambda: _guarded("compiled", "quantization", key, _compiled_quantize(key), _quantize,
+                                               *args)
     if not routes:
         return _quantize(*args)
     k = t.shape[-1] if t.dim() else 1
@@ -295,8 +301,8 @@ def _scaled_mm(qa: torch.Tensor, sa: torch.Tensor, qb: torch.Tensor, sb: torch.T
         return cands[choice]()
     except Exception as e:  # noqa: BLE001 - cuSPARSELt refused the operands: the dense GEMM answers
         _sparse_failed.add(failed)
-        log.warning("the FP8 2:4 GEMM failed for %s (%s: %s); it runs dense FP8 from now on", failed,
-                    type(e).__name__, (str(e).splitlines() or [""])[0])
+        log.warning("the FP8 2:4 GEMM failed for %s (%s); it runs dense FP8 from now on", failed,
+                    _why(e))
         return _dense_mm(qa, sa, qb, sb, out_dtype, bias)
 
 
@@ -371,12 +377,11 @@ def _transposed(q: torch.Tensor) -> torch.Tensor:
         return q.t()
     key = ("transpose", q.device.type, q.dtype)
     if q.is_contiguous() and ops.triton_ok(q) and ("triton", key) not in _failed:
-        try:
-            return fp8cast.transpose(q)
-        except Exception as e:  # noqa: BLE001 - any compiler or launch failure: torch's copy answers
-            _failed.add(("triton", key))
-            log.warning("the FP8 transpose kernel failed for %s (%s: %s); torch's copy runs from now on", key,
-                        type(e).__name__, (str(e).splitlines() or [""])[0])
+        return _guarded("triton", "transpose", key, fp8cast.transpose, _torch_transpose, q)
+    return _torch_transpose(q)
+
+
+def _torch_transpose(q: torch.Tensor) -> torch.Tensor:
     return q.t().contiguous()
 
 
@@ -409,8 +414,8 @@ def _mvue_dw_timed(dy2: torch.Tensor, qd: torch.Tensor | None, sd: torch.Tensor 
         return cands[ops.choose("fp8-dw-mvue", n, t, k, "col", E4M3, cands)]()
     except Exception as e:  # noqa: BLE001 - cuSPARSELt refused the operands: the dense route answers
         _sparse_failed.add(failed)
-        log.warning("the FP8 2:4 dW GEMM failed for %s (%s: %s); it runs dense FP8 from now on", failed,
-                    type(e).__name__, (str(e).splitlines() or [""])[0])
+        log.warning("the FP8 2:4 dW GEMM failed for %s (%s); it runs dense FP8 from now on", failed,
+                    _why(e))
         return dense()
 
 

@@ -199,8 +199,7 @@ def quantize(t: torch.Tensor, fmt: torch.dtype, rowwise: bool = False,
     float32 scale, or (rows, 1) with ``rowwise`` (see the module doc). ``t`` as :func:`supported`."""
     if not supported(t, rowwise, transposed):
         raise ValueError(f"fp8cast.quantize takes a contiguous float tensor (2-D for rowwise scales or a "
-                         f"transposed copy), got shape "
-                         f"{tuple(t.shape)}, strides {t.stride()}, {t.dtype}")
+                         f"transposed copy), got shape {tuple(t.shape)}, strides {t.stride()}, {t.dtype}")
     consts = _constants(fmt)
     n_cols = t.shape[-1] if t.dim() else 1
     m, n = t.numel() // n_cols, n_cols
