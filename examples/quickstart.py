@@ -9,7 +9,7 @@ from pathlib import Path
 import torch
 
 import twofour
-from twofour.model import FFN_PATTERNS, GPT
+from twofour.models import FFN_PATTERNS, GPT
 
 torch.manual_seed(0)
 # a few hundred kB of real text that every Python install has, read as bytes (vocabulary 256)

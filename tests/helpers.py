@@ -3,7 +3,7 @@
 import torch
 
 import twofour
-from twofour.model import GPT, Llama
+from twofour.models import GPT, Llama
 
 
 def tiny_gpt(seed=0, **overrides):

@@ -6,8 +6,8 @@ import pytest
 import torch
 from torch import nn
 
-from twofour import SparseLinear
 from twofour.activations import GELU_TANH, SWIGLU, linear_act
+from twofour.sparse import SparseLinear
 
 ACTS = {"gelu": GELU_TANH, "swiglu": SWIGLU}
 

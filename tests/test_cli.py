@@ -13,11 +13,11 @@ from pathlib import Path
 import pytest
 import torch
 
-from twofour import sparse_layers
 from twofour.cli import build_parser, main
+from twofour.functional import mask_24
 from twofour.kernels import ops
-from twofour.pruning import mask_24
-from twofour.runs import pyplot, source_digest
+from twofour.sparse import sparse_layers
+from twofour.training.runs import pyplot, source_digest
 
 SMALL = ["--model", "tiny", "--steps", "8", "--batch-size", "4", "--seq-len", "32", "--eval-interval", "4",
          "--eval-iters", "2", "--log-interval", "1", "--no-progress"]
@@ -80,8 +80,8 @@ def test_train_llama(tmp_path, corpus, recipe):
     """twofour train --model llama-tiny: finite losses; the checkpoint's FFN (fused gate|up and
     down) and attention linears are 2:4 wherever the recipe is in its sparse phase (every recipe
     trains a Llama in tests/test_training.py; s-ste runs in test_compare_llama)."""
-    from twofour.config import TrainConfig
-    from twofour.train import build_model
+    from twofour.training.config import TrainConfig
+    from twofour.training.loop import build_model
 
     out = tmp_path / recipe
     opts = ["--opt", "dense_finetune=0"] if recipe == "t-sr-ste" else []  # 3 steps: else it ends dense
@@ -104,7 +104,7 @@ def test_train_llama(tmp_path, corpus, recipe):
         assert main(["export", str(out)]) == 0
         from safetensors.torch import load_file
 
-        from twofour.packed import unpack_24
+        from twofour.kernels.layout import unpack_24
 
         w = load_file(str(out / "model.safetensors"))
         gate_up = unpack_24(w["h.0.mlp.gate_up.values"], w["h.0.mlp.gate_up.positions"], 128)
@@ -211,7 +211,7 @@ def test_export_and_generate(tmp_path, corpus, capsys):
     assert "8 layers 2:4" in printed.err and "0.5625x" in printed.err
     from safetensors.torch import load_file
 
-    from twofour.packed import unpack_24
+    from twofour.kernels.layout import unpack_24
 
     w = load_file(str(tmp_path / "exp" / "model.safetensors"))
     fc = unpack_24(w["h.0.mlp.fc.values"], w["h.0.mlp.fc.positions"], 128).float()
@@ -362,7 +362,7 @@ def test_resume_takes_the_runs_settings(tmp_path, corpus, capsys):
 def test_resume_without_compile_drops_the_saved_compile_mode():
     """A run saved with --compile --compile-mode M and resumed with --no-compile runs eager (its
     mode goes back to default) instead of failing; a mode given on resume is kept."""
-    from twofour.config import TrainConfig, resumed_config  # noqa: PLC0415
+    from twofour.training.config import TrainConfig, resumed_config  # noqa: PLC0415
 
     saved = TrainConfig(compile=True, compile_mode="reduce-overhead").to_dict()
     eager = resumed_config(saved, TrainConfig(compile=False), given={"compile"})
@@ -378,8 +378,9 @@ def test_fp8_configs_name_their_gradient_format(tmp_path):
     """An FP8 run's config names its dY format, so ``fp8=true`` with or without the default spelled
     out is one run; a config or summary saved without it (e5m2 was the default then) reads as e5m2,
     and a run resumed from it stays e5m2."""
-    from twofour.config import TrainConfig, TrainError, resumed_config  # noqa: PLC0415
-    from twofour.runs import read_config, read_summary  # noqa: PLC0415
+    from twofour.errors import TrainError  # noqa: PLC0415
+    from twofour.training.config import TrainConfig, resumed_config
+    from twofour.training.runs import read_config, read_summary  # noqa: PLC0415
 
     cfg = TrainConfig(recipe="s-ste", recipe_options={"fp8": True})
     assert cfg.recipe_options == {"fp8": True, "fp8_grad_e4m3": True} and cfg.recipe_object().fp8_grad_e4m3
@@ -475,7 +476,7 @@ def test_logged_flip_rate_is_the_windows_mean(tmp_path, corpus):
 
 
 def test_reschedule_applies_from_the_first_resumed_step(tmp_path, corpus):
-    from twofour.config import TrainConfig, lr_at
+    from twofour.training.config import TrainConfig, lr_at
 
     out = tmp_path / "run"
     assert main(["train", *SMALL, "--data", corpus, "--out", str(out), "--stop-at", "4", "--warmup", "2"]) == 0

@@ -6,8 +6,8 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from twofour import fastpath
-from twofour.pruners import HARD, SOFT, TRANSPOSABLE
+from twofour.sparse import fastpath
+from twofour.sparse.pruners import HARD, SOFT, TRANSPOSABLE
 
 
 def operands(pruner, n=64, k=96):
@@ -63,7 +63,7 @@ def test_custom_ops_pass_opcheck():
 def test_fp8_layer_compiles_whole(recipe):
     """An FP8 layer compiles into one graph (no break at its GEMMs) and, compiled, gives eager's
     output and gradients (s-ste without MVUE, whose draws differ between the two runs)."""
-    from twofour import SparseLinear  # noqa: PLC0415
+    from twofour.sparse import SparseLinear  # noqa: PLC0415
 
     torch.manual_seed(0)
     lin = SparseLinear(64, 96, recipe=recipe, fp8=True, **({"mvue": False} if recipe != "dense" else {}))
@@ -95,7 +95,10 @@ def test_fp8_mvue_weight_gradient_op_passes_opcheck():
 
 @pytest.mark.filterwarnings("ignore::DeprecationWarning")
 def test_fp8_scaled_mm_op_passes_opcheck():
-    from twofour.fp8 import E4M3, quantize  # noqa: PLC0415
+    from twofour.fp8 import (
+        E4M3,
+        quantize,  # noqa: PLC0415
+    )
 
     qa, sa = quantize(torch.randn(32, 64), E4M3)
     qb, sb = quantize(torch.randn(48, 64), E4M3)

@@ -11,7 +11,8 @@ import pytest
 import torch
 
 from twofour.cli import main
-from twofour.data import DataError, load_data, stdlib_files
+from twofour.errors import DataError
+from twofour.training.data import load_data, stdlib_files
 
 SMALL = ["train", "--steps", "3", "--batch-size", "2", "--seq-len", "16", "--eval-interval", "3", "--eval-iters", "1",
          "--no-progress"]
@@ -190,7 +191,7 @@ def test_local_hugging_face_dataset(tmp_path):
 
 
 def test_make_corpus_keeps_one_copy_of_each_source(tmp_path):
-    """benchmarks/make_corpus.py: every distinct UTF-8 .py file once (no file in both splits),
+    """scripts/make_corpus.py: every distinct UTF-8 .py file once (no file in both splits),
     empty and undecodable ones left out, and a size check that fails loudly."""
     a, b = tmp_path / "a", tmp_path / "b" / "pkg"
     b.mkdir(parents=True)
@@ -201,7 +202,7 @@ def test_make_corpus_keeps_one_copy_of_each_source(tmp_path):
     (b / "empty.py").write_text("  \n")
     (b / "latin1.py").write_bytes(b"s = '\xe9'\n")
     (b / "notes.txt").write_text("not python")
-    script = Path(__file__).parents[1] / "benchmarks" / "make_corpus.py"
+    script = Path(__file__).parents[1] / "scripts" / "make_corpus.py"
     out = tmp_path / "corpus"
     res = subprocess.run([sys.executable, str(script), str(out), "--roots", str(a), str(tmp_path / "b")],
                          capture_output=True, text=True)

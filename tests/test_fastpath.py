@@ -6,9 +6,11 @@ import pytest
 import torch
 from torch._dynamo.utils import counters
 
-from twofour import SparseLinear, settings, sparsify
+from twofour import dispatch
 from twofour.kernels import ops
-from twofour.model import MLP, GatedMLP, GPTConfig
+from twofour.models import GatedMLP
+from twofour.models.common import MLP, GPTConfig
+from twofour.sparse import SparseLinear, sparsify
 
 pytestmark = [pytest.mark.gpu]
 
@@ -24,7 +26,7 @@ def rel(a, b):
 
 
 def run(layer, x, g, fast):
-    with settings.override(fast=fast):
+    with dispatch.override(fast=fast):
         layer.weight.grad = None
         xx = x.detach().clone().requires_grad_()
         with torch.autocast("cuda", dtype=torch.bfloat16):
@@ -49,7 +51,7 @@ def test_fast_matches_reference(recipe, gemm, layout, transposed_output):
     if layout == "col":  # activations stored transposed, as a sparse fc1 may leave them
         x = x.reshape(-1, 256).t().contiguous().t().reshape(4, 256, 256)
     g = torch.randn(4, 256, 512, device="cuda", dtype=torch.bfloat16)
-    with settings.override(gemm=gemm):
+    with dispatch.override(gemm=gemm):
         yf, dxf, dwf = run(layer, x, g, True)
         yr, dxr, dwr = run(layer, x, g, False)
     assert rel(yf, yr) < 1e-2 and rel(dxf, dxr) < 1e-2 and rel(dwf, dwr) < 1e-2
@@ -70,7 +72,7 @@ def test_fast_mvue_is_unbiased(recipe):
     mean = torch.zeros_like(exact)
     errs = []
     for i in range(1, 257):
-        with settings.override(gemm="sparse"):
+        with dispatch.override(gemm="sparse"):
             mean += (run(layer, x, g, True)[2] - mean) / i
         if i in (16, 256):
             errs.append(rel(mean, exact))
@@ -84,7 +86,7 @@ def test_dense_dw_route_is_exact():
     layer = SparseLinear(128, 128, device="cuda", recipe="s-ste")
     x = torch.randn(256, 128, device="cuda")
     g = torch.randn(256, 128, device="cuda", dtype=torch.bfloat16)
-    with settings.override(gemm="dense"):
+    with dispatch.override(gemm="dense"):
         dw1, dw2 = run(layer, x, g, True)[2], run(layer, x, g, True)[2]
     assert torch.equal(dw1, dw2) and rel(dw1, g.float().t() @ x.bfloat16().float()) < 1e-2
 
@@ -121,7 +123,7 @@ def test_compile_runs_the_fast_path(recipe, monkeypatch):
     spmm, calls = ops.spmm, []
     monkeypatch.setattr(ops, "spmm", lambda *a: calls.append(1) or spmm(*a))
     f = torch.compile(layer, fullgraph=True)
-    with settings.override(gemm="sparse"):
+    with dispatch.override(gemm="sparse"):
         layer.weight.grad = None
         xx = x.clone().requires_grad_()
         with torch.autocast("cuda", dtype=torch.bfloat16):
@@ -201,7 +203,7 @@ def test_compile_reduce_overhead_trains_like_eager(recipe):
     opts = [torch.optim.SGD(m.parameters(), lr=0.05) for m, _ in runs]
     x = torch.randn(4, 64, 352, device="cuda")
     counters["inductor"].clear()
-    with settings.override(gemm="sparse"):
+    with dispatch.override(gemm="sparse"):
         for _ in range(4):
             outs = []
             for (m, fn), opt in zip(runs, opts):
@@ -220,7 +222,7 @@ def test_compile_reduce_overhead_trains_like_eager(recipe):
 @pytest.mark.parametrize("recipe", ["ste", "s-ste"])
 def test_advance_refreshes_mask_on_device(recipe):
     """advance() on the GPU (one fused kernel) gives the reference's mask and flip count."""
-    from twofour.pruning import mask_24
+    from twofour.functional import mask_24
 
     torch.manual_seed(0)
     layer = SparseLinear(256, 512, device="cuda", recipe=recipe)
@@ -275,7 +277,7 @@ def ffn(kind, mvue):
 def ffn_run(mlp, x, g, fast, fn=None):
     """One forward + backward of the FFN ``mlp`` (through ``fn``, e.g. its compiled twin) under bf16
     autocast: [y, dX, then every parameter's gradient in ``mlp.parameters()``' order]."""
-    with settings.override(fast=fast):
+    with dispatch.override(fast=fast):
         mlp.zero_grad(set_to_none=True)
         xx = x.clone().requires_grad_()
         with torch.autocast("cuda", dtype=torch.bfloat16):
@@ -294,7 +296,7 @@ def test_ffn_fused_activation_matches_reference(kind, gemm):
     x = torch.randn(4, 128, 256, device="cuda")
     g = torch.randn(4, 128, 256, device="cuda", dtype=torch.bfloat16)
     ops.clear_choices()
-    with settings.override(gemm=gemm):
+    with dispatch.override(gemm=gemm):
         ffn_run(mlp, x, g, True)  # measure the dispatch, then keep z column-major (z^T stored)
         for key in [k for k in ops.choices() if k.startswith("fwd") and ":1024x256x512:" in k]:
             ops.set_choice(key, "sparse_dr")
@@ -319,7 +321,7 @@ def test_ffn_fused_activation_mvue_is_unbiased(kind):
     g = torch.randn(2, 128, 256, device="cuda", dtype=torch.bfloat16)
     _, dx_ref, exact = ffn_run(ref_mlp, x, g, False)[:3]
     mean, errs = torch.zeros_like(exact, dtype=torch.float32), []
-    with settings.override(gemm="sparse"):  # the first sparse candidates: sparse_dr (z^T), sparse_fused
+    with dispatch.override(gemm="sparse"):  # the first sparse candidates: sparse_dr (z^T), sparse_fused
         for i in range(1, 257):
             _, dx, dw = ffn_run(mlp, x, g, True)[:3]
             mean += (dw.float() - mean) / i

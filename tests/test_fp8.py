@@ -7,7 +7,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from twofour import SparseLinear, settings
+from twofour import dispatch
 from twofour.fp8 import (
     E4M3,
     E5M2,
@@ -22,9 +22,10 @@ from twofour.fp8 import (
     quantize_t,
     scaled_mm,
 )
+from twofour.functional import mask_24, mvue_24_padded
 from twofour.kernels import fp8cast, ops
 from twofour.kernels.mvue_fp8 import mvue_e4m3
-from twofour.pruning import mask_24, mvue_24_padded
+from twofour.sparse import SparseLinear
 
 FORMATS = [E4M3, E5M2]
 SCALING = list(SCALINGS.values())
@@ -206,7 +207,7 @@ def test_fp8_linear_forward_only(device, scaling):
     assert torch.allclose(b.grad, dy.sum(0))
     x.grad = w.grad = None  # with MVUE, the reference: an unbiased 2:4 estimate of dY^T, then the exact product
     torch.manual_seed(1)
-    with settings.override(fast=False):
+    with dispatch.override(fast=False):
         fp8_linear(x, w, b, w_eff, scaling=scaling, grad_fmt=None, mvue=True).backward(dy)
     torch.manual_seed(1)
     assert rel(w.grad, mvue_24_padded(dy.t().contiguous()) @ x.detach()) < 1e-6
@@ -253,7 +254,7 @@ def test_fp8_linear_mvue_is_unbiased(device, dtype):
     dy = torch.randn(64, 16, device=device, dtype=dtype)
     exact = dy.float().t() @ x.float()
     grads = []
-    with settings.override(fast=False):
+    with dispatch.override(fast=False):
         for _ in range(64):
             w.grad = None
             FP8LinearFn.apply(x, w, None, w.detach(), True, TENSORWISE, dtype).backward(dy)
@@ -496,7 +497,7 @@ def test_gpu_quantization_compiles_every_variant(caplog):
     function for, and none falls back."""
     if not torch.cuda.is_available():
         pytest.skip("needs a CUDA GPU")
-    if settings.gemm != "auto":
+    if dispatch.gemm != "auto":
         pytest.skip("TWOFOUR_GEMM forces a route: the dispatch times nothing")
     ops.clear_choices()
     with caplog.at_level(logging.WARNING, logger="twofour"):
@@ -576,13 +577,13 @@ def test_gpu_fp8_sparse_forward_matches_reference(shape):
     b = torch.randn(n, device="cuda").to(torch.bfloat16)
     ref = dequantize(qx, sx) @ dequantize(qw, sw).t()
     for mode in ("sparse", "dense"):
-        with settings.override(gemm=mode):
+        with dispatch.override(gemm=mode):
             y = scaled_mm(qx, sx, qw, sw, torch.bfloat16, sparse_b=True)
             yb = scaled_mm(qx, sx, qw, sw, torch.bfloat16, sparse_b=True, bias=b)
         for got, want in ((y, ref), (yb, ref + b.float())):
             assert got.shape == (t, n) and got.is_contiguous() and got.dtype == torch.bfloat16
             assert rel(got, want) < 1e-2, mode
-    if settings.gemm == "auto":
+    if dispatch.gemm == "auto":
         ops.clear_choices()
         scaled_mm(qx, sx, qw, sw, torch.bfloat16, sparse_b=True)
         hit = [v for key, v in ops.choices().items() if key.startswith(f"fp8-fwd:{n}x{k}x{t}:")]
@@ -613,17 +614,17 @@ def test_gpu_fp8_mvue_dw_routes(shape, caplog):
         return w.grad.float()
 
     for name, xs in x_grad.items():
-        with settings.override(gemm="sparse"), caplog.at_level("WARNING", logger="twofour"):
+        with dispatch.override(gemm="sparse"), caplog.at_level("WARNING", logger="twofour"):
             grads = torch.stack([draw(xs) for _ in range(128)])
         assert "dW GEMM failed" not in caplog.text  # the forced 2:4 route ran, not its fallback
         one, mean = rel(grads[0], exact), rel(grads.mean(0), exact)
         assert torch.isfinite(grads).all() and one > 0.2 and mean < min(one / 4, 0.1), name
-        with settings.override(gemm="dense"):
+        with dispatch.override(gemm="dense"):
             grads = torch.stack([draw(xs) for _ in range(3)])
             column_major = draw(xs, dy.t().contiguous().t())  # the same dY, stored column-major
         assert (grads == grads[0]).all() and rel(grads[0], exact) < 0.1, name
         assert torch.equal(column_major, grads[0]), name
-    if settings.gemm == "auto":
+    if dispatch.gemm == "auto":
         for xs in x_grad.values():
             ops.clear_choices()
             draw(xs)
@@ -668,7 +669,7 @@ def test_gpu_fp8_mvue_dw_routes_run_compiled(mode, caplog, monkeypatch):
             ops.clear_choices()
             calls.clear()
             f = torch.compile(lambda a: fp8_linear(a, w, None, mvue=True, grad_fmt=E4M3), mode=mode, fullgraph=True)
-            with settings.override(gemm=forced), caplog.at_level("WARNING", logger="twofour"):
+            with dispatch.override(gemm=forced), caplog.at_level("WARNING", logger="twofour"):
                 grads = torch.stack([draw(f, xs) for _ in range(128 if forced == "sparse" else 3)])
             assert "dW GEMM failed" not in caplog.text and calls, (forced, xs.requires_grad)
             if forced == "sparse":
@@ -691,7 +692,7 @@ def test_gpu_fp8_sparse_layer_compiles_and_matches_dense_route():
     out = {}
     with torch.autocast("cuda", dtype=torch.bfloat16):
         for mode in ("sparse", "dense"):
-            with settings.override(gemm=mode):
+            with dispatch.override(gemm=mode):
                 out[mode] = lin(x)
                 out[mode + "-compiled"] = torch.compile(lin, fullgraph=True)(x)
     for name, y in out.items():

@@ -6,7 +6,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from twofour.gated import interleave_gate_up, split_gate_up, swiglu, swiglu_backward_reference, swiglu_reference
+from twofour.activations import interleave_gate_up, split_gate_up, swiglu, swiglu_backward_reference, swiglu_reference
 from twofour.kernels import compress as ck
 from twofour.kernels.swiglu import swiglu_backward, swiglu_forward
 

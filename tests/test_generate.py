@@ -6,8 +6,8 @@ import pytest
 import torch
 
 import twofour
-from twofour.model import FFN_PATTERNS
-from twofour.sampling import BYTES, CharCodec, IdCodec, codec_from_dict, sample_next
+from twofour.inference.sampling import BYTES, CharCodec, IdCodec, codec_from_dict, sample_next
+from twofour.models import FFN_PATTERNS
 
 from .helpers import tiny_gpt, tiny_llama
 

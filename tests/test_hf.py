@@ -4,7 +4,7 @@ import pytest
 import torch
 
 import twofour
-from twofour.model import ATTN_PATTERNS, FFN_PATTERNS
+from twofour.models import ATTN_PATTERNS, FFN_PATTERNS
 
 transformers = pytest.importorskip("transformers")
 
@@ -69,7 +69,7 @@ def test_llama_ffn_sparsified_trained_saved_and_loaded(tmp_path):
     """gate/up/down (twofour's FFN patterns) become 2:4, train, and survive save_pretrained and
     from_pretrained: with load_recipe_state the loaded model has the saved beta, masks and step
     counters and computes the same function (recomputed ones would not)."""
-    from twofour.hf import load_recipe_state
+    from twofour.training.hf import load_recipe_state
 
     cfg = _tiny_llama_config()
     torch.manual_seed(0)

@@ -1,4 +1,4 @@
-"""twofour.hf.TwoFourCallback: a sparsified transformers model trained with Trainer (CPU, tiny config)."""
+"""twofour.training.hf.TwoFourCallback: a sparsified transformers model trained with Trainer (CPU, tiny config)."""
 
 import importlib
 import math
@@ -12,7 +12,7 @@ import twofour
 transformers = pytest.importorskip("transformers")
 pytest.importorskip("accelerate")  # Trainer's own dependency
 
-from twofour.hf import TwoFourCallback  # noqa: E402
+from twofour.training.hf import TwoFourCallback  # noqa: E402
 
 VOCAB, SEQ = 64, 16
 
@@ -90,9 +90,9 @@ def test_warns_when_the_model_was_not_sparsified(tmp_path):
 
 def test_clear_import_error_without_transformers(monkeypatch):
     monkeypatch.setitem(sys.modules, "transformers", None)  # as if not installed
-    monkeypatch.delitem(sys.modules, "twofour.hf")
+    monkeypatch.delitem(sys.modules, "twofour.training.hf")
     with pytest.raises(ImportError, match=r"pip install 'twofour\[hf\]'"):
-        importlib.import_module("twofour.hf")
+        importlib.import_module("twofour.training.hf")
 
 
 class _Recorder(transformers.TrainerCallback):

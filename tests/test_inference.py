@@ -10,10 +10,10 @@ from torch import nn
 from torch.nn import functional as F
 
 import twofour
-from twofour.config import TrainError
+from twofour.errors import TrainError
 from twofour.inference import SparseInferenceLinear, load_for_inference, save_inference
-from twofour.model import FFN_PATTERNS
-from twofour.packed import pack_24
+from twofour.inference.packed import pack_24
+from twofour.models import FFN_PATTERNS
 
 from .helpers import batches, make_optimizer, tiny_gpt, tiny_llama
 
@@ -212,7 +212,7 @@ def test_dense_layout_state_dict_round_trip():
     """to_inference's default keeps nn.Linear's state-dict layout; loading a weight that isn't
     2:4 fails by name."""
     w = torch.randn(32, 64)
-    w = w * twofour.pruning.mask_24(w)
+    w = w * twofour.functional.mask_24(w)
     layer = SparseInferenceLinear.from_weight(w, torch.zeros(32), packed_state=False)
     sd = layer.state_dict()
     assert set(sd) == {"weight", "bias"} and torch.equal(sd["weight"], w)
@@ -251,7 +251,7 @@ def _gpu_fast():
 def test_gpu_kernels_match_the_dense_product(tokens):
     _gpu_fast()
     w = torch.randn(256, 512, device="cuda")
-    w = (w * twofour.pruning.mask_24(w)).bfloat16()
+    w = (w * twofour.functional.mask_24(w)).bfloat16()
     b = torch.randn(256, device="cuda").bfloat16()
     layer = SparseInferenceLinear.from_weight(w, b).cuda()
     layer.prepare()

@@ -4,10 +4,7 @@ the CPU, the real kernel on the GPU), and byte for byte against cuSPARSELt where
 import pytest
 import torch
 
-from twofour.kernels import compress as ck
-from twofour.kernels import ops
-from twofour.kernels.layout import compress_reference, decompress_reference
-from twofour.pruning import (
+from twofour.functional import (
     _fixed_scale,
     _mvue_24,
     _soft_threshold_24,
@@ -15,6 +12,9 @@ from twofour.pruning import (
     mvue_inclusion_probability,
     transposable_mask_24,
 )
+from twofour.kernels import compress as ck
+from twofour.kernels import ops
+from twofour.kernels.layout import compress_reference, decompress_reference
 
 pytestmark = [pytest.mark.skipif(not ck.HAS_TRITON, reason="needs triton"), pytest.mark.triton]
 SHAPES = [(64, 64), (100, 96), (128, 256), (32, 160)]
@@ -219,7 +219,7 @@ def test_dense_only_output_skips_the_compressed_layout(device):
 @pytest.mark.parametrize("pruner", ["hard", "soft", "transposable"])
 def test_pruner_compress_dense_only(pruner, device):
     """``sparse=False``: the same dense effective weight, and no 2:4 operand written."""
-    from twofour.pruners import PRUNERS
+    from twofour.sparse.pruners import PRUNERS
 
     p = PRUNERS[pruner]
     w = torch.randn(64, 96, device=device)
@@ -272,7 +272,7 @@ E4M3 = torch.float8_e4m3fn
 
 def test_e4m3_matches_bytes_written_by_cusparselt(device):
     """The e4m3 compression writes, byte for byte, what cuSPARSELt wrote for these matrices on an
-    H100 (benchmarks/probe_layout_fp8.py; padding rows included)."""
+    H100 (benchmarks/gemm/probe_layout_fp8.py; padding rows included)."""
     from pathlib import Path
 
     for rec in torch.load(Path(__file__).parent / "data" / "cusparselt_compressed_e4m3_h100.pt"):

@@ -6,8 +6,8 @@ import torch.nn.functional as F
 from torch import nn
 
 import twofour
-from twofour import SparseLinear, make_recipe
-from twofour.pruning import fixed_scale, mask_24, soft_threshold_24, transposable_mask_24
+from twofour.functional import fixed_scale, mask_24, soft_threshold_24, transposable_mask_24
+from twofour.sparse import SparseLinear, make_recipe
 
 SPARSE = ["ste", "sr-ste", "s-ste", "t-sr-ste"]
 

@@ -5,14 +5,14 @@ from pathlib import Path
 import pytest
 import torch
 
+from twofour.functional import mask_24
 from twofour.kernels.layout import compress_reference, compressed_size, decompress_reference
-from twofour.pruning import mask_24
 
 DUMP = Path(__file__).parent / "data" / "cusparselt_compressed_h200.pt"
 
 
 def test_matches_bytes_written_by_cusparselt():
-    """benchmarks/probe_layout.py compressed these on the GPU; every byte must agree."""
+    """benchmarks/gemm/probe_layout.py compressed these on the GPU; every byte must agree."""
     for rec in torch.load(DUMP):
         m, k = rec["m"], rec["k"]
         assert compressed_size(m, k) == rec["size"]
@@ -41,7 +41,7 @@ DUMP_E4M3 = Path(__file__).parent / "data" / "cusparselt_compressed_e4m3_h100.pt
 
 
 def test_e4m3_matches_bytes_written_by_cusparselt():
-    """benchmarks/probe_layout_fp8.py compressed these e4m3 matrices (random non-zero bytes kept)
+    """benchmarks/gemm/probe_layout_fp8.py compressed these e4m3 matrices (random non-zero bytes kept)
     on the GPU, padding rows included; every byte must agree, and decompressing gives them back."""
     for rec in torch.load(DUMP_E4M3):
         m, k = rec["m"], rec["k"]

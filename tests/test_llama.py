@@ -5,8 +5,8 @@ gate|up weight interleaves gate and up rows)."""
 import pytest
 import torch
 
-from twofour.gated import split_gate_up
-from twofour.model import GPT, PRESETS, Llama, LlamaConfig
+from twofour.activations import split_gate_up
+from twofour.models import GPT, PRESETS, Llama, LlamaConfig
 
 from .helpers import tiny_llama
 

@@ -4,10 +4,10 @@ the real kernel on the GPU)."""
 import pytest
 import torch
 
+from twofour.functional import _mvue_24
 from twofour.kernels import compress as ck
 from twofour.kernels.layout import decompress_reference
 from twofour.kernels.mvue_fp8 import SCALE_BOUND, mvue_e4m3
-from twofour.pruning import _mvue_24
 
 pytestmark = [pytest.mark.skipif(not ck.HAS_TRITON, reason="needs triton"), pytest.mark.triton]
 E4M3 = torch.float8_e4m3fn

@@ -4,10 +4,17 @@ plain torch (the kernel under Triton's interpreter on the CPU)."""
 import pytest
 import torch
 
+from twofour.functional import mask_24, soft_threshold_24, transposable_mask_24
+from twofour.inference.packed import check_positions, pack_24
 from twofour.kernels.gemv24 import HAS_TRITON, MAX_TOKENS, gemv24, reference
-from twofour.kernels.layout import compress_codes, compress_reference, decompress_reference
-from twofour.packed import check_positions, pack_24, position_codes, positions_width, unpack_24
-from twofour.pruning import mask_24, soft_threshold_24, transposable_mask_24
+from twofour.kernels.layout import (
+    compress_codes,
+    compress_reference,
+    decompress_reference,
+    position_codes,
+    positions_width,
+    unpack_24,
+)
 
 
 def random_24(shape, kind="hard", dtype=torch.float32, seed=0):

@@ -5,7 +5,7 @@ import itertools
 import pytest
 import torch
 
-from twofour.pruning import (
+from twofour.functional import (
     fixed_scale,
     hard_threshold_24,
     mask_24,

@@ -2,9 +2,8 @@ import dataclasses
 
 import pytest
 
-from twofour import RECIPES, Recipe, make_recipe
-from twofour.pruners import HARD, SOFT, TRANSPOSABLE
-from twofour.recipes import recipe_options
+from twofour.sparse.pruners import HARD, SOFT, TRANSPOSABLE
+from twofour.sparse.recipes import RECIPES, Recipe, make_recipe, recipe_options
 
 
 def test_names_and_defaults():

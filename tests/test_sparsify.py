@@ -3,8 +3,8 @@ import torch
 from torch import nn
 
 import twofour
-from twofour import SparseLinear, sparsify
-from twofour.model import FFN_IN_PATTERNS, FFN_PATTERNS
+from twofour.models import FFN_IN_PATTERNS, FFN_PATTERNS
+from twofour.sparse import SparseLinear, sparsify
 
 from .helpers import tiny_gpt
 

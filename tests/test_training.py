@@ -6,7 +6,7 @@ import pytest
 import torch
 
 import twofour
-from twofour import flip_rate, sparsify
+from twofour.sparse import flip_rate, sparsify
 
 from .helpers import batches, make_optimizer, tiny_gpt, tiny_llama
 
@@ -54,7 +54,7 @@ def test_recipe_lowers_the_loss(recipe, device):
 def test_llama_trains_with_every_recipe(recipe):
     """The Llama-style model (RMSNorm, rotary positions, SwiGLU FFN with one fused gate|up
     linear) learns with every recipe on its FFN and attention linears, which end up 2:4."""
-    from twofour.model import ATTN_PATTERNS, FFN_IN_PATTERNS, FFN_PATTERNS
+    from twofour.models import ATTN_PATTERNS, FFN_IN_PATTERNS, FFN_PATTERNS
 
     opts = {"dense_finetune": 0.0} if recipe == "t-sr-ste" else {}  # end in the sparse phase
     model, _, losses, _ = train(recipe, steps=40, make=tiny_llama, include=FFN_PATTERNS + ATTN_PATTERNS,
@@ -78,7 +78,7 @@ def test_gpu_llama_trains_with_every_recipe_on_the_fast_path(recipe):
     the Llama-style model learns with every recipe on the GPU's kernels."""
     if not torch.cuda.is_available():
         pytest.skip("needs a CUDA GPU")
-    from twofour.model import FFN_IN_PATTERNS, FFN_PATTERNS
+    from twofour.models import FFN_IN_PATTERNS, FFN_PATTERNS
 
     opts = {"dense_finetune": 0.0} if recipe == "t-sr-ste" else {}
     model, _, losses, _ = train(recipe, steps=40, device="cuda", bf16=True,
@@ -175,8 +175,9 @@ def test_step_switch_does_not_depend_on_the_loss_scale(scale):
 
 
 def test_config_turns_the_recipe_name_into_a_recipe_once():
-    from twofour.config import TrainConfig, TrainError
-    from twofour.train import build_model
+    from twofour.errors import TrainError
+    from twofour.training.config import TrainConfig
+    from twofour.training.loop import build_model
 
     rec = TrainConfig(recipe="t-sr-ste", steps=50).recipe_object()
     assert isinstance(rec, twofour.Recipe) and rec.total_steps == 50  # filled from steps
@@ -192,7 +193,7 @@ def test_config_turns_the_recipe_name_into_a_recipe_once():
 
 
 def test_authors_regime_settings():
-    from twofour.config import TrainConfig, lr_at
+    from twofour.training.config import TrainConfig, lr_at
 
     ours = TrainConfig(model="gpt2-124m", steps=600)
     authors = TrainConfig(model="gpt2-124m", steps=600, regime="authors")
@@ -221,9 +222,9 @@ def test_validation_windows_do_not_depend_on_the_seed():
 
     import numpy as np
 
-    from twofour.config import TrainConfig
-    from twofour.data import TokenData
-    from twofour.train import evaluate, val_windows
+    from twofour.training.config import TrainConfig
+    from twofour.training.data import TokenData
+    from twofour.training.loop import evaluate, val_windows
 
     rng = np.random.default_rng(0)
     data = TokenData(rng.integers(0, 64, 5000).astype(np.uint16), rng.integers(0, 64, 3000).astype(np.uint16),
@@ -240,18 +241,19 @@ def test_validation_windows_do_not_depend_on_the_seed():
 def test_a_sparse_gpu_run_without_the_fast_path_is_warned_about(monkeypatch):
     """A sparse recipe on a GPU without the fast path's bindings gets a message (it runs the slower
     reference math); none for dense, the CPU, a fast path present, or one turned off on purpose."""
-    from twofour import make_recipe, settings  # noqa: PLC0415
+    from twofour import dispatch  # noqa: PLC0415
     from twofour.kernels import ops  # noqa: PLC0415
-    from twofour.train import slow_path_warning  # noqa: PLC0415
+    from twofour.sparse import make_recipe
+    from twofour.training.loop import slow_path_warning  # noqa: PLC0415
 
     cuda, sste = torch.device("cuda"), make_recipe("s-ste")
     monkeypatch.setattr(ops, "fast_available", lambda: False)
-    with settings.override(fast=True):
+    with dispatch.override(fast=True):
         assert "pip install 'twofour[gpu]'" in slow_path_warning(cuda, sste)
         assert slow_path_warning(cuda, make_recipe("dense")) is None
         assert slow_path_warning(torch.device("cpu"), sste) is None
-    with settings.override(fast=False):
+    with dispatch.override(fast=False):
         assert slow_path_warning(cuda, sste) is None
     monkeypatch.setattr(ops, "fast_available", lambda: True)
-    with settings.override(fast=True):
+    with dispatch.override(fast=True):
         assert slow_path_warning(cuda, sste) is None

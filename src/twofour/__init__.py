@@ -5,22 +5,39 @@
     twofour.attach(model, optimizer)               # masks advance once per optimizer step
     twofour.flip_rate(model)["total"]              # monitor mask changes
     model = twofour.load_for_inference("runs/train")   # after `twofour export runs/train`
+
+The package by job: :mod:`twofour.kernels` (Triton and cuSPARSELt), :mod:`twofour.sparse` (the
+recipes and the layer), :mod:`twofour.fp8` (FP8 GEMMs), :mod:`twofour.models` (GPT and Llama),
+:mod:`twofour.inference` and :mod:`twofour.training`; :mod:`twofour.dispatch` holds the
+process-wide switches and measured choices. This module is the public API only.
 """
 
-from . import pruners, pruning, settings
-from .inference import SparseInferenceLinear, load_for_inference, sparsify_for_inference, to_inference  # noqa: I001
-from .layer import SparseLinear
-from .optim import STEPAdamW
-from .recipes import DEFAULT_RECIPE, RECIPES, Recipe, make_recipe
-from .sampling import generate
-from .sparsify import DEFAULT_EXCLUDE, add_masked_decay, advance, attach, flip_rate, sparse_layers, sparsify
-
-__version__ = "0.1.0"
+from . import dispatch, functional
+from .errors import DataError, FormatError, TrainError, TwofourError
+from .inference import SparseInferenceLinear, load_for_inference, sparsify_for_inference, to_inference
+from .inference.sampling import generate
+from .sparse import (
+    DEFAULT_EXCLUDE,
+    DEFAULT_RECIPE,
+    RECIPES,
+    Recipe,
+    SparseLinear,
+    STEPAdamW,
+    add_masked_decay,
+    advance,
+    attach,
+    flip_rate,
+    make_recipe,
+    pruners,
+    sparse_layers,
+    sparsify,
+)
+from .version import __version__
 
 __all__ = [
-    "pruning",
+    "dispatch",
+    "functional",
     "pruners",
-    "settings",
     "SparseLinear",
     "STEPAdamW",
     "Recipe",
@@ -39,5 +56,9 @@ __all__ = [
     "sparsify_for_inference",
     "load_for_inference",
     "generate",
+    "TwofourError",
+    "TrainError",
+    "DataError",
+    "FormatError",
     "__version__",
 ]

@@ -24,13 +24,14 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from . import SparseLinear, __version__
 from .activations import GELU_TANH, SWIGLU, Activation, linear_act
-from .config import CUDA_GRAPH_MODES
+from .functional import transposable_mask_24
 from .kernels import cusparselt, ops
-from .pruning import transposable_mask_24
-from .recipes import Recipe, make_recipe
-from .runs import CKPT, read_summary
+from .sparse.layer import SparseLinear
+from .sparse.recipes import Recipe, make_recipe
+from .training.config import CUDA_GRAPH_MODES
+from .training.runs import CKPT, read_summary
+from .version import __version__
 
 __all__ = ["run_bench", "fwd_bwd_step", "preset_train_step", "train_step_ms", "train_throughput", "throughput_table",
            "copy_bandwidth"]
@@ -179,11 +180,11 @@ def _ffn(t: int, d: int, h: int, quick: bool, recipe: Recipe) -> float:
 
 
 def _swiglu_ffn(t: int, d: int, h: int, quick: bool, recipe: Recipe) -> tuple[float, float]:
-    """Llama's FFN block (:class:`twofour.model.GatedMLP`: gate|up -> fused SwiGLU -> down),
+    """Llama's FFN block (:class:`twofour.models.GatedMLP`: gate|up -> fused SwiGLU -> down),
     dense and with ``recipe`` on both linears in the layout plan (gate|up may leave z^T, which
     the activation and down read in place): (dense ms, dense time / sparse time)."""
-    from .model import GatedMLP  # noqa: PLC0415
-    from .sparsify import sparsify  # noqa: PLC0415
+    from .models.llama import GatedMLP  # noqa: PLC0415
+    from .sparse.convert import sparsify  # noqa: PLC0415
 
     x = torch.randn(t, d, device="cuda", requires_grad=True)
     g = torch.randn(t, d, device="cuda", dtype=torch.bfloat16)
@@ -240,8 +241,9 @@ def preset_train_step(preset: str, batch: int, recipe: Recipe, *, transposed_out
     ``transposed_output``), fused AdamW and, with ``advance``, ``attach()``; returns the model and
     a function that runs one training step on a fixed random batch, through ``torch.compile(model)``
     with ``compile`` (as ``twofour train --compile`` runs it; a string is torch.compile's ``mode``)."""
-    from .model import FFN_IN_PATTERNS, FFN_PATTERNS, PRESETS  # noqa: PLC0415
-    from .sparsify import attach, sparsify  # noqa: PLC0415
+    from .models.common import FFN_IN_PATTERNS, FFN_PATTERNS
+    from .models.presets import PRESETS  # noqa: PLC0415
+    from .sparse.convert import attach, sparsify  # noqa: PLC0415
 
     torch.manual_seed(0)
     with torch.device("cuda"):  # initialized on the GPU: a 1B model's init on the CPU takes a while
@@ -460,7 +462,7 @@ def run_bench(args: argparse.Namespace) -> str:
         s_ste, t_sr = _ffn(t, d, h, quick, S_STE), _ffn(t, d, h, quick, T_SR_STE)
         lines.append(f"| {name} | {t} | {s_ste:.2f}x | {t_sr:.2f}x |")
         print(lines[-1], flush=True)
-    from .model import PRESETS  # noqa: PLC0415
+    from .models.presets import PRESETS  # noqa: PLC0415
 
     lines += ["", "### SwiGLU FFN block (gate|up -> fused SwiGLU -> down, no biases), forward + backward", "",
               "Llama's FFN: gate and up as one linear with interleaved rows (its output may stay z^T), the fused "

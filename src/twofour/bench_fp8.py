@@ -29,10 +29,10 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from . import __version__
 from . import fp8 as F8
 from .kernels import fp8cast
-from .recipes import make_recipe
+from .sparse.recipes import make_recipe
+from .version import __version__
 
 __all__ = ["fp8_bench", "run_fp8_bench"]
 
@@ -144,7 +144,7 @@ def _kernel_rows(t: int, k: int, n: int, bw: float, rows: _Rows) -> None:
 def _layer_rows(t: int, k: int, n: int, rows: _Rows) -> None:
     """One layer's forward + backward: nn.Linear and s-ste in bf16, dense and s-ste in FP8."""
     from .bench import fwd_bwd_step  # noqa: PLC0415
-    from .layer import SparseLinear  # noqa: PLC0415
+    from .sparse.layer import SparseLinear  # noqa: PLC0415
 
     xg = torch.randn(t, k, device="cuda", requires_grad=True)
     g = torch.randn(t, n, device="cuda", dtype=BF)

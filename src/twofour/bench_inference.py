@@ -25,11 +25,13 @@ import torch
 from torch import nn
 from torch.nn import functional as F
 
-from . import __version__
-from .inference import SparseInferenceLinear, load_for_inference, save_inference
+from .inference.format import load_for_inference, save_inference
+from .inference.layer import SparseInferenceLinear
 from .kernels import cusparselt, ops
-from .model import FFN_PATTERNS, GPT
-from .sparsify import sparsify
+from .models.common import FFN_PATTERNS
+from .models.gpt import GPT
+from .sparse.convert import sparsify
+from .version import __version__
 
 __all__ = ["inference_bench", "run_inference_bench", "graph_ms", "decode_bytes"]
 

@@ -10,7 +10,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from .recipes import DEFAULT_RECIPE, RECIPES
+from .sparse.recipes import DEFAULT_RECIPE, RECIPES
 
 __all__ = ["main"]
 
@@ -37,8 +37,8 @@ def _option(text: str) -> tuple[str, Any]:
 
 
 def _run_args(p: argparse.ArgumentParser, default_out: str) -> None:
-    from .config import COMPILE_MODES, REGIMES, TrainConfig  # noqa: PLC0415
-    from .model import PRESETS  # noqa: PLC0415
+    from .models.presets import PRESETS  # noqa: PLC0415
+    from .training.config import COMPILE_MODES, REGIMES, TrainConfig  # noqa: PLC0415
 
     d = TrainConfig()
     g = p.add_argument_group("model and data")
@@ -97,7 +97,7 @@ def _run_args(p: argparse.ArgumentParser, default_out: str) -> None:
 
 def _config(a: argparse.Namespace, recipe: str):
     """A TrainConfig from the parsed options: every option named like a field sets that field."""
-    from .config import TrainConfig  # noqa: PLC0415
+    from .training.config import TrainConfig  # noqa: PLC0415
 
     fields = {f.name for f in dataclasses.fields(TrainConfig)}
     given = {k: v for k, v in vars(a).items() if k in fields}
@@ -125,9 +125,9 @@ def _given(a: argparse.Namespace) -> set[str]:
 
 
 def _cmd_train(a: argparse.Namespace) -> int:
-    from .config import resumed_config  # noqa: PLC0415
-    from .runs import CKPT, read_checkpoint  # noqa: PLC0415
-    from .train import train  # noqa: PLC0415
+    from .training.config import resumed_config  # noqa: PLC0415
+    from .training.loop import train  # noqa: PLC0415
+    from .training.runs import CKPT, read_checkpoint  # noqa: PLC0415
 
     cfg = _config(a, a.recipe)
     if a.resume:  # the run's own settings, from its checkpoint; options given must agree with them
@@ -146,7 +146,7 @@ def _cmd_train(a: argparse.Namespace) -> int:
 
 
 def _cmd_compare(a: argparse.Namespace) -> int:
-    from .compare import compare, results_table  # noqa: PLC0415
+    from .training.compare import compare, results_table  # noqa: PLC0415
 
     recipes = [r.strip() for r in a.recipes.split(",") if r.strip()]
     bad = [r for r in recipes if r not in RECIPES]
@@ -163,7 +163,7 @@ def _cmd_compare(a: argparse.Namespace) -> int:
 
 
 def _cmd_export(a: argparse.Namespace) -> int:
-    from .export import export  # noqa: PLC0415
+    from .training.export import export  # noqa: PLC0415
 
     info = export(a.run, a.out, a.dtype)
     print(json.dumps(info, indent=2))
@@ -179,9 +179,9 @@ def _cmd_export(a: argparse.Namespace) -> int:
 def _cmd_generate(a: argparse.Namespace) -> int:
     import torch  # noqa: PLC0415
 
-    from .config import resolve_device  # noqa: PLC0415
-    from .inference import load_for_inference, read_export_config  # noqa: PLC0415
-    from .sampling import IdCodec, codec_from_dict, generate  # noqa: PLC0415
+    from .inference.format import load_for_inference, read_export_config  # noqa: PLC0415
+    from .inference.sampling import IdCodec, codec_from_dict, generate  # noqa: PLC0415
+    from .training.config import resolve_device  # noqa: PLC0415
 
     for opt, value, ok in (("--max-new-tokens", a.max_new_tokens, a.max_new_tokens >= 0),
                            ("--temperature", a.temperature, a.temperature >= 0), ("--top-k", a.top_k, a.top_k >= 0)):
@@ -308,8 +308,8 @@ def _explicit(parser: argparse.ArgumentParser, argv: list[str]) -> list[str]:
 
 def _interrupted(args: argparse.Namespace, e: KeyboardInterrupt) -> str:
     """What an interrupt left behind, and how to go on."""
-    from .console import Interrupted  # noqa: PLC0415
-    from .runs import CKPT  # noqa: PLC0415
+    from .training.console import Interrupted  # noqa: PLC0415
+    from .training.runs import CKPT  # noqa: PLC0415
 
     if args.command not in ("train", "compare"):
         return "interrupted"
@@ -330,8 +330,10 @@ def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else list(argv)
     args = parser.parse_args(argv)
     args.given = _explicit(parser.commands[args.command], argv)
-    from .config import TrainError  # noqa: PLC0415
-    from .data import DataError  # noqa: PLC0415
+    from .errors import (
+        DataError,  # noqa: PLC0415
+        TrainError,  # noqa: PLC0415
+    )
 
     try:
         return args.func(args)

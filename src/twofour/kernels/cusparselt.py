@@ -9,11 +9,11 @@ operand order and costs ~20-30 us per call. Every plan computes
 with B and D in row- or column-major order, as the caller's memory already is. A and B are
 bf16, fp16 or FP8 (both e4m3 or both e5m2, with B column-major, on GPUs with FP8 sparse tensor
 cores), D is A's dtype or another (bf16 from FP8 operands; the GEMM does not scale them:
-``benchmarks/fp8_spmm.py`` found cuSPARSELt 0.8 on the H100 refusing per-row alpha for FP8 and
+``benchmarks/fp8/fp8_spmm.py`` found cuSPARSELt 0.8 on the H100 refusing per-row alpha for FP8 and
 ignoring device-side operand scales). A plan optionally
 adds a bias vector (one value per row of D) in the GEMM's epilogue: a plan built with a bias
 reads the pointer from its matmul descriptor at each call, so a call with another bias tensor
-only resets that pointer (checked on the H200, ``benchmarks/bias_epilogue.py``).
+only resets that pointer (checked on the H200, ``benchmarks/gemm/bias_epilogue.py``).
 
 cuSPARSELt has several algorithm configurations per shape (kernel tile shapes and schedules) and
 runs the first by default; a plan can be built for any of them (``config``), and the dispatch in

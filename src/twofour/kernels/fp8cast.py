@@ -6,7 +6,7 @@ row-major, reading its tile a second time along the other axis (mostly from cach
 transposing the cast tile in registers (two reads from memory and one or two FP8 writes: the
 scale needs the whole tensor's amax before the first cast). On an H100 the in-register transpose
 of a tile read from float32 wrote wrong bytes in every fourth row of ``q^T``, with an FP8 or a
-float32 tile alike (``benchmarks/fp8_route_check.py``). Rowwise: one kernel per band of rows reduces each row's
+float32 tile alike (``benchmarks/fp8/fp8_route_check.py``). Rowwise: one kernel per band of rows reduces each row's
 amax and casts the row on a second read of it (mostly from L2). ``scale`` is
 ``amax * (1 / fmax)``, 1 where that is 0 (an all-zero tensor or row), NaN or inf where the amax
 is; quotients are IEEE-rounded (``div_rn``) and then rounded to the FP8 grid in float32: the same
@@ -242,7 +242,7 @@ def rescale_(y: torch.Tensor, sa: torch.Tensor, sb: torch.Tensor, bias: torch.Te
     return y
 
 
-#: Tile of :func:`transpose` on a GPU (BM, BN, warps), from ``benchmarks/fp8_transpose.py``.
+#: Tile of :func:`transpose` on a GPU (BM, BN, warps), from ``benchmarks/fp8/fp8_transpose.py``.
 TRANSPOSE_TILE = (128, 128, 8)
 
 

@@ -1,5 +1,5 @@
 """y = x W^T (+ b) for a few tokens (decoding), with W 2:4 read as stored: kept values and 2-bit
-positions (``twofour.packed``), 0.5625x of the dense bf16 bytes.
+positions (``twofour.inference.packed``), 0.5625x of the dense bf16 bytes.
 
 At one to eight tokens a linear layer is bound by reading its weight, and cuSPARSELt's GEMM
 needs at least 8 columns of padded input; this kernel streams the compact weight once instead.
@@ -9,7 +9,7 @@ and the (tokens, BK) tile of x, split into the four entries of each group; each 
 weight is then a select between the group's two values (or zero), multiplied by its entry of x
 and accumulated in float32. Splitting and joining those tiles costs layout conversions through
 shared memory, each between barriers (at one token 8-10 conversions in the loop, 16-32 barriers
-in the Hopper SASS, ``benchmarks/gemv_sass.py``); the pair-load variant (``_gemv24_pairs_kernel``)
+in the Hopper SASS, ``benchmarks/inference/gemv_sass.py``); the pair-load variant (``_gemv24_pairs_kernel``)
 instead reads each group's two values as one word, its code from the position byte by a shift,
 and x as four loads, one per group entry, all straight into the products' layout: at one token
 and 8 or 16 rows a program, no conversion in the loop and one barrier in the kernel. With a
@@ -29,8 +29,8 @@ import logging
 import torch
 from torch.nn import functional as F
 
-from ..packed import positions_width, unpack_24
 from .compress import HAS_TRITON
+from .layout import positions_width, unpack_24
 from .ops import median_ms
 
 if HAS_TRITON:  # the reference path needs no Triton

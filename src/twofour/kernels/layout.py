@@ -1,7 +1,7 @@
 """cuSPARSELt's compressed layout of a row-major 2:4 matrix, in plain torch (the reference).
 
 Found by compressing matrices with known values and masks through cuSPARSELt 0.8
-(``benchmarks/probe_layout.py`` on an H200 for bf16, ``benchmarks/probe_layout_fp8.py`` on an
+(``benchmarks/gemm/probe_layout.py`` on an H200 for bf16, ``benchmarks/gemm/probe_layout_fp8.py`` on an
 H100 for e4m3) and checked byte-for-byte against it (``tests/test_layout.py``). For an (M, K)
 matrix A, 2:4 along K:
 
@@ -21,9 +21,46 @@ from __future__ import annotations
 
 import torch
 
-from ..packed import group_codes
+__all__ = ["VALID_CODES", "positions_width", "group_codes", "position_codes", "unpack_24", "compressed_size",
+           "compress_reference", "compress_codes", "decompress_reference", "supported_shape"]
 
-__all__ = ["compressed_size", "compress_reference", "compress_codes", "decompress_reference", "supported_shape"]
+
+#: The six codes ``i0 | i1 << 2`` with i0 < i1 (which two of the four positions are kept).
+VALID_CODES = (4, 8, 12, 9, 13, 14)
+
+
+def positions_width(in_features: int) -> int:
+    """Bytes per row of ``positions``: one nibble per group of 4 inputs, two per byte."""
+    return -(-in_features // 8)
+
+
+def group_codes(keep: torch.Tensor) -> torch.Tensor:
+    """(out, in/4) int32 codes ``i0 | i1 << 2`` (i0 < i1) of a mask ``keep`` (out, in) with exactly
+    two kept entries in every group of 4: the codes the export format stores
+    (:mod:`twofour.inference.packed`) and cuSPARSELt's metadata holds."""
+    g = keep.reshape(keep.shape[0], -1, 4).bool()
+    pos = torch.arange(4, device=keep.device, dtype=torch.int32)
+    first = torch.where(g, pos, 4).amin(2)
+    second = torch.where(g & (pos != first[..., None]), pos, 4).amin(2)
+    return first | (second << 2)
+
+
+def position_codes(positions: torch.Tensor, in_features: int) -> torch.Tensor:
+    """The (out, in/4) int32 codes ``i0 | i1 << 2`` stored in ``positions``."""
+    p = positions.to(torch.int32)
+    codes = torch.stack([p & 15, p >> 4], 2).reshape(p.shape[0], -1)
+    return codes[:, : in_features // 4]
+
+
+def unpack_24(values: torch.Tensor, positions: torch.Tensor, in_features: int) -> torch.Tensor:
+    """The dense (out, in) matrix that ``values`` and ``positions`` store (the inverse of
+    :func:`pack_24`)."""
+    out = values.shape[0]
+    codes = position_codes(positions, in_features).to(torch.int64)
+    idx = torch.stack([codes & 3, codes >> 2], 2)  # (out, groups, 2)
+    dense = values.new_zeros(out, in_features // 4, 4)
+    dense.scatter_(2, idx, values.reshape(out, in_features // 4, 2))
+    return dense.reshape(out, in_features)
 
 
 _PAD_CODE = 14  # padding rows read as "keep 2 and 3" of zeros, as cuSPARSELt writes them

@@ -31,14 +31,7 @@ if HAS_TRITON:
     import triton
     import triton.language as tl
 
-    from .compress import (
-        _load_groups,
-        _mvue_draws,
-        _mvue_rescale,
-        _mvue_weights,
-        _pick,
-        _store_compressed_e4m3,
-    )
+    from .compress import _load_groups, _mvue_draws, _mvue_rescale, _mvue_weights, _pick, _store_compressed_e4m3
     from .fp8cast import _constants, _to_grid
 
     #: e4m3's constants as the quantization kernels derive them (the reciprocal is not needed here)

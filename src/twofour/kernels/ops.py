@@ -1,5 +1,5 @@
 """The fast path's operations (plain calls in eager mode, torch custom ops, one opaque node each,
-under torch's tracers, so that ``torch.compile`` keeps them; ``twofour.fastpath`` builds the
+under torch's tracers, so that ``torch.compile`` keeps them; ``twofour.sparse.fastpath`` builds the
 layer's compiled op on them), and the dispatch that picks, per GEMM and shape, dense or 2:4
 sparse by measuring both once.
 
@@ -8,7 +8,7 @@ with A compressed 2:4 (cuSPARSELt layout) and B a (k, n) tensor in row- or colum
 (read in place, no transposes); D comes back column-major when ``d_col`` (so ``D.t()`` is a
 row-major (n, m) tensor). Its first call at each shape, orders and epilogue runs every one of
 cuSPARSELt's algorithm configurations and keeps the fastest (the library's default is often not:
-``benchmarks/spmm_configs.py``).
+``benchmarks/gemm/spmm_configs.py``).
 ``compress(...)``: the fused Triton prune/MVUE + compression kernel (``compress.py``).
 """
 
@@ -23,7 +23,7 @@ from collections.abc import Callable
 
 import torch
 
-from .. import settings
+from .. import dispatch
 from . import compress as _ck
 from . import cusparselt as _cs
 from .layout import compressed_size
@@ -52,12 +52,12 @@ def as_2d(t: torch.Tensor) -> torch.Tensor:
 
 
 def _enabled() -> bool:
-    return _ck.HAS_TRITON and settings.fast
+    return _ck.HAS_TRITON and dispatch.fast
 
 
 def fast_available() -> bool:
     """cuSPARSELt bindings, Triton and an sm80+ GPU are all here (and the fast path is on:
-    :mod:`twofour.settings`)."""
+    :mod:`twofour.dispatch`)."""
     return _enabled() and _cs.available()
 
 
@@ -267,13 +267,13 @@ def choose(kind: str, m: int, k: int, n: int, b_order: str, dtype: torch.dtype,
            candidates: dict[str, Callable[[], torch.Tensor]]) -> str:
     """The candidate to run for this GEMM: an override, a cached measurement, or measure now.
 
-    ``settings.gemm`` (``TWOFOUR_GEMM``) ``dense`` or ``sparse`` forces a side for every GEMM;
+    ``dispatch.gemm`` (``TWOFOUR_GEMM``) ``dense`` or ``sparse`` forces a side for every GEMM;
     :func:`set_choice` forces one GEMM. While compiling or capturing a CUDA graph nothing is
     measured: the cached choice is used, else the first sparse candidate.
     """
     if len(candidates) == 1:
         return next(iter(candidates))
-    forced = settings.gemm
+    forced = dispatch.gemm
     if forced != "auto":
         return next((c for c in candidates if c.startswith(forced)), next(iter(candidates)))
     key = _key(kind, m, k, n, b_order, dtype, candidates)

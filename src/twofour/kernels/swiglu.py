@@ -2,7 +2,7 @@
 
 The FFN's first GEMM writes one matrix ``z`` of 2H columns in which gate and up alternate:
 column 2j is gate_j and column 2j+1 is up_j (the rows of the fused gate|up weight interleave,
-``twofour.gated.interleave_gate_up``). So every pair the activation needs sits side by side:
+``twofour.activations.interleave_gate_up``). So every pair the activation needs sits side by side:
 
     forward   h_j  = silu(g_j) * u_j                                  reads z, writes h
     backward  dg_j = dh_j * u_j * s_j * (1 + g_j * (1 - s_j))         reads z and dh, writes dz

@@ -1,0 +1,285 @@
+"""The GPU fast path of a SparseLinear: cuSPARSELt 2:4 GEMMs where they measure faster than dense
+(forward, dX for transposable masks, dW on the fused MVUE-compressed dY^T), and the per-step
+cache of the compressed weight.
+
+Two entries share the same GEMM routes: :class:`FastSparseLinearFn` for eager calls (operands
+read in whatever order they are stored, the weight compressed once per optimizer step), and
+:func:`compiled_linear` under ``torch.compile``: the layer as one custom op with its backward
+(``twofour::sparse_linear``), which the compiler sees as an opaque node while the elementwise
+work around it (and the weight's compression, ``twofour::compress``) is compiled with the rest
+of the model. It computes the same function as the layer's reference math (``layer.py``); the
+tests compare the two on random inputs (``tests/test_fastpath.py``).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from ..kernels import ops
+from .pruners import Compressed, Pruner
+
+__all__ = ["FastSparseLinearFn", "FastLinearActFn", "CompressedWeight", "compiled_linear", "compute_dtype", "applies"]
+
+
+def compute_dtype(x: torch.Tensor) -> torch.dtype:
+    """The dtype the GEMMs run in: autocast's, else the input's."""
+    dev = x.device.type
+    if torch.is_autocast_enabled(dev):
+        return torch.get_autocast_dtype(dev)
+    return x.dtype
+
+
+@torch.compiler.assume_constant_result
+def _fast_available() -> bool:
+    """ops.fast_available(), evaluated eagerly and taken as a constant when torch.compile traces."""
+    return ops.fast_available()
+
+
+def applies(x: torch.Tensor, in_features: int, out_features: int) -> bool:
+    """Whether the fast path can run this call: a CUDA input in bf16/fp16 compute, shapes that
+    cuSPARSELt and the kernels take (multiples of 32), and the bindings present
+    (:func:`twofour.kernels.ops.fast_available`)."""
+    return (x.is_cuda and compute_dtype(x) in (torch.bfloat16, torch.float16)
+            and in_features % 32 == 0 and out_features % 32 == 0
+            and (x.numel() // in_features) % 32 == 0 and _fast_available())
+
+
+class CompressedWeight:
+    """A layer's compressed effective weight, built by one fused kernel once per optimizer step
+    and reused by every micro-batch until the weight changes (its version counter, storage, the
+    compute dtype and the layer's step counter form the key). Inside a captured CUDA graph the
+    compression is recorded in the graph instead, so that each replay compresses the current
+    weight, and the graph's buffers stay out of the cache."""
+
+    def __init__(self) -> None:
+        self._key: tuple | None = None
+        self._value: Compressed | None = None
+
+    def get(self, weight: torch.Tensor, pruner: Pruner, beta: torch.Tensor | None, mask: torch.Tensor | None,
+            step: int, dtype: torch.dtype, sparse: bool = True) -> Compressed:
+        """(compressed W_eff, dense W_eff, compressed W_eff^T or empty) for the current weight;
+        without ``sparse`` the dense W_eff alone (:meth:`Pruner.compress`)."""
+        w = weight.detach()
+        key = (weight._version, w.data_ptr(), dtype, step, sparse)
+        capturing = torch.cuda.is_current_stream_capturing()
+        if not capturing and self._key == key:
+            return self._value
+        value = pruner.compress(w, beta, mask, dtype, sparse)
+        if not capturing:
+            self._key, self._value = key, value
+        return value
+
+    def clear(self) -> None:
+        """Forget the cached weight (the next call compresses again; benchmarks use it to count
+        the per-step compression without an optimizer step)."""
+        self._key = self._value = None
+
+
+def _forward_gemm(x2: torch.Tensor, wc: torch.Tensor, wdense: torch.Tensor, b: torch.Tensor | None,
+                  transposed_output: bool) -> torch.Tensor:
+    """y = x W_eff^T (+ b), dense or 2:4. y is row-major unless ``transposed_output`` allows
+    y^T stored row-major (a column-major y) where that GEMM is faster."""
+    t, k = x2.shape
+    n = wdense.shape[0]
+    bo = "col" if ops.order(x2) == "row" else "row"  # the order of x^T as cuSPARSELt's B
+    # y^T = W x^T (+ b in cuSPARSELt's epilogue), stored column-major (y row-major) or row-major
+    cands = {"dense": lambda: x2 @ wdense.t() if b is None else torch.addmm(b, x2, wdense.t())}  # fused bias
+    if wc.numel():
+        cands["sparse_dc"] = lambda: ops.spmm(wc, x2.t(), n, True, b).t()
+        if transposed_output:
+            cands["sparse_dr"] = lambda: ops.spmm(wc, x2.t(), n, False, b).t()
+    cands = dict(sorted(cands.items(), key=lambda kv: kv[0] == "dense"))  # sparse first (see ops.choose)
+    return cands[ops.choose("fwd" if b is None else "fwd+bias", n, k, t, bo, x2.dtype, cands)]()
+
+
+def _dx_gemm(dy2: torch.Tensor, x2: torch.Tensor, wdense: torch.Tensor, wtc: torch.Tensor) -> torch.Tensor:
+    """dX = dY W_eff in x's order (dX^T = W^T dY^T stored column- or row-major); 2:4 only with a
+    transposable mask (``wtc``: W^T compressed)."""
+    t, n = dy2.shape
+    k = x2.shape[1]
+    x_col = ops.order(x2) == "col"
+    cands = {"dense": (lambda: (wdense.t() @ dy2.t()).t()) if x_col else (lambda: dy2 @ wdense)}
+    if wtc.numel():
+        cands = {"sparse": lambda: ops.spmm(wtc, dy2.t(), k, not x_col).t(), **cands}
+    bo = "col" if ops.order(dy2) == "row" else "row"
+    return cands[ops.choose("dx-xcol" if x_col else "dx", k, n, t, bo, dy2.dtype, cands)]()
+
+
+def _dw_gemm(dy2: torch.Tensor, x2: torch.Tensor, mvue: bool) -> torch.Tensor:
+    """dW = dY^T X, or on the MVUE 2:4 estimate of dY^T where that pays (:func:`_mvue_dw`)."""
+    return _mvue_dw(dy2, x2) if mvue and dy2.is_cuda else dy2.t() @ x2
+
+
+class FastSparseLinearFn(torch.autograd.Function):
+    """y = x W_eff^T + b with W_eff given compressed (``wc``), dense (``wdense``) and, for
+    transposable masks, compressed transposed (``wtc``); dW = dY^T X (or its MVUE 2:4 estimate
+    with ``mvue``) passed straight through to the master ``weight``. Eager calls.
+
+    Each GEMM runs dense or 2:4, whichever :func:`twofour.kernels.ops.choose` measured faster.
+    The output is row-major, as nn.Linear's, unless ``transposed_output`` allows y^T stored
+    row-major (a column-major y) where that is faster; dX comes back in x's own order, so that
+    elementwise backward ops see operands of one order."""
+
+    @staticmethod
+    def forward(ctx, x, weight, bias, wc, wdense, wtc, mvue: bool, transposed_output: bool):
+        x2 = ops.as_2d(x)
+        y = _forward_gemm(x2, wc, wdense, None if bias is None else bias.to(x2.dtype), transposed_output)
+        ctx.save_for_backward(x2, wdense, wtc)
+        ctx.mvue, ctx.x_shape, ctx.x_dtype, ctx.has_bias = mvue, x.shape, x.dtype, bias is not None
+        ctx.w_dtype = weight.dtype
+        return y.reshape(*x.shape[:-1], wdense.shape[0])
+
+    @staticmethod
+    def backward(ctx, dy):
+        x2, wdense, wtc = ctx.saved_tensors
+        dy2 = ops.as_2d(dy.to(wdense.dtype))
+        dx = dw = db = None
+        if ctx.needs_input_grad[0]:
+            dx = _dx_gemm(dy2, x2, wdense, wtc).reshape(ctx.x_shape).to(ctx.x_dtype)
+        if ctx.needs_input_grad[1]:
+            dw = _dw_gemm(dy2, x2, ctx.mvue).to(ctx.w_dtype)
+        if ctx.has_bias and ctx.needs_input_grad[2]:
+            db = dy2.sum(0)
+        return dx, dw, db, None, None, None, None, None
+
+
+class FastLinearActFn(torch.autograd.Function):
+    """h = act(x W_eff^T + b) as one op (eager), for an FFN's first linear with MVUE: the forward
+    GEMM as :class:`FastSparseLinearFn`'s, then the activation on its output ``z`` (saved for the
+    backward in place of ``y``); the backward's activation gradient and the MVUE estimate of dz^T
+    come from one kernel where that route measures faster (:func:`_act_grad_dw`)."""
+
+    @staticmethod
+    def forward(ctx, x, weight, bias, wc, wdense, wtc, transposed_output: bool, act):
+        x2 = ops.as_2d(x)
+        z = _forward_gemm(x2, wc, wdense, None if bias is None else bias.to(x2.dtype), transposed_output)
+        h = act.values(z)
+        ctx.save_for_backward(x2, wdense, wtc, z)
+        ctx.act, ctx.x_shape, ctx.x_dtype, ctx.has_bias = act, x.shape, x.dtype, bias is not None
+        ctx.w_dtype = weight.dtype
+        return h.reshape(*x.shape[:-1], h.shape[-1])
+
+    @staticmethod
+    def backward(ctx, dh):
+        x2, wdense, wtc, z = ctx.saved_tensors
+        dh2 = ops.as_2d(dh.to(z.dtype))
+        dz, dw = _act_grad_dw(z, dh2, x2, ctx.act, ctx.needs_input_grad[1])
+        dx = db = None
+        if ctx.needs_input_grad[0]:
+            dx = _dx_gemm(dz, x2, wdense, wtc).reshape(ctx.x_shape).to(ctx.x_dtype)
+        if ctx.has_bias and ctx.needs_input_grad[2]:
+            db = dz.sum(0)
+        return dx, None if dw is None else dw.to(ctx.w_dtype), db, None, None, None, None, None
+
+
+def _act_grad_dw(z: torch.Tensor, dh2: torch.Tensor, x2: torch.Tensor, act,
+                 need_dw: bool) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """(dz, dW) for an FFN's first linear with MVUE. Where the fused kernel runs, three whole routes
+    are timed once per shape (as :func:`_mvue_dw`'s two): ``sparse_fused``, the activation gradient
+    and the MVUE estimate of dz^T in one kernel, then the 2:4 dW GEMM; ``sparse``, the activation
+    gradient, then :func:`_mvue_dw`'s sparse route (the MVUE compression kernel reading dz^T, the
+    2:4 GEMM); ``dense``, the activation gradient and the exact dense GEMM. Elsewhere the
+    activation gradient, then :func:`_mvue_dw`."""
+    if not (need_dw and act.fuses_mvue(z)):
+        dz = act.grad(z, dh2)
+        return dz, _dw_gemm(dz, x2, True) if need_dw else None
+    n = z.shape[1]
+
+    def fused() -> tuple[torch.Tensor, torch.Tensor]:
+        dz, buf = act.grad_mvue(z, dh2, _seed(z.device))
+        return dz, ops.spmm(buf, x2, n, False)
+
+    def sparse() -> tuple[torch.Tensor, torch.Tensor]:
+        dz = act.grad(z, dh2)
+        return dz, _mvue_sparse_dw(dz, x2)
+
+    def dense() -> tuple[torch.Tensor, torch.Tensor]:
+        dz = act.grad(z, dh2)
+        return dz, dz.t() @ x2
+
+    cands = {"sparse_fused": fused, "sparse": sparse, "dense": dense}
+    return cands[ops.choose(f"dw-mvue+{act.name}", n, z.shape[0], x2.shape[1], ops.order(x2), z.dtype, cands)]()
+
+
+def _seed(device: torch.device) -> torch.Tensor:
+    """A fresh Philox seed for one MVUE draw, on the device (no host sync)."""
+    return torch.randint(0, 2**31 - 1, (1,), device=device)
+
+
+def _mvue_sparse_dw(dy2: torch.Tensor, x2: torch.Tensor) -> torch.Tensor:
+    """dW on the MVUE 2:4 estimate of dY^T: the MVUE compression kernel reading dY^T in place and
+    writing the compressed estimate, then the 2:4 GEMM."""
+    buf = ops.compress(dy2.t(), "mvue", seed=_seed(dy2.device), out_dtype=dy2.dtype)[0]
+    return ops.spmm(buf, x2, dy2.shape[1], False)
+
+
+def _mvue_dw(dy2: torch.Tensor, x2: torch.Tensor) -> torch.Tensor:
+    """dW on the MVUE 2:4 estimate of dY^T where that pays, else the exact dense dW.
+
+    The two routes are timed whole, once per shape: the sparse one is the fused kernel reading
+    dY^T in place (a transposing copy first measured slower) and writing the compressed
+    estimate, then the 2:4 GEMM; the dense one is the plain dY^T X GEMM, with no estimate at
+    all. So MVUE runs only where its compression plus the sparse GEMM beat the dense GEMM, and
+    elsewhere dW is exact (unbiased either way)."""
+    t, n = dy2.shape
+    cands = {"sparse": lambda: _mvue_sparse_dw(dy2, x2), "dense": lambda: dy2.t() @ x2}
+    return cands[ops.choose("dw-mvue", n, t, x2.shape[1], ops.order(x2), dy2.dtype, cands)]()
+
+
+# --------------------------------------------------------------------------------------------
+# the same routes as one custom op with its backward, for torch.compile
+# --------------------------------------------------------------------------------------------
+
+
+@torch.library.custom_op("twofour::sparse_linear", mutates_args=())
+def _linear_op(x2: torch.Tensor, weight: torch.Tensor, wc: torch.Tensor, wdense: torch.Tensor, wtc: torch.Tensor,
+               bias: torch.Tensor | None, mvue: bool) -> torch.Tensor:
+    """y (row-major) = x2 W_eff^T + bias; ``weight`` is only there to receive dW."""
+    return _forward_gemm(x2, wc, wdense, bias, False).contiguous()
+
+
+@_linear_op.register_fake
+def _(x2, weight, wc, wdense, wtc, bias, mvue):
+    return x2.new_empty(x2.shape[0], wdense.shape[0])
+
+
+@torch.library.custom_op("twofour::sparse_linear_backward", mutates_args=())
+def _linear_backward_op(dy2: torch.Tensor, x2: torch.Tensor, wdense: torch.Tensor, wtc: torch.Tensor, mvue: bool,
+                        need_dx: bool, need_dw: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """(dX or an empty tensor, dW or an empty tensor), both row-major, in dY's dtype."""
+    dx = _dx_gemm(dy2, x2, wdense, wtc).contiguous() if need_dx else dy2.new_empty(0)
+    dw = _dw_gemm(dy2, x2, mvue).contiguous() if need_dw else dy2.new_empty(0)
+    return dx, dw
+
+
+@_linear_backward_op.register_fake
+def _(dy2, x2, wdense, wtc, mvue, need_dx, need_dw):
+    dx = dy2.new_empty(x2.shape) if need_dx else dy2.new_empty(0)
+    dw = dy2.new_empty(wdense.shape) if need_dw else dy2.new_empty(0)
+    return dx, dw
+
+
+def _setup_context(ctx, inputs, output):
+    x2, weight, wc, wdense, wtc, bias, mvue = inputs
+    ctx.save_for_backward(x2, wdense, wtc)
+    ctx.mvue, ctx.w_dtype, ctx.has_bias = mvue, weight.dtype, bias is not None
+
+
+def _linear_backward(ctx, dy):
+    x2, wdense, wtc = ctx.saved_tensors
+    need_dx, need_dw = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
+    dx, dw = _linear_backward_op(dy.contiguous(), x2, wdense, wtc, ctx.mvue, need_dx, need_dw)
+    db = dy.sum(0) if ctx.has_bias and ctx.needs_input_grad[5] else None
+    return (dx if need_dx else None, dw.to(ctx.w_dtype) if need_dw else None, None, None, None, db, None)
+
+
+_linear_op.register_autograd(_linear_backward, setup_context=_setup_context)
+
+
+def compiled_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, wc: torch.Tensor,
+                    wdense: torch.Tensor, wtc: torch.Tensor, mvue: bool) -> torch.Tensor:
+    """The fast path as torch.compile sees it: one ``twofour::sparse_linear`` node (row-major
+    output, whatever order x had) with dX and dW from ``twofour::sparse_linear_backward``."""
+    x2 = x.reshape(-1, x.shape[-1]).contiguous()
+    b = None if bias is None else bias.to(x2.dtype)
+    return _linear_op(x2, weight, wc, wdense, wtc, b, mvue).reshape(*x.shape[:-1], wdense.shape[0])

@@ -1,0 +1,166 @@
+"""One small object per way of making a weight 2:4 (docs/design.md, section 1).
+
+A :class:`Pruner` owns everything that depends on the pruning kind: which shapes it accepts,
+the state it keeps (S-STE's frozen scale), the mask it tracks, the effective weight the forward
+multiplies by, how often the mask is refreshed, and how the GPU fast path compresses the weight.
+:class:`~twofour.SparseLinear`, :func:`~twofour.sparsify` and the fast path ask it; nothing else
+looks at which kind it is.
+
+    NONE          dense: W itself
+    HARD          top-2 of every 4 (STE, SR-STE, STEP): W * mask_24(W)
+    SOFT          S-STE: beta * S(W), beta frozen when the layer is made sparse
+    TRANSPOSABLE  T-SR-STE: W * m, m 2:4 along both dimensions, refreshed every few steps
+"""
+
+from __future__ import annotations
+
+from typing import ClassVar
+
+import torch
+
+from ..functional import _fixed_scale, _mask_24, _soft_threshold_24, _transposable_mask_24
+from ..kernels import ops
+
+__all__ = ["Pruner", "NoPruning", "HardPruner", "SoftPruner", "TransposablePruner", "PRUNERS",
+           "NONE", "HARD", "SOFT", "TRANSPOSABLE"]
+
+#: (compressed W, dense W_eff, compressed W^T or an empty tensor): what the fast path multiplies by.
+Compressed = tuple[torch.Tensor, torch.Tensor, torch.Tensor]
+
+
+def _whole(w: torch.Tensor) -> torch.Tensor:
+    """The whole weight, also when FSDP2 holds a shard of it (a DTensor)."""
+    return w.full_tensor() if hasattr(w, "full_tensor") else w
+
+
+class Pruner:
+    """How a weight becomes 2:4. Stateless: the state it needs lives in the layer's buffers
+    (``beta``, ``mask``) and is passed in."""
+
+    name: ClassVar[str]
+    #: False only for :class:`NoPruning`.
+    sparse: ClassVar[bool] = True
+    #: The GPU's fused kernel can refresh the mask (a top-2 of |W|) in place.
+    fused_refresh: ClassVar[bool] = True
+
+    def unsupported(self, out_features: int, in_features: int) -> str | None:
+        """Why a weight of this shape can't be pruned this way (None if it can)."""
+        if in_features % 4:
+            return f"in_features={in_features} is not a multiple of 4"
+        return None
+
+    def initial_state(self, w: torch.Tensor) -> dict[str, torch.Tensor]:
+        """Buffers for a layer made sparse from weight ``w`` (fresh init or a dense checkpoint)."""
+        return {"mask": self.mask(w)}
+
+    def mask(self, w: torch.Tensor) -> torch.Tensor:
+        """The bool mask this kind tracks for ``w``: positions kept, flips counted on it."""
+        return _mask_24(_whole(w))
+
+    def refresh_due(self, step: int, interval: int) -> bool:
+        """Whether the mask is recomputed after optimizer step ``step``."""
+        return True
+
+    def effective(self, w: torch.Tensor, beta: torch.Tensor | None, mask: torch.Tensor | None) -> torch.Tensor:
+        """What the forward multiplies by (``w`` detached by the caller)."""
+        raise NotImplementedError
+
+    def compress(self, w: torch.Tensor, beta: torch.Tensor | None, mask: torch.Tensor | None,
+                 dtype: torch.dtype, sparse: bool = True) -> Compressed:
+        """The fast path's operands, built by one fused kernel pass over ``w``: (compressed W_eff,
+        dense W_eff, compressed W_eff^T or empty); without ``sparse`` only the dense W_eff (the
+        2:4 operands empty: an FP8 layer multiplies the dense one)."""
+        raise NotImplementedError
+
+    def __repr__(self) -> str:
+        return f"{type(self).__name__}()"
+
+    def __eq__(self, other: object) -> bool:
+        return type(self) is type(other)
+
+    def __hash__(self) -> int:
+        return hash(type(self))
+
+
+class NoPruning(Pruner):
+    """The dense recipe: the layer is a plain nn.Linear."""
+
+    name = "none"
+    sparse = False
+    fused_refresh = False
+
+    def unsupported(self, out_features: int, in_features: int) -> str | None:
+        return None
+
+    def initial_state(self, w: torch.Tensor) -> dict[str, torch.Tensor]:
+        return {}
+
+    def effective(self, w, beta, mask):
+        return w
+
+
+def _no_transpose(w: torch.Tensor) -> torch.Tensor:
+    return w.new_empty(0, dtype=torch.uint8)
+
+
+class HardPruner(Pruner):
+    """Top-2 of every group of 4 by magnitude, recomputed from the current weight every step."""
+
+    name = "hard"
+
+    def effective(self, w, beta, mask):
+        return w * _mask_24(w)
+
+    def compress(self, w, beta, mask, dtype, sparse=True):
+        wc, wd = ops.compress(w, "hard", dense_out=True, out_dtype=dtype, sparse_out=sparse)
+        return wc, wd, _no_transpose(w)
+
+
+class SoftPruner(Pruner):
+    """S-STE: beta * S(W), the soft threshold with a per-tensor scale fixed at the start (it
+    drifts upward if recomputed). Its mask is the hard top-2 of W, for the flip rate."""
+
+    name = "soft"
+
+    def initial_state(self, w: torch.Tensor) -> dict[str, torch.Tensor]:
+        return {"beta": _fixed_scale(_whole(w)), "mask": self.mask(w)}
+
+    def effective(self, w, beta, mask):
+        return beta.to(w.dtype) * _soft_threshold_24(w)
+
+    def compress(self, w, beta, mask, dtype, sparse=True):
+        wc, wd = ops.compress(w, "soft", scale=beta.reshape(1), dense_out=True, out_dtype=dtype, sparse_out=sparse)
+        return wc, wd, _no_transpose(w)
+
+
+class TransposablePruner(Pruner):
+    """T-SR-STE: a mask 2:4 along both dimensions (so W^T is 2:4 too and dX can run sparse),
+    optimal per 4x4 block, kept between refreshes every ``mask_interval`` steps."""
+
+    name = "transposable"
+    fused_refresh = False
+
+    def unsupported(self, out_features: int, in_features: int) -> str | None:
+        if out_features % 4:
+            return f"out_features={out_features} is not a multiple of 4 (a transposable mask needs both " \
+                   "dimensions to be multiples of 4)"
+        return super().unsupported(out_features, in_features)
+
+    def mask(self, w: torch.Tensor) -> torch.Tensor:
+        return _transposable_mask_24(_whole(w))
+
+    def refresh_due(self, step: int, interval: int) -> bool:
+        return step % interval == 0
+
+    def effective(self, w, beta, mask):
+        return w * mask
+
+    def compress(self, w, beta, mask, dtype, sparse=True):
+        wc, wd = ops.compress(w, "mask", mask=mask, dense_out=True, out_dtype=dtype, sparse_out=sparse)
+        wtc = ops.compress(w.t(), "mask", mask=mask.t(), out_dtype=dtype)[0] if sparse else _no_transpose(w)
+        return wc, wd, wtc
+
+
+NONE, HARD, SOFT, TRANSPOSABLE = NoPruning(), HardPruner(), SoftPruner(), TransposablePruner()
+#: Every pruning kind by name (the names checkpoints and ``Recipe.to_dict()`` use).
+PRUNERS: dict[str, Pruner] = {p.name: p for p in (NONE, HARD, SOFT, TRANSPOSABLE)}

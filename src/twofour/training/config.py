@@ -1,0 +1,312 @@
+"""What a training run depends on: :class:`TrainConfig` (saved as JSON in every run folder and
+checkpoint), the learning-rate schedule, and :class:`TrainError` for runs that can't start.
+
+The recipe stays a name plus options here (it is JSON); :meth:`TrainConfig.recipe_object` turns
+it into a :class:`twofour.Recipe` once, and the training code below passes that object on.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+import re
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from ..errors import TrainError
+from ..models.presets import PRESETS
+from ..sparse.recipes import DEFAULT_RECIPE, RECIPES, Recipe, make_recipe, recipe_options
+
+__all__ = ["TrainConfig", "TrainError", "DEFAULT_LR", "Regime", "REGIMES", "lr_at", "resumed_config", "saved_options",
+           "option_name", "resolve_device", "LAUNCH_OPTIONS", "ADJUSTABLE_OPTIONS"]
+
+#: Peak learning rate per preset (each :class:`~twofour.models.Preset`'s ``lr``: GPT-3 paper's table
+#: for the GPT-2 sizes, higher for the small ones, as nanoGPT's 10M-parameter example).
+DEFAULT_LR = {name: preset.lr for name, preset in PRESETS.items()}
+
+
+@dataclass(frozen=True)
+class Regime:
+    """A named set of optimization defaults; any option given explicitly overrides its value.
+
+    Attributes:
+        lr: peak learning rate (None: the preset's, :data:`DEFAULT_LR`).
+        min_lr_ratio: cosine floor as a fraction of the peak.
+        warmup_divisor, max_warmup: warmup is ``steps // warmup_divisor`` steps, at most ``max_warmup``.
+        tokens_per_step: tokens per optimizer step reached through gradient accumulation
+            (``ceil(tokens_per_step / (batch_size * seq_len * processes))`` micro-batches); None: 1.
+        decay: SR-STE masked decay for recipes that take ``decay`` (None: the recipe's default).
+    """
+
+    lr: float | None
+    min_lr_ratio: float
+    warmup_divisor: int
+    max_warmup: int
+    tokens_per_step: int | None = None
+    decay: float | None = None
+
+
+#: ``ours``: nanoGPT's GPT-2 settings scaled to short runs (the default). ``authors``: the S-STE
+#: authors' GPT-2 124M settings (lr 1.5e-4 cosine to 1e-5, 3000 warmup steps, ~0.5M tokens per
+#: step, SR-STE decay 6e-5), with the warmup scaled down to 10% of a shorter run.
+REGIMES: dict[str, Regime] = {
+    "ours": Regime(lr=None, min_lr_ratio=0.1, warmup_divisor=20, max_warmup=2000),
+    "authors": Regime(lr=1.5e-4, min_lr_ratio=1e-5 / 1.5e-4, warmup_divisor=10, max_warmup=3000,
+                      tokens_per_step=524_288, decay=6e-5),
+}
+
+
+@dataclass
+class TrainConfig:
+    """Everything a run depends on; saved in its checkpoint and ``config.json``."""
+
+    model: str = "tiny"
+    recipe: str = DEFAULT_RECIPE
+    recipe_options: dict[str, Any] = field(default_factory=dict)
+    sparse_attention: bool = False
+    data: str | None = None  # None: the standard library corpus
+    vocab_size: int | None = None  # for .bin shards without meta.pkl
+    steps: int = 300
+    stop_at: int | None = None  # stop (with a checkpoint) after this step, keeping the schedule of `steps`
+    batch_size: int = 16
+    seq_len: int = 128
+    regime: str = "ours"  # a key of REGIMES: the defaults of the four options below and of SR-STE's decay
+    grad_accum: int | None = None  # None: the regime's (ours 1; authors ~0.5M tokens per step)
+    lr: float | None = None  # None: the regime's (ours: DEFAULT_LR of the preset; authors 1.5e-4)
+    min_lr_ratio: float | None = None  # None: the regime's (ours 0.1; authors 1e-5 / 1.5e-4)
+    warmup: int | None = None  # None: the regime's (ours 5% of the steps, at most 2000; authors 10%, at most 3000)
+    weight_decay: float = 0.1
+    betas: tuple[float, float] = (0.9, 0.95)
+    grad_clip: float = 1.0
+    bf16: bool = True  # bf16 autocast on the GPU (the CPU always runs float32)
+    compile: bool = False
+    compile_mode: str = "default"  # torch.compile's mode (COMPILE_MODES) with `compile`
+    seed: int = 1337
+    eval_interval: int = 100
+    eval_iters: int = 10
+    ckpt_interval: int = 500
+    log_interval: int = 10  # a log line, a metrics row and the only host sync every this many steps
+    out_dir: str = "runs/train"
+    resume: bool = False
+    reschedule: bool = False  # resume with another `steps`: the learning-rate schedule is recomputed over it
+    overwrite: bool = False
+    device: str = "auto"
+    fsdp: bool = False
+    progress: bool = True
+
+    def __post_init__(self) -> None:
+        self.recipe_options = self._named(self.recipe_options)
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any]) -> TrainConfig:
+        """The config a ``config.json`` or checkpoint holds (unknown keys ignored; recipe options
+        as :func:`saved_options` reads them)."""
+        cfg = cls(**{k: v for k, v in saved_options(d).items() if k in cls.__dataclass_fields__})
+        cfg.betas = tuple(cfg.betas)
+        return cfg
+
+    def to_dict(self) -> dict[str, Any]:
+        """Plain data (JSON), what config.json, checkpoints and summaries hold (an FP8 run's
+        options naming its gradient format, also where they were set after construction)."""
+        d = dataclasses.asdict(self)
+        d["recipe_options"] = self._named(d["recipe_options"])
+        return d
+
+    def _named(self, opts: Any) -> Any:
+        """Recipe options ``opts``, an FP8 run's with its gradient format named (the recipe's default
+        where it is not given), so that its config, checkpoint and label say which format it
+        trained with whatever the default is, and ``--opt fp8=true`` with or without the default
+        spelled out is one run."""
+        return _fp8_named(opts, recipe_options(self.recipe)["fp8_grad_e4m3"]) if self.recipe in RECIPES else opts
+
+    def recipe_object(self) -> Recipe:
+        """The run's :class:`twofour.Recipe`: the name and options, with ``total_steps`` set to
+        ``steps`` when the recipe takes it and it wasn't given, and ``decay`` set to the regime's
+        when it has one, the recipe takes it and it wasn't given. Raises TrainError if invalid."""
+        options = dict(self.recipe_options)
+        try:
+            takes = recipe_options(self.recipe)
+            if "total_steps" in takes and options.get("total_steps") is None:
+                options["total_steps"] = self.steps
+            regime = REGIMES.get(self.regime)
+            if regime is not None and regime.decay is not None and "decay" in takes and "decay" not in options:
+                options["decay"] = regime.decay
+            return make_recipe(self.recipe, **options)
+        except (ValueError, TypeError) as e:
+            raise TrainError(str(e)) from None
+
+    def validate(self) -> None:
+        """Raise TrainError naming the first bad option."""
+        if self.model not in PRESETS:
+            raise TrainError(f"unknown model preset {self.model!r}; valid presets: {', '.join(PRESETS)}")
+        if self.regime not in REGIMES:
+            raise TrainError(f"unknown regime {self.regime!r}; valid regimes: {', '.join(REGIMES)}")
+        self.recipe_object()
+        for name in ("steps", "batch_size", "seq_len", "grad_accum", "eval_interval", "eval_iters", "ckpt_interval",
+                     "log_interval", "vocab_size"):
+            value = getattr(self, name)
+            if (value is not None or name not in ("grad_accum", "vocab_size")) and (
+                    not isinstance(value, int) or isinstance(value, bool) or value < 1):
+                raise TrainError(f"{option_name(name)} must be a positive integer, got {value!r}")
+        if self.warmup is not None and (not isinstance(self.warmup, int) or self.warmup < 0):
+            raise TrainError(f"--warmup must be a whole number of steps >= 0, got {self.warmup!r}")
+        for name in ("weight_decay", "grad_clip"):
+            value = getattr(self, name)
+            if not (isinstance(value, (int, float)) and math.isfinite(value) and value >= 0):
+                raise TrainError(f"{option_name(name)} must be >= 0, got {value!r}")
+        if self.min_lr_ratio is not None and not 0 <= self.min_lr_ratio <= 1:
+            raise TrainError(f"--min-lr-ratio must be between 0 and 1, got {self.min_lr_ratio}")
+        if self.stop_at is not None and not 1 <= self.stop_at <= self.steps:
+            raise TrainError(f"--stop-at must be between 1 and --steps ({self.steps}), got {self.stop_at}")
+        if self.lr is not None and not (math.isfinite(self.lr) and self.lr > 0):
+            raise TrainError(f"--lr must be > 0, got {self.lr}")
+        if not (len(self.betas) == 2 and all(0 <= b < 1 for b in self.betas)):
+            raise TrainError(f"betas must be two numbers in [0, 1), got {self.betas!r}")
+        if self.compile_mode not in COMPILE_MODES:
+            raise TrainError(f"unknown --compile-mode {self.compile_mode!r}; valid modes: {', '.join(COMPILE_MODES)}")
+        if self.compile_mode != "default" and not self.compile:
+            raise TrainError(f"--compile-mode {self.compile_mode} applies to a compiled run: add --compile")
+        if not _DEVICE.fullmatch(str(self.device)):
+            raise TrainError(f"unknown --device {self.device!r}; use auto, cpu, cuda or cuda:N")
+        if self.resume and self.overwrite:
+            raise TrainError("--resume and --overwrite contradict each other: pick one")
+        if self.reschedule and not self.resume:
+            raise TrainError("--reschedule only applies to a resumed run (with --resume)")
+
+    @property
+    def cuda_graphs(self) -> bool:
+        """Whether the compiled model replays CUDA graphs (a :data:`CUDA_GRAPH_MODES` mode)."""
+        return self.compile and self.compile_mode in CUDA_GRAPH_MODES
+
+    @property
+    def peak_lr(self) -> float:
+        """The peak learning rate: ``lr`` if given, else the regime's, else the preset's."""
+        if self.lr is not None:
+            return self.lr
+        regime = REGIMES[self.regime]
+        return regime.lr if regime.lr is not None else DEFAULT_LR[self.model]
+
+    @property
+    def floor_ratio(self) -> float:
+        """The cosine floor as a fraction of the peak learning rate."""
+        return self.min_lr_ratio if self.min_lr_ratio is not None else REGIMES[self.regime].min_lr_ratio
+
+    @property
+    def warmup_steps(self) -> int:
+        if self.warmup is not None:
+            return self.warmup
+        regime = REGIMES[self.regime]
+        return max(1, min(regime.max_warmup, self.steps // regime.warmup_divisor))
+
+    def micro_batches(self, world: int = 1) -> int:
+        """Micro-batches per optimizer step per process: ``grad_accum`` if given, else the
+        regime's tokens per step over the tokens one micro-batch of every process brings."""
+        if self.grad_accum is not None:
+            return self.grad_accum
+        target = REGIMES[self.regime].tokens_per_step
+        return 1 if target is None else max(1, math.ceil(target / (self.batch_size * self.seq_len * world)))
+
+
+_DEVICE = re.compile(r"auto|cpu|cuda(:\d+)?")
+#: torch.compile's modes. "reduce-overhead" replays the step's kernels as CUDA graphs: no host
+#: time per kernel (a sparse layer's custom ops cost the host more than a dense GEMM does; the
+#: real loop's gain from it is in docs/PERFORMANCE.md).
+COMPILE_MODES = ("default", "reduce-overhead", "max-autotune", "max-autotune-no-cudagraphs")
+#: the modes that capture CUDA graphs: run in one process with one micro-batch a step (a graph's
+#: gradients are its own buffers, overwritten by the next micro-batch's replay; DDP and FSDP2
+#: with them are not tested)
+CUDA_GRAPH_MODES = ("reduce-overhead", "max-autotune")
+
+
+def resolve_device(name: str, local_rank: int = 0) -> torch.device:
+    """The device ``--device`` names: ``auto`` is this process's GPU (``local_rank``) if there is
+    one, else the CPU; ``cuda`` without an index is this process's GPU too. TrainError for a name
+    that is not auto, cpu, cuda or cuda:N, or a GPU asked for where there is none."""
+    if not _DEVICE.fullmatch(str(name)):
+        raise TrainError(f"unknown --device {name!r}; use auto, cpu, cuda or cuda:N")
+    if name == "auto":
+        return torch.device("cuda", local_rank) if torch.cuda.is_available() else torch.device("cpu")
+    dev = torch.device(name)
+    if dev.type == "cuda" and not torch.cuda.is_available():
+        raise TrainError("--device cuda was asked for, but no CUDA GPU is available")
+    return torch.device("cuda", local_rank) if dev.type == "cuda" and dev.index is None else dev
+
+#: Set by each invocation, never taken from the checkpoint of a resumed run.
+LAUNCH_OPTIONS = frozenset({"out_dir", "resume", "reschedule", "overwrite", "stop_at", "progress"})
+#: How a run executes and reports, not what it trains: a resumed run keeps its checkpoint's value
+#: unless one is given.
+ADJUSTABLE_OPTIONS = frozenset({"log_interval", "eval_interval", "ckpt_interval", "device", "compile", "compile_mode",
+                                "fsdp"})
+_OPTION_NAMES = {"out_dir": "--out", "recipe_options": "--opt", "bf16": "--no-bf16", "progress": "--no-progress"}
+
+
+def option_name(field_name: str) -> str:
+    """The command-line option that sets a TrainConfig field (``batch_size`` -> ``--batch-size``)."""
+    return _OPTION_NAMES.get(field_name, "--" + field_name.replace("_", "-"))
+
+
+def _fp8_named(opts: Any, grad_e4m3: bool) -> Any:
+    """Recipe options ``opts`` with ``fp8_grad_e4m3=grad_e4m3`` where they turn FP8 on and do not
+    name the gradient format (the same object otherwise)."""
+    if isinstance(opts, dict) and opts.get("fp8") is True and "fp8_grad_e4m3" not in opts:
+        return {**opts, "fp8_grad_e4m3": grad_e4m3}
+    return opts
+
+
+def saved_options(d: dict[str, Any]) -> dict[str, Any]:
+    """A saved config or summary (``d``, with ``recipe_options``) as this version reads it: an FP8
+    run's options without ``fp8_grad_e4m3`` were saved while e5m2 was the default, so they get
+    ``fp8_grad_e4m3=False`` (configs name it since, :class:`TrainConfig`)."""
+    opts = _fp8_named(d.get("recipe_options"), False)
+    return d if opts is d.get("recipe_options") else {**d, "recipe_options": opts}
+
+
+def resumed_config(saved: dict[str, Any], cfg: TrainConfig, given: set[str] | None = None) -> TrainConfig:
+    """The settings a resumed run trains with, as nanoGPT's ``init_from='resume'`` does: those of
+    its checkpoint (``saved``, the checkpoint's config), with ``cfg``'s launch options
+    (:data:`LAUNCH_OPTIONS`) and, where ``cfg`` gives them, its :data:`ADJUSTABLE_OPTIONS`.
+
+    ``given`` names the fields ``cfg`` sets explicitly (the command line's options); None means
+    all of them (a config built in Python). A given field that changes what is trained (data,
+    schedule, batch, recipe, model, ...) must equal the checkpoint's, else TrainError names it;
+    ``steps`` may change only with ``reschedule`` (the learning-rate schedule is recomputed)."""
+    old = TrainConfig.from_dict(saved)
+    merged = {}
+    for f in dataclasses.fields(TrainConfig):
+        name, mine, theirs = f.name, getattr(cfg, f.name), getattr(old, f.name)
+        explicit = given is None or name in given
+        if name in LAUNCH_OPTIONS or (name in ADJUSTABLE_OPTIONS and explicit):
+            merged[name] = mine
+        elif explicit and _norm(mine) != _norm(theirs) and not (name == "steps" and cfg.reschedule):
+            hint = " or add --reschedule to recompute the schedule over the new --steps" if name == "steps" else ""
+            raise TrainError(f"{option_name(name)} {_show(mine)} contradicts the run being resumed "
+                             f"({_show(theirs)} in its checkpoint): a resumed run keeps its settings; leave the "
+                             f"option out{hint}, or start a new run with another --out")
+        else:
+            merged[name] = mine if explicit else theirs
+    if not merged["compile"] and not (given is None or "compile_mode" in given):
+        merged["compile_mode"] = "default"  # resumed with --no-compile: the saved mode goes with it
+    return TrainConfig(**merged)
+
+
+def _norm(value: Any) -> Any:
+    """Settings compared as their JSON form (tuples and lists alike)."""
+    return json.loads(json.dumps(value))
+
+
+def _show(value: Any) -> str:
+    if isinstance(value, dict):
+        return ",".join(f"{k}={v}" for k, v in value.items()) or "(none)"
+    return "(none)" if value is None else str(value)
+
+
+def lr_at(cfg: TrainConfig, step: int) -> float:
+    """Linear warmup, then cosine decay to the floor (``floor_ratio`` of the peak; nanoGPT's schedule)."""
+    peak, floor = cfg.peak_lr, cfg.peak_lr * cfg.floor_ratio
+    if step < cfg.warmup_steps:
+        return peak * (step + 1) / cfg.warmup_steps
+    progress = (step - cfg.warmup_steps) / max(1, cfg.steps - cfg.warmup_steps)
+    return floor + 0.5 * (1 + math.cos(math.pi * min(progress, 1.0))) * (peak - floor)

@@ -1,0 +1,258 @@
+"""Token streams for training: the default corpus (Python's own standard library, as bytes) and
+real data (a text file or folder, nanoGPT-style uint16 ``.bin`` shards, a local Hugging Face
+dataset), all behind one small interface. Nothing is ever fetched from the network.
+"""
+
+from __future__ import annotations
+
+import codecs
+import contextlib
+import importlib
+import io
+import os
+import pickle
+import sysconfig
+import warnings
+import zlib
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from ..errors import DataError
+
+__all__ = ["TokenData", "load_data", "DataError", "stdlib_files"]
+
+VAL_FRACTION = 0.05
+
+
+@dataclass
+class TokenData:
+    """Train and validation token arrays (1-D numpy arrays or memmaps) and their vocabulary size."""
+
+    train: np.ndarray
+    val: np.ndarray
+    vocab_size: int
+    name: str
+
+    def check(self, seq_len: int) -> None:
+        """Raise DataError if either split can't give one sequence of ``seq_len`` + 1 tokens."""
+        for split, arr in (("train", self.train), ("val", self.val)):
+            if len(arr) <= seq_len + 1:
+                raise DataError(f"{self.name}: the {split} split has {len(arr)} tokens, fewer than one "
+                                f"sequence of length {seq_len} + 1; use a shorter --seq-len or more data")
+
+    def batch(self, split: str, batch_size: int, seq_len: int, generator: torch.Generator,
+              device: torch.device | str = "cpu") -> tuple[torch.Tensor, torch.Tensor]:
+        """Random windows (inputs and next-token targets); ``generator`` is the data position."""
+        arr = self.train if split == "train" else self.val
+        starts = torch.randint(0, len(arr) - seq_len - 1, (batch_size,), generator=generator).tolist()
+        rows = np.stack([np.asarray(arr[s : s + seq_len + 1], dtype=np.int64) for s in starts])
+        t = torch.from_numpy(rows)
+        if torch.device(device).type == "cuda":  # one pinned window, one copy: x and y are views of it
+            t = t.pin_memory().to(device, non_blocking=True)
+        else:
+            t = t.to(device)
+        return t[:, :-1], t[:, 1:]
+
+
+def stdlib_files() -> list[Path]:
+    """The standard library's ``.py`` files (without site-packages), in a fixed order."""
+    root = Path(sysconfig.get_paths()["stdlib"])
+    return sorted(p for p in root.rglob("*.py") if "site-packages" not in p.parts and "dist-packages" not in p.parts)
+
+
+def _position_split(data: bytes | bytearray, name: str) -> TokenData:
+    """Bytes split by position: the last ``VAL_FRACTION`` is validation, the rest training."""
+    cut = int(len(data) * (1 - VAL_FRACTION))
+    if cut == 0:
+        raise DataError(f"{name}: no bytes to train on")
+    arr = np.frombuffer(bytes(data), dtype=np.uint8)
+    return TokenData(arr[:cut], arr[cut:], 256, name)
+
+
+def _split_files(files: list[Path], root: Path, name: str) -> TokenData:
+    """Bytes of ``files``; each file goes to validation by a stable hash of its path (about 5%).
+
+    If the hash sends every file to one split (a few files), the concatenated bytes are split by
+    position instead: the tail is validation.
+    """
+    train, val = bytearray(), bytearray()
+    for f in files:
+        try:
+            data = f.read_bytes()
+        except OSError:
+            continue
+        rel = f.relative_to(root).as_posix() if f.is_relative_to(root) else f.name
+        (val if zlib.crc32(rel.encode()) % 1000 < VAL_FRACTION * 1000 else train).extend(data)
+    if not train or not val:  # all files landed in one split: hold out the tail instead
+        return _position_split(train or val, name)
+    return TokenData(np.frombuffer(bytes(train), dtype=np.uint8), np.frombuffer(bytes(val), dtype=np.uint8), 256, name)
+
+
+BINARY_PROBE = 8192  # bytes read from the start of a file to tell text from binary
+
+
+def _is_binary(path: Path) -> bool:
+    """True if the first 8 KiB hold a NUL byte or aren't UTF-8 (a multi-byte character cut off at
+    the end of the probe is fine). Unreadable files count as binary."""
+    try:
+        with path.open("rb") as fh:
+            head = fh.read(BINARY_PROBE)
+    except OSError:
+        return True
+    if b"\0" in head:
+        return True
+    try:
+        codecs.getincrementaldecoder("utf-8")().decode(head, final=False)
+    except UnicodeDecodeError:
+        return True
+    return False
+
+
+def _text_files(folder: Path, spec: str) -> list[Path]:
+    """The non-empty text files below ``folder``, in a fixed order. Hidden files and folders
+    (a name starting with ".") below ``folder`` are skipped; binary files are skipped with one warning."""
+    files = []
+    for dirpath, dirnames, filenames in os.walk(folder):
+        dirnames[:] = sorted(d for d in dirnames if not d.startswith("."))
+        files.extend(Path(dirpath) / f for f in filenames if not f.startswith("."))
+    files = sorted(p for p in files if p.is_file() and p.stat().st_size > 0)
+    if not files:
+        raise DataError(f"{spec}: the folder holds no data")
+    binary = [p for p in files if _is_binary(p)]
+    if binary:
+        if len(binary) == len(files):
+            raise DataError(f"{spec}: the folder holds no text: all {len(files)} files look binary (a NUL byte or "
+                            "not UTF-8 in their first 8 KiB); pass a folder of text files, or .bin token shards")
+        names = ", ".join(p.relative_to(folder).as_posix() for p in binary[:3]) + (", ..." if len(binary) > 3 else "")
+        warnings.warn(f"{spec}: skipped {len(binary)} binary file{'s' if len(binary) > 1 else ''} "
+                      f"(a NUL byte or not UTF-8 in the first 8 KiB): {names}", stacklevel=3)
+        skip = set(binary)
+        files = [p for p in files if p not in skip]
+    return files
+
+
+class _PlainUnpickler(pickle.Unpickler):
+    """An unpickler that builds plain data only (dict, list, tuple, str, int, float, bool, None, ...):
+    any global (a class or function, the way a pickle runs code) is refused."""
+
+    def find_class(self, module: str, name: str):
+        raise pickle.UnpicklingError(f"refusing to load the global {module}.{name}")
+
+
+def read_meta(meta: Path) -> dict:
+    """nanoGPT's ``meta.pkl`` (``vocab_size``, and ``stoi``/``itos`` for character-level data),
+    read without running code: a pickle holding anything but plain data is refused."""
+    try:
+        obj = _PlainUnpickler(io.BytesIO(meta.read_bytes())).load()
+    except pickle.UnpicklingError as e:
+        raise DataError(f"{meta}: holds something other than plain data ({e}); twofour reads only "
+                        "dicts, lists, strings and numbers from meta.pkl, so that a pickle can't run code") from e
+    except Exception as e:  # truncated or not a pickle at all
+        raise DataError(f"{meta}: not a readable pickle ({type(e).__name__}: {e})") from e
+    if not isinstance(obj, dict) or "vocab_size" not in obj:
+        raise DataError(f"{meta}: expected a dict with 'vocab_size' (as nanoGPT writes it)")
+    try:
+        vocab_size = int(obj["vocab_size"])
+    except (TypeError, ValueError) as e:
+        raise DataError(f"{meta}: vocab_size {obj['vocab_size']!r} is not an integer") from e
+    if vocab_size < 1:
+        raise DataError(f"{meta}: vocab_size {vocab_size} must be positive")
+    return {**obj, "vocab_size": vocab_size}
+
+
+def _bin_shards(folder: Path, vocab_size: int | None) -> TokenData:
+    train = sorted(folder.glob("*train*.bin"))
+    val = sorted(folder.glob("*val*.bin"))
+    if not train or not val:
+        raise DataError(f"{folder}: expected train*.bin and val*.bin token shards (uint16, as nanoGPT writes)")
+    if vocab_size is None:
+        meta = folder / "meta.pkl"
+        if not meta.exists():
+            raise DataError(f"{folder}: .bin shards need their vocabulary size: pass --vocab-size "
+                            "(50257 for GPT-2's tokenizer) or put nanoGPT's meta.pkl beside them")
+        vocab_size = read_meta(meta)["vocab_size"]
+
+    def load(paths: list[Path]) -> np.ndarray:
+        arrs = [np.memmap(p, dtype=np.uint16, mode="r") for p in paths if p.stat().st_size >= 2]
+        if not arrs:
+            raise DataError(f"{folder}: the shards {', '.join(p.name for p in paths)} are empty")
+        return arrs[0] if len(arrs) == 1 else np.concatenate(arrs)
+
+    data = TokenData(load(train), load(val), vocab_size, str(folder))
+    top = int(max(data.train[: 1 << 20].max(), data.val[: 1 << 20].max()))
+    if top >= vocab_size:
+        raise DataError(f"{folder}: token id {top} is outside the vocabulary size {vocab_size}")
+    return data
+
+
+def _hf_dataset(spec: str) -> TokenData:
+    os.environ.setdefault("HF_DATASETS_OFFLINE", "1")  # never reach for the network
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    try:
+        import datasets  # noqa: PLC0415
+    except ImportError as e:
+        raise DataError("hf: data needs the 'datasets' package: pip install 'twofour[hf]'") from e
+    for mod, flag in (("datasets.config", "HF_DATASETS_OFFLINE"), ("datasets.config", "HF_HUB_OFFLINE"),
+                      ("huggingface_hub.constants", "HF_HUB_OFFLINE")):
+        with contextlib.suppress(Exception):  # also when datasets was imported before twofour
+            setattr(importlib.import_module(mod), flag, True)
+    path = spec[len("hf:"):]
+    try:
+        ds = datasets.load_from_disk(path) if Path(path).exists() else datasets.load_dataset(path)
+    except Exception as e:  # offline and not cached, or not a dataset
+        raise DataError(f"{spec}: no local copy of this Hugging Face dataset ({type(e).__name__}: {e}); "
+                        "twofour never downloads: save it with dataset.save_to_disk(path) and pass hf:path") from e
+    if isinstance(ds, datasets.DatasetDict):
+        if "train" not in ds:
+            raise DataError(f"{spec}: the dataset has no 'train' split (has {', '.join(ds)})")
+        train = ds["train"]
+        val = ds.get("validation") or ds.get("test")
+    else:
+        train, val = ds, None
+    if "text" not in train.column_names:
+        raise DataError(f"{spec}: expected a 'text' column, found {', '.join(train.column_names)}")
+
+    def as_bytes(d) -> np.ndarray:
+        return np.frombuffer("\n".join(d["text"]).encode("utf-8"), dtype=np.uint8)
+
+    tr = as_bytes(train)
+    va = as_bytes(val) if val is not None else tr[int(len(tr) * (1 - VAL_FRACTION)):]
+    if val is None:
+        tr = tr[: int(len(tr) * (1 - VAL_FRACTION))]
+    return TokenData(tr, va, 256, spec)
+
+
+def load_data(spec: str | None = None, vocab_size: int | None = None) -> TokenData:
+    """The data named by ``spec``.
+
+    ``None`` or ``"stdlib"``: Python's standard library source, as bytes (vocabulary 256);
+    a text file: its bytes, the last 5% for validation; a folder of text files: their bytes, split
+    by file (hidden files and folders below it are skipped, binary files skipped with a warning);
+    a folder with ``train*.bin`` and ``val*.bin``: uint16 token shards (``vocab_size`` or a
+    ``meta.pkl``, read as plain data only); ``hf:NAME_OR_PATH``: the ``text`` column of a local
+    Hugging Face dataset, as bytes.
+    """
+    if spec is None or spec == "stdlib":
+        files = stdlib_files()
+        if not files:
+            raise DataError("stdlib: found no .py files in this Python's standard library")
+        return _split_files(files, Path(sysconfig.get_paths()["stdlib"]), "stdlib")
+    if spec.startswith("hf:"):
+        return _hf_dataset(spec)
+    path = Path(spec).expanduser()
+    if not path.exists():
+        raise DataError(f"{spec}: no such file or folder")
+    path = path.resolve()  # "../corp" and "./x": hidden parts are only looked for below the data folder
+    if path.is_file():
+        if path.stat().st_size == 0:
+            raise DataError(f"{spec}: the file is empty")
+        if _is_binary(path):
+            raise DataError(f"{spec}: the file looks binary (a NUL byte or not UTF-8 in its first 8 KiB); "
+                            "pass a text file, or a folder of .bin token shards")
+        return _position_split(path.read_bytes(), str(path))
+    if any(path.glob("*.bin")):
+        return _bin_shards(path, vocab_size)
+    return _split_files(_text_files(path, spec), path, str(path))

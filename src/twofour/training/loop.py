@@ -1,0 +1,305 @@
+"""The training loop behind ``twofour train`` and ``twofour compare``, in the manner of nanoGPT:
+one function, read top to bottom: set up, then for each optimizer step, micro-batches, clip,
+step, log, evaluate, checkpoint.
+
+Runs on the CPU, one GPU, or several through ``torchrun`` (DDP by default, FSDP2 with
+``fsdp=True``); only rank 0 logs and writes. Checkpoints are atomic and hold everything a
+bit-identical resume needs on the CPU (model and recipe state, optimizer, scheduler, data
+position and RNG states). Between log lines (every ``log_interval`` steps) the loop never
+waits for the GPU. Ctrl-C or SIGTERM finishes the current step and checkpoints it before
+stopping. The options live in :mod:`twofour.training.config`, the run folder in :mod:`twofour.training.runs`,
+the terminal output and signal handling in :mod:`twofour.training.console`.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import time
+import warnings
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+import torch.distributed as dist
+
+from .. import dispatch
+from ..errors import TrainError
+from ..kernels import ops
+from ..models.presets import build_model as _build_model
+from ..sparse.convert import attach, sparse_layers
+from ..sparse.optim import STEPAdamW
+from ..sparse.recipes import Recipe
+from ..version import __version__
+from .config import TrainConfig, lr_at, resolve_device
+from .console import Interrupted, Progress, StopRequest
+from .data import TokenData, load_data
+from .runs import (
+    CKPT,
+    MetricsLog,
+    full_state_dicts,
+    load_checkpoint,
+    load_state_dicts,
+    prepare_run_dir,
+    read_summary,
+    rng_state,
+    save_checkpoint,
+    set_rng_state,
+    write_summary,
+)
+
+__all__ = ["train", "build_model", "evaluate", "val_windows"]
+
+
+def build_model(cfg: TrainConfig, recipe: Recipe, vocab_size: int) -> torch.nn.Module:
+    """``cfg``'s preset model with ``recipe`` applied (:func:`twofour.models.build_model`)."""
+    return _build_model(cfg.model, recipe, vocab_size=vocab_size, block_size=cfg.seq_len,
+                        sparse_attention=cfg.sparse_attention)
+
+
+def _dist() -> tuple[int, int, int]:
+    """(rank, world size, local rank); initializes the process group under torchrun."""
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    if world == 1:
+        return 0, 1, 0
+    local_rank = int(os.environ.get("LOCAL_RANK", "0"))
+    if not dist.is_initialized():
+        if torch.cuda.is_available():
+            # each rank on its own GPU before NCCL starts: otherwise every rank's first
+            # collective (the barrier below) lands on GPU 0 and a 2-GPU run hangs there
+            torch.cuda.set_device(local_rank)
+            dist.init_process_group("nccl", device_id=torch.device("cuda", local_rank))
+        else:
+            dist.init_process_group("gloo")
+    return dist.get_rank(), world, local_rank
+
+
+def val_windows(data: TokenData, cfg: TrainConfig) -> np.ndarray:
+    """Start offsets of the validation windows: ``eval_iters * batch_size`` windows spaced evenly
+    over the whole val split. They depend on the data and the batch shape only, never on the
+    seed, so runs of different seeds (and recipes) are scored on the same text."""
+    last = len(data.val) - cfg.seq_len - 1
+    return np.linspace(0, last, cfg.eval_iters * cfg.batch_size).round().astype(np.int64)
+
+
+@torch.no_grad()
+def evaluate(model, data: TokenData, cfg: TrainConfig, device, autocast) -> float:
+    """Mean validation loss over the fixed windows of :func:`val_windows` (the same every time)."""
+    model.eval()
+    starts = val_windows(data, cfg).reshape(cfg.eval_iters, cfg.batch_size)
+    total = torch.zeros((), device=device)
+    for batch in starts:
+        rows = np.stack([np.asarray(data.val[s : s + cfg.seq_len + 1], dtype=np.int64) for s in batch])
+        t = torch.from_numpy(rows).to(device)
+        if cfg.cuda_graphs:  # each call a new step for the CUDA graphs
+            torch.compiler.cudagraph_mark_step_begin()
+        with autocast:
+            total += model(t[:, :-1], t[:, 1:])[1].float()
+    model.train()
+    return total.item() / cfg.eval_iters  # one host sync
+
+
+def slow_path_warning(device: torch.device, recipe: Recipe) -> str | None:
+    """What to tell a user whose sparse run on a GPU can't take the fast path (cuSPARSELt
+    bindings or Triton missing) and so runs the reference math, slower than dense; else None.
+    Nothing when the fast path was turned off on purpose (``TWOFOUR_FAST=0``)."""
+    if device.type != "cuda" or not recipe.sparse or not dispatch.fast or ops.fast_available():
+        return None
+    return ("twofour: the 2:4 fast path is unavailable here (it needs an sm80+ GPU, Triton and nvmath-python's "
+            "cuSPARSELt bindings: pip install 'twofour[gpu]'), so the sparse layers run the plain-torch "
+            "reference math, slower than dense")
+
+
+def train(cfg: TrainConfig, data: TokenData | None = None) -> dict[str, Any]:
+    """Train one run as ``cfg`` says; returns the summary it also writes to ``summary.json``."""
+    # ---- set-up: processes, data, run folder, model, optimizer, schedule, resume ----
+    cfg.validate()
+    recipe = cfg.recipe_object()
+    rank, world, local_rank = _dist()
+    if cfg.cuda_graphs and (world > 1 or cfg.micro_batches(world) > 1):
+        raise TrainError(f"--compile-mode {cfg.compile_mode} (CUDA graphs) runs in one process with one micro-batch "
+                         f"a step; this run has {world} process(es) and {cfg.micro_batches(world)} micro-batches: "
+                         "use --grad-accum 1 and no torchrun, or another --compile-mode")
+    device = resolve_device(cfg.device, local_rank)
+    slow = slow_path_warning(device, recipe)
+    if slow and rank == 0:
+        warnings.warn(slow, stacklevel=2)
+    if data is None:
+        data = load_data(cfg.data, cfg.vocab_size)
+    data.check(cfg.seq_len)
+    out = Path(cfg.out_dir)
+    if rank == 0:
+        out = prepare_run_dir(cfg)
+    if world > 1:
+        dist.barrier()
+    ckpt = load_checkpoint(out / CKPT, cfg) if cfg.resume else None
+    if ckpt is not None:
+        _check_resumable(ckpt, cfg, world, out)
+
+    torch.manual_seed(cfg.seed)
+    model = build_model(cfg, recipe, data.vocab_size).to(device)
+    raw = model  # the unwrapped model: state dicts, recipe state, flip rates
+    fsdp = world > 1 and cfg.fsdp
+    if fsdp:
+        from torch.distributed.fsdp import fully_shard  # noqa: PLC0415
+
+        for unit in model.fsdp_units():
+            fully_shard(unit)
+        fully_shard(model)
+    decay = [p for p in model.parameters() if p.dim() >= 2]
+    no_decay = [p for p in model.parameters() if p.dim() < 2]
+    groups = [{"params": decay, "weight_decay": cfg.weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
+    if recipe.starts_dense:  # STEP: the optimizer decides when the masks switch on
+        opt = STEPAdamW(groups, total_steps=cfg.steps, lr=cfg.peak_lr, betas=cfg.betas)
+    else:
+        opt = torch.optim.AdamW(groups, lr=cfg.peak_lr, betas=cfg.betas, fused=device.type == "cuda")
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: lr_at(cfg, s) / cfg.peak_lr)
+    data_gen = torch.Generator().manual_seed(cfg.seed + 7919 * rank)
+    start = 0
+    if ckpt is not None:
+        load_state_dicts(raw, opt, ckpt["model"], ckpt["optimizer"], fsdp)
+        sched.load_state_dict(ckpt["scheduler"])
+        start = ckpt["step"]
+        sched.last_epoch = start - 1
+        sched.step()  # this step's lr from cfg's schedule (a new one under --reschedule)
+        set_rng_state(ckpt["rng"][rank], data_gen)
+    attach(raw, opt)  # masks, refreshes and phases advance once per optimizer step
+    if world > 1 and not cfg.fsdp:
+        ids = [local_rank] if device.type == "cuda" else None
+        model = torch.nn.parallel.DistributedDataParallel(model, device_ids=ids)
+    fwd = torch.compile(model, mode=cfg.compile_mode) if cfg.compile else model
+    use_bf16 = cfg.bf16 and device.type == "cuda"
+    autocast = torch.autocast("cuda", dtype=torch.bfloat16) if use_bf16 else contextlib.nullcontext()
+
+    metrics = MetricsLog(out, start if ckpt else None) if rank == 0 else None
+    if rank == 0:
+        (out / "config.json").write_text(json.dumps(cfg.to_dict(), indent=2))
+    accum = cfg.micro_batches(world)
+    tokens_per_step = cfg.batch_size * cfg.seq_len * accum * world
+    stop = cfg.stop_at or cfg.steps
+    progress = Progress(rank == 0, cfg.progress, f"{recipe.name} {cfg.model}", start, stop)
+    # wall time goes on across a resume; throughput is timed over windows of logged steps
+    t_start = time.perf_counter() - (ckpt.get("elapsed_s", 0.0) if ckpt else 0.0)
+    t_window, window_steps = time.perf_counter(), 0
+    loss_acc = torch.zeros((), device=device)
+    # each sparse layer's flip counter (a buffer updated in place by advance()), gathered once
+    counters = [layer for _, layer in sparse_layers(raw) if layer.recipe.sparse]
+    flips = torch.zeros((), device=device, dtype=torch.long)
+    mask_size = max(1, sum(layer.weight.numel() for layer in counters))
+    stop_request = StopRequest(rank == 0)
+
+    # ---- the loop: one optimizer step per iteration ----
+    try:
+        with stop_request:
+            for step in range(start, stop):
+                # micro-batches: gradients add up; DDP syncs them on the last one only
+                for micro in range(accum):
+                    x, y = data.batch("train", cfg.batch_size, cfg.seq_len, data_gen, device)
+                    sync = micro == accum - 1 or not isinstance(model, torch.nn.parallel.DistributedDataParallel)
+                    if cfg.cuda_graphs:  # a new step for the CUDA graphs: the previous call's outputs are consumed
+                        torch.compiler.cudagraph_mark_step_begin()
+                    with (contextlib.nullcontext() if sync else model.no_sync()), autocast:
+                        loss = fwd(x, y)[1] / accum
+                    loss.backward()
+                    loss_acc += loss.detach()
+                # clip, step (the attach() hook advances the sparse layers here), schedule
+                if cfg.grad_clip:
+                    torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.grad_clip)
+                lr = sched.get_last_lr()[0]
+                opt.step()
+                sched.step()
+                opt.zero_grad(set_to_none=True)
+                done, window_steps = step + 1, window_steps + 1
+                progress.update()
+                evaluating = done % cfg.eval_interval == 0 or done == stop
+                saving = done % cfg.ckpt_interval == 0 or done == stop
+                boundary = done % cfg.log_interval == 0 or evaluating or saving
+                if counters:  # summed on the device for the window's mean flip rate: no host sync
+                    flips += torch.stack([layer.flips for layer in counters]).sum()
+                stopping = stop_request.agreed(boundary, world, device) and done < stop  # the last step ends
+                if not (boundary or stopping):
+                    continue  # no host sync between log lines: the GPU runs ahead of the Python loop
+                # log: the mean train loss and the throughput since the last log line (one host sync)
+                if world > 1:
+                    dist.all_reduce(loss_acc)
+                    loss_acc /= world
+                train_loss = loss_acc.item() / window_steps
+                loss_acc.zero_()
+                now = time.perf_counter()
+                row = {"step": done, "tokens": done * tokens_per_step, "lr": lr, "train_loss": train_loss,
+                       "val_loss": evaluate(fwd, data, cfg, device, autocast) if evaluating else None,
+                       "flip_rate": flips.item() / window_steps / mask_size,
+                       "tokens_per_s": tokens_per_step * window_steps / max(now - t_window, 1e-9),
+                       "elapsed_s": now - t_start}
+                if rank == 0:
+                    metrics.log(row)
+                    progress.log(row)
+                if saving or stopping:
+                    _checkpoint(out, cfg, raw, opt, sched, done, data_gen, rank, world, time.perf_counter() - t_start)
+                if stopping:
+                    raise Interrupted(done, out / CKPT)
+                flips.zero_()
+                t_window, window_steps = time.perf_counter(), 0  # evaluation and checkpoints stay out of it
+    finally:
+        progress.close()
+        if metrics is not None:
+            metrics.close()
+
+    # ---- wrap up ----
+    summary = write_summary(out, cfg) if rank == 0 else {}
+    if world > 1:
+        dist.barrier()
+    return summary
+
+
+def _check_resumable(ckpt: dict[str, Any], cfg: TrainConfig, world: int, out: Path) -> None:
+    """Raise TrainError if the checkpoint can't go on as ``cfg`` asks."""
+    step = ckpt["step"]
+    if len(ckpt["rng"]) != world:
+        raise TrainError(f"the checkpoint in {out} was written by {len(ckpt['rng'])} process(es); resume it "
+                         f"with as many (this is {world})")
+    if cfg.stop_at is not None and step >= cfg.stop_at:
+        raise TrainError(f"--stop-at {cfg.stop_at} is not after the checkpoint's step {step}")
+    if step > cfg.steps or (step == cfg.steps and read_summary(out) is not None):
+        raise TrainError(f"the run in {out} has done {step} of {cfg.steps} steps; to train it further, "
+                         f"resume with --steps larger than {step} and --reschedule")
+
+
+def _check_replicas(raw: torch.nn.Module, world: int) -> None:
+    """Raise if any rank's masks, scales or step counters differ from rank 0's."""
+    sums = []
+    for _, layer in sparse_layers(raw):
+        if layer.mask is None:
+            continue
+        m = layer.mask.flatten().long()
+        w = torch.arange(m.numel(), device=m.device) % 9973
+        sums += [m.sum(), (m * w).sum(), layer.step.long()]
+        if layer.beta is not None:
+            sums.append((layer.beta.double() * 1e9).round().long())
+    if not sums:
+        return
+    mine = torch.stack(sums)
+    everyone = [torch.empty_like(mine) for _ in range(world)]
+    dist.all_gather(everyone, mine)
+    bad = [r for r, t in enumerate(everyone) if not torch.equal(t, everyone[0])]
+    if bad:
+        raise TrainError(f"recipe state of rank(s) {bad} differs from rank 0's: masks diverged across replicas")
+
+
+def _checkpoint(out: Path, cfg: TrainConfig, raw, opt, sched, step: int, data_gen, rank: int, world: int,
+                elapsed_s: float) -> None:
+    """Every rank takes part (replica check, FSDP gathers, RNG states); rank 0 writes."""
+    if world > 1:
+        _check_replicas(raw, world)
+    model_sd, opt_sd = full_state_dicts(raw, opt, world > 1 and cfg.fsdp)
+    rng = [rng_state(data_gen)]
+    if world > 1:  # every rank's data position and RNG states, kept by rank 0
+        rng = [None] * world
+        dist.all_gather_object(rng, rng_state(data_gen))
+    if rank == 0:
+        save_checkpoint(out / CKPT, {"config": cfg.to_dict(), "step": step,
+                                     "vocab_size": raw.vocab_size, "model": model_sd, "optimizer": opt_sd,
+                                     "scheduler": sched.state_dict(), "rng": rng, "elapsed_s": elapsed_s,
+                                     "twofour_version": __version__})

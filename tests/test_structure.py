@@ -1,0 +1,137 @@
+"""The package's shape holds: dependencies point one way, no module over 400 lines.
+
+Read from the sources' import statements (every import, also those inside functions), so a
+change that breaks a rule fails here with the offending module and line.
+"""
+
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+import pytest
+
+PKG = Path(__file__).resolve().parents[1] / "src" / "twofour"
+
+#: Each part's level: a module may import only parts of its own level or below, and parts of one
+#: level do not import each other unless listed in ALLOWED_SIDEWAYS.
+LEVELS = {
+    "errors": 0, "version": 0, "dispatch": 0, "functional": 0,
+    "kernels": 1,
+    "activations": 2,
+    "fp8": 3,
+    "sparse": 4,
+    "models": 5,
+    "inference": 6,
+    "training": 7,
+    "bench": 8, "bench_fp8": 8, "bench_inference": 8,
+    "cli": 9,
+    "__main__": 10,
+}
+ALLOWED_SIDEWAYS: set[tuple[str, str]] = {("bench_fp8", "bench"), ("bench_inference", "bench")}
+#: What the kernels know of the rest of the package: the switches and measured choices only.
+KERNEL_IMPORTS = {"kernels", "dispatch"}
+
+
+def _modules() -> list[tuple[str, Path]]:
+    out = []
+    for f in sorted(PKG.rglob("*.py")):
+        rel = f.relative_to(PKG.parent).with_suffix("")
+        parts = list(rel.parts)
+        if parts[-1] == "__init__":
+            parts = parts[:-1]
+        out.append((".".join(parts), f))
+    return out
+
+
+def _is_module(name: str) -> bool:
+    path = PKG.parent.joinpath(*name.split("."))
+    return path.with_suffix(".py").exists() or path.is_dir()
+
+
+def _imports(mod: str, path: Path) -> list[tuple[str, int]]:
+    """(imported module, line) for every twofour import in ``path``, relative ones resolved."""
+    is_pkg = path.name == "__init__.py"
+    pkg = mod.split(".") if is_pkg else mod.split(".")[:-1]
+    found = []
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.ImportFrom):
+            if node.level:
+                base = pkg[: len(pkg) - node.level + 1]
+                target = ".".join(base + ([node.module] if node.module else []))
+            else:
+                target = node.module or ""
+            if target == "twofour" or target.startswith("twofour."):
+                if target == "twofour" or not node.module and node.level:
+                    # ``from twofour import x`` / ``from . import x``: x may be a module
+                    found += [(f"{target}.{a.name}" if _is_module(f"{target}.{a.name}") else target, node.lineno)
+                              for a in node.names]
+                else:
+                    found.append((target, node.lineno))
+        elif isinstance(node, ast.Import):
+            found += [(a.name, node.lineno) for a in node.names if a.name.split(".")[0] == "twofour"]
+    return found
+
+
+def _part(mod: str) -> str:
+    parts = mod.split(".")
+    return parts[1] if len(parts) > 1 else "__init__"
+
+
+MODULES = _modules()
+
+
+def test_the_tree_is_found():
+    names = {m for m, _ in MODULES}
+    assert {"twofour.kernels.ops", "twofour.sparse.layer", "twofour.fp8", "twofour.models", "twofour.inference",
+            "twofour.training.loop", "twofour.cli"} <= names
+    unknown = sorted(_part(m) for m in names if m != "twofour" and _part(m) not in LEVELS)
+    assert not unknown, f"parts of the package with no level in LEVELS: {unknown}"
+
+
+def test_no_module_imports_the_package_init():
+    bad = [f"{m}:{line}" for m, f in MODULES if m != "twofour" for t, line in _imports(m, f) if t == "twofour"]
+    assert not bad, f"these import the package's __init__ (import from the defining module instead): {bad}"
+
+
+def test_dependencies_point_one_way():
+    bad = []
+    for m, f in MODULES:
+        if m == "twofour":
+            continue
+        here = _part(m)
+        for t, line in _imports(m, f):
+            there = _part(t)
+            if there == here or t == "twofour":
+                continue
+            sideways = LEVELS[there] == LEVELS[here] and (here, there) not in ALLOWED_SIDEWAYS
+            if LEVELS[there] > LEVELS[here] or sideways:
+                bad.append(f"{m}:{line} imports {t}")
+    layering = "kernels <- fp8 <- sparse <- models <- inference, training <- cli"
+    assert not bad, f"imports against the layering ({layering}):\n" + "\n".join(bad)
+
+
+def test_inference_never_imports_training():
+    bad = [f"{m}:{line}" for m, f in MODULES if _part(m) == "inference" for t, line in _imports(m, f)
+           if _part(t) == "training"]
+    assert not bad, bad
+
+
+def test_kernels_know_no_file_format():
+    bad = [f"{m}:{line} imports {t}" for m, f in MODULES if _part(m) == "kernels" for t, line in _imports(m, f)
+           if _part(t) not in KERNEL_IMPORTS]
+    assert not bad, bad
+
+
+@pytest.mark.parametrize("mod,path", MODULES, ids=[m for m, _ in MODULES])
+def test_no_module_over_400_lines(mod, path):
+    n = len(path.read_text().splitlines())
+    assert n <= 400, f"{mod} has {n} lines: split it by job"
+
+
+def test_the_checks_catch_a_bad_import(tmp_path):
+    """The import reader resolves relative imports (else every rule above would pass on nothing)."""
+    f = tmp_path / "x.py"
+    f.write_text("from ..training.runs import CKPT\nfrom . import ops\nimport twofour\n")
+    got = [t for t, _ in _imports("twofour.kernels.x", f)]
+    assert got == ["twofour.training.runs", "twofour.kernels.ops", "twofour"]
