@@ -80,6 +80,10 @@ def _run_args(p: argparse.ArgumentParser, default_out: str) -> None:
     g.add_argument("--device", default=d.device, help="auto, cpu, cuda or cuda:N (default %(default)s)")
     g.add_argument("--fsdp", action=argparse.BooleanOptionalAction, default=d.fsdp,
                    help="under torchrun: FSDP2 instead of DDP (default: DDP)")
+    g.add_argument("--step-graphs", action=argparse.BooleanOptionalAction, default=d.step_graphs,
+                   help="on one GPU without --compile: replay each step's forward and backward as a CUDA graph, "
+                        "so the host's per-layer work does not bound the step (default: on; not under torchrun "
+                        "or with the step recipe)")
     g = p.add_argument_group("logging and checkpoints")
     g.add_argument("--eval-interval", type=int, default=d.eval_interval,
                    help="steps between validation losses (default %(default)s)")

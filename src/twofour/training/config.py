@@ -95,6 +95,7 @@ class TrainConfig:
     overwrite: bool = False
     device: str = "auto"
     fsdp: bool = False
+    step_graphs: bool = True  # the eager step's forward and backward as CUDA graphs (training/graphs.py)
     progress: bool = True
 
     def __post_init__(self) -> None:
@@ -239,7 +240,7 @@ LAUNCH_OPTIONS = frozenset({"out_dir", "resume", "reschedule", "overwrite", "sto
 #: How a run executes and reports, not what it trains: a resumed run keeps its checkpoint's value
 #: unless one is given.
 ADJUSTABLE_OPTIONS = frozenset({"log_interval", "eval_interval", "ckpt_interval", "device", "compile", "compile_mode",
-                                "fsdp"})
+                                "fsdp", "step_graphs"})
 _OPTION_NAMES = {"out_dir": "--out", "recipe_options": "--opt", "bf16": "--no-bf16", "progress": "--no-progress"}
 
 

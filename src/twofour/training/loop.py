@@ -36,6 +36,7 @@ from ..version import __version__
 from .config import TrainConfig, lr_at, resolve_device
 from .console import Interrupted, Progress, StopRequest
 from .data import TokenData, load_data
+from .graphs import StepGraphs
 from .runs import (
     CKPT,
     MetricsLog,
@@ -166,17 +167,36 @@ def train(cfg: TrainConfig, data: TokenData | None = None) -> dict[str, Any]:
         sched.step()  # this step's lr from cfg's schedule (a new one under --reschedule)
         set_rng_state(ckpt["rng"][rank], data_gen)
     attach(raw, opt)  # masks, refreshes and phases advance once per optimizer step
-    if world > 1 and not cfg.fsdp:
+    ddp = world > 1 and not cfg.fsdp
+    if ddp:  # the recipes' buffers (masks, scales) follow from the weights, equal on every rank: not broadcast
         ids = [local_rank] if device.type == "cuda" else None
-        model = torch.nn.parallel.DistributedDataParallel(model, device_ids=ids)
+        model = torch.nn.parallel.DistributedDataParallel(model, device_ids=ids, broadcast_buffers=False)
     fwd = torch.compile(model, mode=cfg.compile_mode) if cfg.compile else model
     use_bf16 = cfg.bf16 and device.type == "cuda"
     autocast = torch.autocast("cuda", dtype=torch.bfloat16) if use_bf16 else contextlib.nullcontext()
+    accum = cfg.micro_batches(world)
+
+    def micro_step(x: torch.Tensor, y: torch.Tensor, last: bool) -> torch.Tensor:
+        """One micro-batch's forward and backward; DDP reduces the gradients on the last one only."""
+        if cfg.cuda_graphs:  # a new step for the CUDA graphs: the previous call's outputs are consumed
+            torch.compiler.cudagraph_mark_step_begin()
+        with (contextlib.nullcontext() if last or not ddp else model.no_sync()), autocast:
+            loss = fwd(x, y)[1] / accum
+        loss.backward()
+        return loss.detach()
+
+    def clip() -> None:
+        if cfg.grad_clip:
+            torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.grad_clip)
+
+    # one process only: under DDP a captured step measured slower than the eager one (docs/PERFORMANCE.md)
+    graphs = None
+    if cfg.step_graphs and device.type == "cuda" and world == 1 and not cfg.compile and not recipe.starts_dense:
+        graphs = StepGraphs(model, micro_step, clip)
 
     metrics = MetricsLog(out, start if ckpt else None) if rank == 0 else None
     if rank == 0:
         (out / "config.json").write_text(json.dumps(cfg.to_dict(), indent=2))
-    accum = cfg.micro_batches(world)
     tokens_per_step = cfg.batch_size * cfg.seq_len * accum * world
     stop = cfg.stop_at or cfg.steps
     progress = Progress(rank == 0, cfg.progress, f"{recipe.name} {cfg.model}", start, stop)
@@ -194,23 +214,21 @@ def train(cfg: TrainConfig, data: TokenData | None = None) -> dict[str, Any]:
     try:
         with stop_request:
             for step in range(start, stop):
-                # micro-batches: gradients add up; DDP syncs them on the last one only
-                for micro in range(accum):
-                    x, y = data.batch("train", cfg.batch_size, cfg.seq_len, data_gen, device)
-                    sync = micro == accum - 1 or not isinstance(model, torch.nn.parallel.DistributedDataParallel)
-                    if cfg.cuda_graphs:  # a new step for the CUDA graphs: the previous call's outputs are consumed
-                        torch.compiler.cudagraph_mark_step_begin()
-                    with (contextlib.nullcontext() if sync else model.no_sync()), autocast:
-                        loss = fwd(x, y)[1] / accum
-                    loss.backward()
-                    loss_acc += loss.detach()
-                # clip, step (the attach() hook advances the sparse layers here), schedule
-                if cfg.grad_clip:
-                    torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.grad_clip)
+                # micro-batches (gradients add up) and clip: replayed as a CUDA graph where one is captured
+                batches = [data.batch("train", cfg.batch_size, cfg.seq_len, data_gen, device) for _ in range(accum)]
+                loss = graphs.step(batches) if graphs is not None else None
+                if loss is None:
+                    if graphs is not None:
+                        graphs.zero_grad()  # in place: a captured graph keeps the gradients' addresses
+                    loss = sum(micro_step(x, y, i == accum - 1) for i, (x, y) in enumerate(batches))
+                    clip()
+                loss_acc += loss
+                # step (the attach() hook advances the sparse layers here), schedule
                 lr = sched.get_last_lr()[0]
                 opt.step()
                 sched.step()
-                opt.zero_grad(set_to_none=True)
+                if graphs is None:
+                    opt.zero_grad(set_to_none=True)
                 done, window_steps = step + 1, window_steps + 1
                 progress.update()
                 evaluating = done % cfg.eval_interval == 0 or done == stop

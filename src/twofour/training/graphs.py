@@ -1,0 +1,117 @@
+"""The eager training step's forward and backward passes as CUDA graphs, so that the host's
+per-layer work (Python, autograd, kernel launches) runs once at capture instead of every step.
+
+At small batches a step's GPU work takes less time than the host needs to issue it, and the
+2:4 layers issue more than dense ones (compression, MVUE, the GEMM dispatch), so the sparse
+step waits on the host (``benchmarks/step/host_bound.py`` measures it). :class:`StepGraphs`
+records the forward and backward passes of all the step's micro-batches and the gradient clip
+as one CUDA graph, and replays it with each step's batches copied into its static inputs. The
+optimizer step, the masks' refresh (``twofour.attach``'s hook) and the schedule stay eager: they
+are a few launches, and they keep the recipes' host-side state (step counts, phases) exact.
+
+A graph replays exactly the kernels it recorded, so it is kept per *route signature*: each
+sparse layer's phase (dense or 2:4, FP8 or not), which decides what its forward runs. When the
+signature changes (a dense fine-tune begins, FP8 ends), the step runs eagerly for a few steps
+(the new routes' GEMM choices are measured then, which a capture cannot do) and a new graph is
+captured. Gradients are allocated once and never set to None; each graph zeroes them first.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable, Sequence
+
+import torch
+
+from ..sparse.layer import SparseLinear
+
+log = logging.getLogger("twofour")
+
+__all__ = ["StepGraphs", "WARMUP_STEPS"]
+
+#: Eager steps with a route signature before its graph is captured: the dispatch measures each
+#: GEMM's routes on its first call, and cuBLAS and Triton initialize on theirs.
+WARMUP_STEPS = 3
+
+
+class StepGraphs:
+    """Forward, backward and clip of one optimizer step as a CUDA graph per route signature.
+
+    ``micro_step(x, y, last)`` runs one micro-batch's forward and backward eagerly and returns
+    its loss (already divided by the number of micro-batches; ``last``: the micro-batch on which
+    DDP reduces the gradients); ``clip()`` clips the gradients. :meth:`step` runs both for a
+    step's batches, replaying a graph where one is captured for the current signature, and
+    returns the summed loss, or None where this step must run eagerly (the caller then runs it
+    as it would without graphs, with :meth:`zero_grad` instead of ``optimizer.zero_grad``).
+    ``warmup``: eager steps of a signature before its capture.
+    """
+
+    def __init__(self, model: torch.nn.Module, micro_step: Callable[[torch.Tensor, torch.Tensor, bool], torch.Tensor],
+                 clip: Callable[[], object], warmup: int = WARMUP_STEPS) -> None:
+        self.model = model
+        self.micro_step, self.clip, self.warmup = micro_step, clip, warmup
+        self.layers = [m for m in model.modules() if isinstance(m, SparseLinear)]
+        self.params = [p for p in model.parameters() if p.requires_grad]
+        self.graphs: dict[tuple, tuple[torch.cuda.CUDAGraph, list, torch.Tensor]] = {}
+        self.seen: dict[tuple, int] = {}
+        self.pool = None
+        self.disabled = False
+
+    def signature(self) -> tuple:
+        """What each sparse layer's forward runs: its dense phase and FP8 phase."""
+        return tuple((layer.is_dense_phase, layer.is_fp8_phase) for layer in self.layers)
+
+    def zero_grad(self) -> None:
+        """Zero the gradients in place (graphs hold their addresses), allocating any missing."""
+        grads = []
+        for p in self.params:
+            if p.grad is None:
+                p.grad = torch.zeros_like(p)
+            else:
+                grads.append(p.grad)
+        if grads:
+            torch._foreach_zero_(grads)
+
+    def step(self, batches: Sequence[tuple[torch.Tensor, torch.Tensor]]) -> torch.Tensor | None:
+        """The step's forward and backward passes and clip, from a graph where possible (see the class)."""
+        if self.disabled:
+            return None
+        sig = self.signature() + (tuple((tuple(x.shape), tuple(y.shape)) for x, y in batches),)
+        entry = self.graphs.get(sig)
+        if entry is None:
+            self.seen[sig] = self.seen.get(sig, 0) + 1
+            if self.seen[sig] <= self.warmup:
+                return None
+            entry = self._capture(sig, batches)
+            if entry is None:
+                return None
+        graph, inputs, loss = entry
+        for (sx, sy), (x, y) in zip(inputs, batches):
+            sx.copy_(x, non_blocking=True)
+            sy.copy_(y, non_blocking=True)
+        graph.replay()
+        return loss
+
+    def _capture(self, sig: tuple, batches) -> tuple | None:
+        inputs = [(x.clone(), y.clone()) for x, y in batches]
+        self.zero_grad()  # every gradient exists before capture, at an address the graph keeps
+        grads = [p.grad for p in self.params]
+        graph = torch.cuda.CUDAGraph()
+        torch.cuda.synchronize()
+        try:
+            with torch.cuda.graph(graph, pool=self.pool):
+                torch._foreach_zero_(grads)
+                loss = torch.zeros((), device=grads[0].device)
+                for i, (x, y) in enumerate(inputs):
+                    loss += self.micro_step(x, y, i == len(inputs) - 1).detach()
+                self.clip()
+        except Exception as e:  # noqa: BLE001 - any capture failure: the step stays eager from now on
+            self.disabled = True
+            log.warning("twofour: the training step could not be captured as a CUDA graph (%s: %s); it runs "
+                        "eagerly from now on", type(e).__name__, (str(e).splitlines() or [""])[0])
+            torch.cuda.synchronize()
+            self.zero_grad()
+            return None
+        self.pool = graph.pool()
+        self.graphs[sig] = (graph, inputs, loss)
+        return self.graphs[sig]
