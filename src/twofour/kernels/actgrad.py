@@ -5,7 +5,7 @@ In an FFN ``h = act(z)``, ``z = x W^T (+ b)``, the first linear's weight gradien
 so that dW runs as a 2:4 GEMM. Computed apart, that estimate costs a second pass over ``dz``
 (read it, write the compressed half). Here the kernel that produces ``dz`` also draws the
 estimate from the values it holds and writes it compressed: in traffic one extra write of the
-compressed operand and no extra read (its time against that bound: docs/PERFORMANCE.md, "The
+compressed operand and no extra read (its time against that bound: docs/notes/training-speed.md, "The
 fused activation + MVUE kernel"). The dense ``dz`` is still written (dX = dz W needs it exactly).
 
 Activations (``ACT``): GELU with the tanh approximation (GPT-2's), and SwiGLU on the interleaved
