@@ -40,16 +40,34 @@ def test_unknown_option_lists_valid(name, opt):
         make_recipe(name, **{opt: 1})
 
 
-@pytest.mark.parametrize("opts", [dict(mvue="yes"), dict(decay=-1.0), dict(mask_interval=0),
-                                  dict(dense_finetune=1.5), dict(total_steps=0), dict(fp8=True, fp8_grad_e4m3="on"),
-                                  dict(fp8_grad_e4m3=False), dict(bf16_finetune=0.1, total_steps=10),
-                                  dict(fp8=True, bf16_finetune=1.0, total_steps=10), dict(fp8=True, bf16_finetune=0.1),
-                                  dict(fp8_backward=False), dict(fp8=True, fp8_backward=0),
-                                  dict(fp8=True, fp8_backward=False, fp8_grad_e4m3=False), dict(fp8_forward=False),
-                                  dict(fp8=True, fp8_forward=False, fp8_backward=False)])
-def test_bad_option_values(opts):
-    with pytest.raises((ValueError, TypeError)):
+@pytest.mark.parametrize("opts,says", [
+    (dict(mvue="yes"), "mvue must be a bool"),
+    (dict(decay=-1.0), "decay must be a finite number >= 0, got -1.0"),
+    (dict(decay=float("inf")), "decay must be a finite number >= 0, got inf"),
+    (dict(decay=float("nan")), "decay must be a finite number >= 0, got nan"),
+    (dict(decay=True), "decay must be a finite number >= 0, got True"),
+    (dict(mask_interval=0), "mask_interval must be an int >= 1, got 0"),
+    (dict(dense_finetune=1.5), r"dense_finetune must be in \[0, 1\), got 1.5"),
+    (dict(dense_finetune=float("nan")), r"dense_finetune must be in \[0, 1\), got nan"),
+    (dict(dense_finetune=float("-inf")), r"dense_finetune must be in \[0, 1\), got -inf"),
+    (dict(total_steps=0), "total_steps must be a positive int, got 0"),
+    (dict(fp8=True, fp8_grad_e4m3="on"), "fp8_grad_e4m3 must be a bool"),
+    (dict(fp8_grad_e4m3=False), "fp8_grad_e4m3=False needs fp8=True"),
+    (dict(bf16_finetune=0.1, total_steps=10), "bf16_finetune=0.1 needs fp8=True"),
+    (dict(fp8=True, bf16_finetune=1.0, total_steps=10), r"bf16_finetune must be in \[0, 1\), got 1.0"),
+    (dict(fp8=True, bf16_finetune=float("nan"), total_steps=10), r"bf16_finetune must be in \[0, 1\), got nan"),
+    (dict(fp8=True, bf16_finetune=0.1), "bf16_finetune needs total_steps"),
+    (dict(fp8_backward=False), "fp8_backward=False needs fp8=True"),
+    (dict(fp8=True, fp8_backward=0), "fp8_backward must be a bool"),
+    (dict(fp8=True, fp8_backward=False, fp8_grad_e4m3=False), "fp8_grad_e4m3=False needs fp8_backward=True"),
+    (dict(fp8_forward=False), "fp8_forward=False needs fp8=True"),
+    (dict(fp8=True, fp8_forward=False, fp8_backward=False), "leaves no GEMM in FP8"),
+])
+def test_bad_option_values(opts, says):
+    """Each bad value is refused with one line naming the recipe, the option and what it must be."""
+    with pytest.raises((ValueError, TypeError), match=f"^recipe 't-sr-ste'.*{says}") as e:
         make_recipe("t-sr-ste", **opts)
+    assert "\n" not in str(e.value)
 
 
 @pytest.mark.parametrize("name", ["dense", "ste", "s-ste", "t-sr-ste"])

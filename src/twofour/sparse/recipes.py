@@ -8,6 +8,7 @@ schedule); the layer reads its fields and never parses the name. Build one with
 from __future__ import annotations
 
 import dataclasses
+import math
 from dataclasses import dataclass
 from typing import Any
 
@@ -138,6 +139,11 @@ def make_recipe(recipe: str | Recipe = DEFAULT_RECIPE, **options: Any) -> Recipe
     return Recipe(name=recipe, **fixed, **values)
 
 
+def _finite(value: Any) -> bool:
+    """A finite int or float (not a bool)."""
+    return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
+
+
 def _validate(name: str, v: dict[str, Any]) -> None:
     for key in ("mvue", "fp8", "fp8_rowwise", "fp8_grad_e4m3", "fp8_forward", "fp8_backward"):
         if key in v and not isinstance(v[key], bool):
@@ -151,12 +157,12 @@ def _validate(name: str, v: dict[str, Any]) -> None:
     if v.get("fp8_grad_e4m3") is False and v.get("fp8_backward") is False:
         raise ValueError(f"recipe {name!r}: fp8_grad_e4m3=False needs fp8_backward=True (with fp8_backward=False "
                          f"the gradients stay in the compute dtype)")
-    if "decay" in v and (not isinstance(v["decay"], (int, float)) or v["decay"] < 0):
-        raise ValueError(f"recipe {name!r}: decay must be a number >= 0, got {v['decay']!r}")
+    if "decay" in v and not (_finite(v["decay"]) and v["decay"] >= 0):
+        raise ValueError(f"recipe {name!r}: decay must be a finite number >= 0, got {v['decay']!r}")
     if "mask_interval" in v and (not isinstance(v["mask_interval"], int) or v["mask_interval"] < 1):
         raise ValueError(f"recipe {name!r}: mask_interval must be an int >= 1, got {v['mask_interval']!r}")
     for key in ("dense_finetune", "bf16_finetune"):
-        if key in v and (not isinstance(v[key], (int, float)) or isinstance(v[key], bool) or not 0 <= v[key] < 1):
+        if key in v and not (_finite(v[key]) and 0 <= v[key] < 1):
             raise ValueError(f"recipe {name!r}: {key} must be in [0, 1), got {v[key]!r}")
     ts = v.get("total_steps")
     if ts is not None and (not isinstance(ts, int) or isinstance(ts, bool) or ts < 1):
