@@ -34,7 +34,7 @@ def _option(text: str) -> tuple[str, Any]:
     if not sep or not key:
         raise argparse.ArgumentTypeError(f"expected KEY=VALUE (e.g. decay=6e-5), got {text!r}")
     key = key.replace("-", "_")
-    return key, (val if _precision_key(key) else _value(val))  # the former refused by name (_recipe_options)
+    return key, (val if _precision_key(key) else _value(val))  # kept as text: _recipe_options refuses it by name
 
 
 def _precision_key(key: str) -> bool:
