@@ -2,12 +2,12 @@
 
     PYTHONPATH=src python scripts/gap_by_eval.py runs/q10m-ours
     PYTHONPATH=src python scripts/gap_by_eval.py docs/results/q124m-ours --base s-ste --per-seed \\
-        --only fp8=true --plot docs/results_gpt2-124m_200m_fp8_gap.png
+        --only precision=fp8 --plot docs/results_gpt2-124m_200m_fp8_gap.png
 
-For each recipe (with its options, as compare's table names it) and each evaluation step that
+For each recipe (with its precision and options, as compare's table names it) and each evaluation step that
 every run has: (val loss - baseline val loss of the same seed) / baseline val loss, for each seed
 both ran (``--per-seed``) or averaged over them. The baseline is ``dense`` unless ``--base``
-names another run label (``s-ste``, ``"s-ste mvue=false"``). Prints a markdown table (the ones in
+names another run label (``s-ste``, ``"s-ste precision=fp8 mvue=false"``). Prints a markdown table (the ones in
 docs/RESULTS.md); ``--plot`` also draws the gaps over the steps, the mean over seeds with a band
 from their least to their greatest. Reads only the runs' ``summary.json`` and ``metrics.csv``.
 """

@@ -374,31 +374,79 @@ def test_resume_without_compile_drops_the_saved_compile_mode():
     assert other.compile and other.compile_mode == "max-autotune"
 
 
-def test_fp8_configs_name_their_gradient_format(tmp_path):
-    """An FP8 run's config names its dY format, so ``fp8=true`` with or without the default spelled
-    out is one run; a config or summary saved without it (e5m2 was the default then) reads as e5m2,
-    and a run resumed from it stays e5m2."""
+def test_an_old_config_reads_as_its_precision(tmp_path):
+    """A config, checkpoint config or summary saved with the former FP8 recipe options reads as the
+    precision they meant (without ``fp8_grad_e4m3``: e5m2, the default then), its other options
+    kept; a run resumed from it keeps that precision, and another one given contradicts it."""
     from twofour.errors import TrainError  # noqa: PLC0415
     from twofour.training.config import TrainConfig, resumed_config
     from twofour.training.runs import read_config, read_summary  # noqa: PLC0415
 
-    cfg = TrainConfig(recipe="s-ste", recipe_options={"fp8": True})
-    assert cfg.recipe_options == {"fp8": True, "fp8_grad_e4m3": True} and cfg.recipe_object().fp8_grad_e4m3
-    assert TrainConfig(recipe="s-ste", recipe_options={"fp8": True, "fp8_grad_e4m3": True}) == cfg
-    assert TrainConfig.from_dict(cfg.to_dict()) == cfg
-    assert TrainConfig(recipe="s-ste").recipe_options == {}
+    cfg = TrainConfig(recipe="s-ste", precision="fp8", recipe_options={"mvue": False})
+    assert cfg.to_dict()["precision"] == "fp8" and TrainConfig.from_dict(cfg.to_dict()) == cfg
+    assert cfg.recipe_object().precision.name == "fp8"
+    for old, precision in [({"fp8": True}, "fp8-e5m2"), ({"fp8": True, "fp8_grad_e4m3": True}, "fp8"),
+                           ({"fp8": True, "fp8_grad_e4m3": True, "fp8_rowwise": True}, "fp8-rowwise"),
+                           ({"fp8": True, "fp8_grad_e4m3": True, "fp8_backward": False}, "fp8-forward"),
+                           ({"fp8": True, "fp8_grad_e4m3": True, "fp8_forward": False}, "fp8-backward"),
+                           ({"fp8": False}, "bf16")]:
+        saved = {**cfg.to_dict(), "recipe_options": {**old, "mvue": False}}
+        del saved["precision"]
+        assert TrainConfig.from_dict(saved) == TrainConfig(recipe="s-ste", precision=precision,
+                                                           recipe_options={"mvue": False}), old
+        assert resumed_config(saved, TrainConfig(), given=set()).recipe_object().precision.name == precision
     old = {**cfg.to_dict(), "recipe_options": {"fp8": True}}
-    assert not TrainConfig.from_dict(old).recipe_object().fp8_grad_e4m3
-    assert not resumed_config(old, TrainConfig(), given=set()).recipe_object().fp8_grad_e4m3
-    with pytest.raises(TrainError, match="contradicts the run being resumed"):
-        resumed_config(old, cfg, given={"recipe_options"})
-    later = TrainConfig(recipe="s-ste")
-    later.recipe_options = {"fp8": True}  # set after construction: saved naming the format all the same
-    assert later.to_dict()["recipe_options"] == cfg.recipe_options
+    del old["precision"]
+    with pytest.raises(TrainError, match="--precision fp8 contradicts the run being resumed"):
+        resumed_config(old, TrainConfig(precision="fp8"), given={"precision"})
     (tmp_path / "config.json").write_text(json.dumps(old))
     (tmp_path / "summary.json").write_text(json.dumps({"recipe": "s-ste", "recipe_options": {"fp8": True}}))
-    assert read_config(tmp_path)["recipe_options"] == {"fp8": True, "fp8_grad_e4m3": False}
-    assert read_summary(tmp_path)["recipe_options"] == {"fp8": True, "fp8_grad_e4m3": False}
+    assert read_config(tmp_path)["precision"] == "fp8-e5m2" and read_config(tmp_path)["recipe_options"] == {}
+    assert read_summary(tmp_path)["precision"] == "fp8-e5m2" and read_summary(tmp_path)["recipe_options"] == {}
+
+
+def test_old_run_folders_of_the_results_still_compare(tmp_path):
+    """Run folders saved with the former FP8 options (docs/results/) are reused by ``compare`` and
+    labelled by their precision in its table and in scripts/gap_by_eval.py's."""
+    from twofour.training.compare import compare  # noqa: PLC0415
+    from twofour.training.config import TrainConfig  # noqa: PLC0415
+
+    root = Path(__file__).resolve().parents[1]
+    results = root / "docs" / "results" / "q124m-ours"
+    for name in ("dense-s1", "s-ste-s1", "s-ste-fp8=true-fp8_grad_e4m3=true-s1",
+                 "s-ste-fp8=true-fp8_grad_e4m3=false-s1"):
+        shutil.copytree(results / name, tmp_path / name)
+    base = TrainConfig.from_dict({**json.loads((results / "dense-s1" / "config.json").read_text()),
+                                  "out_dir": str(tmp_path)})
+    summaries = compare(["dense"], base, [1])  # finished with the same config: reused, not trained
+    labels = [f"| {label} | 1 |" for label in ("dense", "s-ste", "s-ste precision=fp8", "s-ste precision=fp8-e5m2")]
+    table = (tmp_path / "compare.md").read_text()
+    assert len(summaries) == 4 and all(label in table for label in labels)
+    out = subprocess.run([sys.executable, "scripts/gap_by_eval.py", str(tmp_path), "--base", "s-ste", "--only",
+                          "precision=fp8"], cwd=root, capture_output=True, text=True,
+                         env={**os.environ, "PYTHONPATH": str(root / "src")})
+    assert out.returncode == 0, out.stderr
+    rows = [ln.split(" | ")[0] for ln in out.stdout.splitlines()[2:]]
+    assert rows == ["| s-ste precision=fp8", "| s-ste precision=fp8-e5m2"]
+
+
+def test_precision_on_the_command_line(capsys):
+    """``--precision NAME`` (``--fp8`` for ``fp8``) sets the config's precision; the former options
+    are refused in one line that names ``--precision``, and so is an unknown name."""
+    from twofour.cli import _config  # noqa: PLC0415
+
+    parser = build_parser()
+    for argv, precision in [([], "bf16"), (["--fp8"], "fp8"), (["--precision", "fp8-backward"], "fp8-backward")]:
+        a = parser.parse_args(["train", *argv])
+        assert _config(a, a.recipe).precision == precision
+    for opt in ("fp8=true", "fp8_rowwise=true", "precision=fp8"):
+        assert "the precision is --precision NAME" in error_of(["train", "--opt", opt], capsys)
+    with pytest.raises(SystemExit):
+        main(["train", "--precision", "fp9"])
+    assert "invalid choice: 'fp9'" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        main(["train", "--fp8", "--precision", "fp8-rowwise"])
+    assert "not allowed with argument" in capsys.readouterr().err
 
 
 def test_every_option_is_checked(tmp_path, corpus, capsys):
@@ -517,7 +565,7 @@ def test_train_fp8(tmp_path, corpus, recipe, capsys):
     args = [*SMALL, "--data", corpus, "--recipe", recipe, "--fp8", "--out", str(out)]
     assert main(["train", *args, "--stop-at", "6"]) == 0
     ck = torch.load(out / "ckpt.pt", weights_only=True)
-    assert ck["config"]["recipe_options"] == {"fp8": True, "fp8_grad_e4m3": True}  # the default dY format, named
+    assert ck["config"]["precision"] == "fp8" and ck["config"]["recipe_options"] == {}
     train = [float(r[1]) for r in losses(out)]
     assert all(math.isfinite(v) for v in train) and train[-1] < train[0]
     assert main(["train", *args, "--resume"]) == 0 and losses(out)[-1][0] == 8
@@ -527,6 +575,7 @@ def test_train_fp8(tmp_path, corpus, recipe, capsys):
     assert main(["train", *SMALL, "--data", corpus, "--out", str(plain), "--resume", "--fp8"]) == 2
     assert "contradicts" in capsys.readouterr().err
     assert main(["train", *args, "--overwrite", "--opt", "fp8=false"]) == 2
+    assert "--precision" in capsys.readouterr().err
 
 
 def test_compare_reuses_a_run_saved_before_a_setting_existed(tmp_path, corpus, capsys):
@@ -547,22 +596,24 @@ def test_compare_reuses_a_run_saved_before_a_setting_existed(tmp_path, corpus, c
 
 
 def test_compare_counts_a_run_once_when_an_older_folder_repeats_it(tmp_path, corpus, caplog):
-    """A run whose folder has an older label's name (FP8 without its dY format named) and the same
-    run in its label's folder: the table has one row of it, the one in its label's folder."""
+    """A run whose folder has an older label's name (FP8 as recipe options, its summary in the older
+    form) and the same run in its label's folder: the table has one row of it, the one in its
+    label's folder."""
     out = tmp_path / "cmp"
     args = ["compare", *SMALL, "--steps", "2", "--eval-interval", "2", "--data", corpus, "--out", str(out),
             "--recipes", "dense", "--fp8"]
     assert main(args) == 0
     (run,) = [p for p in out.iterdir() if p.is_dir()]
-    assert run.name == "dense-fp8=true-fp8_grad_e4m3=true-s1337"
-    old = out / "dense-fp8=true-s1337"
+    assert run.name == "dense-precision=fp8-s1337"
+    old = out / "dense-fp8=true-fp8_grad_e4m3=true-s1337"
     shutil.copytree(run, old)
     summary = json.loads((old / "summary.json").read_text())
+    del summary["precision"]
     (old / "summary.json").write_text(json.dumps({**summary, "recipe_options": {"fp8": True, "fp8_grad_e4m3": True},
                                                   "final_val_loss": 9.0}))
     with caplog.at_level("WARNING", logger="twofour"):
         assert main(args) == 0
-    rows = [ln for ln in (out / "compare.md").read_text().splitlines() if ln.startswith("| dense fp8=true")]
+    rows = [ln for ln in (out / "compare.md").read_text().splitlines() if ln.startswith("| dense precision=fp8 |")]
     assert len(rows) == 2 and "9.0000" not in rows[0]  # one run row, one recipe row
     assert "left out of the table" in caplog.text and str(old) in caplog.text
 
@@ -571,11 +622,11 @@ def test_compare_fp8_pairs_with_dense_fp8(tmp_path, corpus):
     out = tmp_path / "cmp"
     assert main(["compare", *SMALL, "--steps", "2", "--eval-interval", "2", "--data", corpus, "--out", str(out),
                  "--recipes", "dense,s-ste", "--opt", "mvue=false", "--fp8"]) == 0
-    sparse, dense = "s-ste-fp8=true-fp8_grad_e4m3=true-mvue=false-s1337", "dense-fp8=true-fp8_grad_e4m3=true-s1337"
+    sparse, dense = "s-ste-precision=fp8-mvue=false-s1337", "dense-precision=fp8-s1337"
     assert {p.name for p in out.iterdir() if p.is_dir()} == {dense, sparse}
     val = {p.name: json.loads((p / "summary.json").read_text())["final_val_loss"] for p in out.iterdir() if p.is_dir()}
     gap = val[sparse] - val[dense]
-    assert f"| s-ste fp8=true fp8_grad_e4m3=true mvue=false | 1337 | {val[sparse]:.4f} | {gap:+.4f} |" \
+    assert f"| s-ste precision=fp8 mvue=false | 1337 | {val[sparse]:.4f} | {gap:+.4f} |" \
         in (out / "compare.md").read_text()
 
 

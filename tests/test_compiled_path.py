@@ -66,7 +66,7 @@ def test_fp8_layer_compiles_whole(recipe):
     from twofour.sparse import SparseLinear  # noqa: PLC0415
 
     torch.manual_seed(0)
-    lin = SparseLinear(64, 96, recipe=recipe, fp8=True, **({"mvue": False} if recipe != "dense" else {}))
+    lin = SparseLinear(64, 96, recipe=recipe, precision="fp8", **({"mvue": False} if recipe != "dense" else {}))
     x = torch.randn(2, 16, 64)
     outs = []
     for run in (lin, torch.compile(lin, backend="aot_eager", fullgraph=True)):

@@ -11,10 +11,13 @@ from twofour import dispatch
 from twofour.fp8 import (
     E4M3,
     E5M2,
+    FP8,
+    PRECISIONS,
     ROWWISE,
     SCALINGS,
     TENSORWISE,
     FP8LinearFn,
+    Precision,
     dequantize,
     fake_fp8,
     fp8_linear,
@@ -160,7 +163,7 @@ def test_fp8_linear_matches_reference_and_dense(device, scaling, grad_fmt):
     w = torch.nn.Parameter(torch.randn(32, 48, device=device) / 7)
     b = torch.randn(32, device=device, requires_grad=True)
     ry, rdx, rdw, dy = reference_linear(x.detach(), w.detach(), b.detach(), scaling, grad_fmt=grad_fmt)
-    y = fp8_linear(x, w, b, scaling=scaling, grad_fmt=grad_fmt)
+    y = fp8_linear(x, w, b, precision=Precision(True, grad_fmt, scaling))
     y.backward(dy)
     # Hopper's FP8 tensor cores accumulate with fewer bits than float32 (4.6e-5 seen on an H100)
     tol = 1e-5 if device.type == "cpu" else 2e-4
@@ -171,6 +174,33 @@ def test_fp8_linear_matches_reference_and_dense(device, scaling, grad_fmt):
     xd, wd = x.detach().clone().requires_grad_(), w.detach().clone().requires_grad_()
     F.linear(xd, wd, b.detach()).backward(dy)
     assert rel(y, F.linear(x, w, b)) < 0.05 and rel(x.grad, xd.grad) < 0.1 and rel(w.grad, wd.grad) < 0.1
+
+
+@pytest.mark.parametrize("name", list(PRECISIONS))
+def test_each_precision_rounds_the_gemms_it_names(device, name):
+    """A layer with each preset: the GEMMs the precision puts in FP8 are the FP8 reference's (operands
+    quantized in plain torch with its scaling, dY in its format), the others the exact products."""
+    p = PRECISIONS[name]
+    torch.manual_seed(0)
+    lin = SparseLinear(48, 32, recipe="dense", precision=name, device=device)
+    x = torch.randn(64, 48, device=device, requires_grad=True)
+    dy = torch.randn(64, 32, device=device)
+    y = lin(x)
+    y.backward(dy)
+    w, xd, b = lin.weight.detach(), x.detach(), lin.bias.detach()
+
+    def fq(t, fmt):
+        return dequantize(*quantize(t.contiguous(), fmt, p.scaling))
+
+    exact = (xd @ w.t() + b, dy @ w, dy.t() @ xd)
+    fp8 = (fq(xd, E4M3) @ fq(w, E4M3).t() + b,
+           fq(dy, p.grad or E4M3) @ fq(w.t(), E4M3).t(), fq(dy.t(), p.grad or E4M3) @ fq(xd.t(), E4M3).t())
+    tol = 1e-5 if device.type == "cpu" else 2e-4
+    backward = p.grad is not None
+    for got, in_fp8, want_exact, want_fp8 in zip((y, x.grad, lin.weight.grad), (p.forward, backward, backward),
+                                                 exact, fp8):
+        assert rel(got, want_fp8 if in_fp8 else want_exact) < tol
+        assert (rel(got, want_exact) > 1e-3) is in_fp8  # FP8's rounding shows exactly where it runs
 
 
 def test_fp8_linear_bf16_autocast_and_effective_weight(device):
@@ -197,18 +227,20 @@ def linear_case(device):
 
 @pytest.mark.parametrize("scaling", SCALING, ids=lambda s: s.name)
 def test_fp8_linear_forward_only(device, scaling):
-    """``grad_fmt=None``: the forward GEMM in FP8 as before, dX and dW the exact products of dY with
-    the unquantized W_eff and x."""
+    """``fp8-forward`` (``grad=None``): the forward GEMM in FP8 as with ``fp8``, dX and dW the exact
+    products of dY with the unquantized W_eff and x."""
     x, w, b, w_eff, dy = linear_case(device)
-    y = fp8_linear(x, w, b, w_eff, scaling=scaling, grad_fmt=None)
+    forward_only = Precision(True, None, scaling)
+    y = fp8_linear(x, w, b, w_eff, precision=forward_only)
     y.backward(dy)
-    assert torch.equal(y, fp8_linear(x.detach(), w.detach(), b.detach(), w_eff, scaling=scaling))
+    assert torch.equal(y, fp8_linear(x.detach(), w.detach(), b.detach(), w_eff, precision=Precision(True, E4M3,
+                                                                                                    scaling)))
     assert rel(x.grad, dy @ w_eff) < 1e-6 and rel(w.grad, dy.t() @ x.detach()) < 1e-6
     assert torch.allclose(b.grad, dy.sum(0))
     x.grad = w.grad = None  # with MVUE, the reference: an unbiased 2:4 estimate of dY^T, then the exact product
     torch.manual_seed(1)
     with dispatch.override(fast=False):
-        fp8_linear(x, w, b, w_eff, scaling=scaling, grad_fmt=None, mvue=True).backward(dy)
+        fp8_linear(x, w, b, w_eff, precision=forward_only, mvue=True).backward(dy)
     torch.manual_seed(1)
     assert rel(w.grad, mvue_24_padded(dy.t().contiguous()) @ x.detach()) < 1e-6
     assert rel(x.grad, dy @ w_eff) < 1e-6
@@ -216,25 +248,25 @@ def test_fp8_linear_forward_only(device, scaling):
 
 @pytest.mark.parametrize("scaling", SCALING, ids=lambda s: s.name)
 def test_fp8_linear_backward_only(device, scaling):
-    """``fp8_forward=False``: the forward is the exact product in the compute dtype, and dX and dW are
-    the FP8 backward's, the same as with the forward in FP8."""
+    """``fp8-backward`` (``forward=False``): the forward is the exact product in the compute dtype,
+    and dX and dW are the FP8 backward's, the same as with the forward in FP8."""
     x, w, b, w_eff, dy = linear_case(device)
-    y = fp8_linear(x, w, b, w_eff, scaling=scaling, fp8_forward=False)
+    y = fp8_linear(x, w, b, w_eff, precision=Precision(False, E4M3, scaling))
     y.backward(dy)
     assert rel(y, F.linear(x.detach(), w_eff, b.detach())) < 1e-6
     x2, w2 = x.detach().clone().requires_grad_(), w.detach().clone().requires_grad_()
-    fp8_linear(x2, w2, b.detach(), w_eff, scaling=scaling).backward(dy)
+    fp8_linear(x2, w2, b.detach(), w_eff, precision=Precision(True, E4M3, scaling)).backward(dy)
     assert torch.equal(x.grad, x2.grad) and torch.equal(w.grad, w2.grad)
-    with pytest.raises(ValueError, match="no GEMM in FP8"):
-        fp8_linear(x, w, b, fp8_forward=False, grad_fmt=None)
+    with pytest.raises(ValueError, match="precision 'bf16' puts no GEMM in FP8"):
+        fp8_linear(x, w, b, precision="bf16")
 
 
-def test_layer_fp8_backward_false_trains_forward_only_in_fp8(device):
-    """A layer with ``fp8_backward=False`` runs its forward in FP8 (same output as the FP8 layer) and
-    its dX in the compute dtype (the dense product with the effective weight)."""
+def test_layer_fp8_forward_trains_forward_only_in_fp8(device):
+    """A layer with precision ``fp8-forward`` runs its forward in FP8 (same output as the FP8 layer)
+    and its dX in the compute dtype (the dense product with the effective weight)."""
     torch.manual_seed(0)
-    a = SparseLinear(64, 32, recipe="s-ste", fp8=True).to(device)
-    b = SparseLinear(64, 32, recipe="s-ste", fp8=True, fp8_backward=False).to(device)
+    a = SparseLinear(64, 32, recipe="s-ste", precision="fp8").to(device)
+    b = SparseLinear(64, 32, recipe="s-ste", precision="fp8-forward").to(device)
     b.load_state_dict(a.state_dict())
     x = torch.randn(16, 64, device=device, requires_grad=True)
     ya, yb = a(x), b(x)
@@ -257,7 +289,7 @@ def test_fp8_linear_mvue_is_unbiased(device, dtype):
     with dispatch.override(fast=False):
         for _ in range(64):
             w.grad = None
-            FP8LinearFn.apply(x, w, None, w.detach(), True, TENSORWISE, dtype).backward(dy)
+            FP8LinearFn.apply(x, w, None, w.detach(), FP8, True, dtype).backward(dy)
             grads.append(w.grad.float())
     one, mean = rel(grads[0], exact), rel(torch.stack(grads).mean(0), exact)
     assert one > 0.2 and mean < one / 3  # a noisy estimate whose average converges
@@ -266,7 +298,7 @@ def test_fp8_linear_mvue_is_unbiased(device, dtype):
 @pytest.mark.parametrize("recipe", ["dense", "s-ste", "t-sr-ste"])
 def test_layer_fp8_every_recipe(device, recipe):
     torch.manual_seed(0)
-    lin = SparseLinear(32, 16, recipe=recipe, fp8=True).to(device)
+    lin = SparseLinear(32, 16, recipe=recipe, precision="fp8").to(device)
     x = torch.randn(64, 32, device=device)
     y = lin(x)
     ref = F.linear(x, lin.effective_weight(), lin.bias)
@@ -277,23 +309,23 @@ def test_layer_fp8_every_recipe(device, recipe):
 
 @pytest.mark.parametrize("recipe", ["dense", "s-ste"])
 def test_layer_fp8_rowwise_runs_the_rowwise_gemms(device, recipe):
-    """``fp8_rowwise=True``: the layer's output and gradients are the FP8 linear's with row scales."""
+    """``fp8-rowwise``: the layer's output and gradients are the FP8 linear's with row scales."""
     torch.manual_seed(0)
     opts = {} if recipe == "dense" else {"mvue": False}
-    lin = SparseLinear(32, 16, recipe=recipe, fp8=True, fp8_rowwise=True, **opts).to(device)
+    lin = SparseLinear(32, 16, recipe=recipe, precision="fp8-rowwise", **opts).to(device)
     x = torch.randn(4, 16, 32, device=device, requires_grad=True)
     x_ref = x.detach().clone().requires_grad_()
     w_ref = lin.weight.detach().clone().requires_grad_()
     y = lin(x)
-    y_ref = fp8_linear(x_ref, w_ref, lin.bias, lin.effective_weight(), scaling=ROWWISE)
+    y_ref = fp8_linear(x_ref, w_ref, lin.bias, lin.effective_weight(), precision=Precision(True, E4M3, ROWWISE))
     torch.testing.assert_close(y, y_ref, rtol=1e-5, atol=1e-5)
     g = torch.randn_like(y)
     y.backward(g)
     y_ref.backward(g)
     torch.testing.assert_close(x.grad, x_ref.grad, rtol=1e-5, atol=1e-5)
     torch.testing.assert_close(lin.weight.grad, w_ref.grad, rtol=1e-5, atol=1e-5)
-    with pytest.raises(ValueError, match="needs fp8=True"):
-        SparseLinear(32, 16, recipe=recipe, fp8_rowwise=True)
+    with pytest.raises(ValueError, match="rowwise scaling needs a GEMM in FP8"):
+        SparseLinear(32, 16, recipe=recipe, precision=Precision(scaling=ROWWISE))
 
 
 @pytest.mark.parametrize("recipe", ["dense", "s-ste"])
@@ -301,7 +333,7 @@ def test_layer_bf16_finetune_leaves_fp8_on_schedule(device, recipe):
     """``bf16_finetune=f``: FP8 GEMMs until ``(1 - f) * total_steps`` optimizer steps, then the
     reference math on the same effective weight; the phase comes back from the state dict."""
     torch.manual_seed(0)
-    opts = dict(recipe=recipe, fp8=True, bf16_finetune=0.5, total_steps=4)
+    opts = dict(recipe=recipe, precision="fp8", bf16_finetune=0.5, total_steps=4)
     lin = SparseLinear(32, 16, **opts).to(device)
     x = torch.randn(64, 32, device=device)
     phases = []
@@ -324,8 +356,8 @@ def test_dense_layer_keeps_a_step_counter_only_for_bf16_finetune():
     """A dense layer's state dict is nn.Linear's unless its FP8 phase ends (it then counts steps),
     and nn.Linear's loads into it as a run at step 0."""
     plain = torch.nn.Linear(32, 16)
-    assert set(SparseLinear(32, 16, recipe="dense", fp8=True).state_dict()) == set(plain.state_dict())
-    lin = SparseLinear(32, 16, recipe="dense", fp8=True, bf16_finetune=0.5, total_steps=4)
+    assert set(SparseLinear(32, 16, recipe="dense", precision="fp8").state_dict()) == set(plain.state_dict())
+    lin = SparseLinear(32, 16, recipe="dense", precision="fp8", bf16_finetune=0.5, total_steps=4)
     assert set(lin.state_dict()) == {*plain.state_dict(), "step"}
     lin.load_state_dict(plain.state_dict())
     assert int(lin.step) == 0 and lin.is_fp8_phase and torch.equal(lin.weight, plain.weight)
@@ -336,7 +368,7 @@ def test_layer_bf16_finetune_recompiles_at_the_switch():
     from torch._dynamo.testing import CompileCounterWithBackend
 
     torch.manual_seed(0)
-    lin = SparseLinear(32, 16, recipe="s-ste", fp8=True, bf16_finetune=0.5, total_steps=2)
+    lin = SparseLinear(32, 16, recipe="s-ste", precision="fp8", bf16_finetune=0.5, total_steps=2)
     counter = CompileCounterWithBackend("aot_eager")
     compiled = torch.compile(lin, backend=counter)
     x = torch.randn(64, 32)
@@ -349,15 +381,15 @@ def test_layer_bf16_finetune_recompiles_at_the_switch():
 
 @pytest.mark.parametrize("scaling", SCALING, ids=lambda s: s.name)
 def test_layer_fp8_grad_e4m3_quantizes_the_gradient_in_e4m3(device, scaling):
-    """``fp8_grad_e4m3=True``: the layer's gradients are the FP8 linear's with an e4m3 dY, closer to
-    the exact gradients than with e5m2 (one more mantissa bit)."""
+    """``grad=E4M3`` (the ``fp8`` presets): the layer's gradients are the FP8 linear's with an e4m3
+    dY, closer to the exact gradients than with e5m2 (``-e5m2`` presets; one more mantissa bit)."""
     torch.manual_seed(0)
     x = torch.randn(256, 64, device=device)
     g = torch.randn(256, 32, device=device)
     grads = {}
     for e4m3 in (False, True):
-        lin = SparseLinear(64, 32, recipe="s-ste", mvue=False, fp8=True, fp8_rowwise=scaling.rowwise,
-                           fp8_grad_e4m3=e4m3).to(device)
+        precision = Precision(True, E4M3 if e4m3 else E5M2, scaling)
+        lin = SparseLinear(64, 32, recipe="s-ste", mvue=False, precision=precision.name).to(device)
         torch.manual_seed(1)
         lin.reset_parameters()
         xg = x.clone().requires_grad_()
@@ -365,18 +397,17 @@ def test_layer_fp8_grad_e4m3_quantizes_the_gradient_in_e4m3(device, scaling):
         grads[e4m3] = xg.grad, lin.weight.grad
         w_ref = lin.weight.detach().clone().requires_grad_()
         x_ref = x.clone().requires_grad_()
-        fp8_linear(x_ref, w_ref, lin.bias, lin.effective_weight(), scaling=scaling,
-                   grad_fmt=E4M3 if e4m3 else E5M2).backward(g)
+        fp8_linear(x_ref, w_ref, lin.bias, lin.effective_weight(), precision=precision).backward(g)
         torch.testing.assert_close(xg.grad, x_ref.grad, rtol=1e-5, atol=1e-5)
         torch.testing.assert_close(lin.weight.grad, w_ref.grad, rtol=1e-5, atol=1e-5)
     exact_dx = g @ lin.effective_weight()
     exact_dw = g.t() @ x
     assert rel(grads[True][0], exact_dx) < 0.8 * rel(grads[False][0], exact_dx)
     assert rel(grads[True][1], exact_dw) < 0.8 * rel(grads[False][1], exact_dw)
-    with pytest.raises(ValueError, match="fp8_grad_e4m3=False needs fp8=True"):
+    with pytest.raises(ValueError, match="no option fp8_grad_e4m3; .*FP8 is the recipe's precision"):
         SparseLinear(32, 16, recipe="s-ste", fp8_grad_e4m3=False)
-    with pytest.raises(TypeError, match="fmt must be"):
-        fp8_linear(x, lin.weight, None, grad_fmt=torch.bfloat16)
+    with pytest.raises(ValueError, match="grad must be"):
+        fp8_linear(x, lin.weight, None, precision=Precision(True, torch.bfloat16))
 
 
 @pytest.mark.parametrize("fmt", FORMATS, ids=str)
@@ -520,7 +551,7 @@ def test_gpu_layer_fp8_on_the_fused_effective_weight(recipe):
     if not torch.cuda.is_available():
         pytest.skip("needs a CUDA GPU")
     torch.manual_seed(0)
-    lin = SparseLinear(64, 96, recipe=recipe, fp8=True).cuda()
+    lin = SparseLinear(64, 96, recipe=recipe, precision="fp8").cuda()
     x = torch.randn(128, 64, device="cuda")
     with torch.autocast("cuda", dtype=torch.bfloat16):
         y = lin(x)
@@ -610,7 +641,7 @@ def test_gpu_fp8_mvue_dw_routes(shape, caplog):
 
     def draw(xs=x_grad["with dX"], g=dy):
         w.grad = None
-        fp8_linear(xs, w, None, mvue=True, grad_fmt=E4M3).backward(g)
+        fp8_linear(xs, w, None, precision="fp8", mvue=True).backward(g)
         return w.grad.float()
 
     for name, xs in x_grad.items():
@@ -668,7 +699,8 @@ def test_gpu_fp8_mvue_dw_routes_run_compiled(mode, caplog, monkeypatch):
             torch.compiler.reset()  # a fresh graph per dispatch setting (a recorded graph replays its route)
             ops.clear_choices()
             calls.clear()
-            f = torch.compile(lambda a: fp8_linear(a, w, None, mvue=True, grad_fmt=E4M3), mode=mode, fullgraph=True)
+            f = torch.compile(lambda a: fp8_linear(a, w, None, precision="fp8", mvue=True), mode=mode,
+                              fullgraph=True)
             with dispatch.override(gemm=forced), caplog.at_level("WARNING", logger="twofour"):
                 grads = torch.stack([draw(f, xs) for _ in range(128 if forced == "sparse" else 3)])
             assert "dW GEMM failed" not in caplog.text and calls, (forced, xs.requires_grad)
@@ -687,7 +719,7 @@ def test_gpu_fp8_sparse_layer_compiles_and_matches_dense_route():
     if not _fp8_sparse_gpu():
         pytest.skip("needs an sm89+ GPU with the fast path")
     torch.manual_seed(0)
-    lin = SparseLinear(256, 512, recipe="s-ste", fp8=True, bias=False).cuda()
+    lin = SparseLinear(256, 512, recipe="s-ste", precision="fp8", bias=False).cuda()
     x = torch.randn(4, 64, 256, device="cuda")
     out = {}
     with torch.autocast("cuda", dtype=torch.bfloat16):

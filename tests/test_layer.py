@@ -92,7 +92,7 @@ def test_autocast_bf16(device):
 
 
 def test_fp8_simulation_stays_close(device):
-    lin = layer_for("s-ste", device, fp8=True, mvue=False)
+    lin = layer_for("s-ste", device, precision="fp8", mvue=False)
     x = torch.randn(64, 32, device=device)
     y = lin(x)
     ref = F.linear(x, lin.effective_weight(), lin.bias)
@@ -145,7 +145,7 @@ def test_dense_checkpoint_loads_as_made_sparse(device, source):
     if source == "nn.Linear":
         dense = nn.Linear(32, 16, device=device)
     else:
-        dense = SparseLinear(32, 16, recipe="dense", fp8=True, bf16_finetune=0.5, total_steps=4, device=device)
+        dense = SparseLinear(32, 16, recipe="dense", precision="fp8", bf16_finetune=0.5, total_steps=4, device=device)
         dense.advance()
         assert int(dense.step) == 1
     lin = layer_for("s-ste", device, seed=5)

@@ -63,7 +63,7 @@ def fp8_layer_step(recipe: str, seed: int, x_grad: bool = False):
     """tests/test_fp8.py's fused-effective-weight case: a 64 -> 96 FP8 layer on 128 float32 tokens
     under bf16 autocast, forward and backward; ``(layer, x, y)``."""
     torch.manual_seed(seed)
-    lin = SparseLinear(64, 96, recipe=recipe, fp8=True).cuda()
+    lin = SparseLinear(64, 96, recipe=recipe, precision="fp8").cuda()
     x = torch.randn(128, 64, device="cuda", requires_grad=x_grad)
     poison(1 << 20)
     with torch.autocast("cuda", dtype=torch.bfloat16):

@@ -109,8 +109,8 @@ def fp8_main() -> None:
         x = torch.randn(t, k, device="cuda", requires_grad=True)
         g = torch.randn(t, n, device="cuda", dtype=torch.bfloat16)
         print(f"\n{t} tokens x {k} -> {n}")
-        layers = {f"{r} FP8, {'e4m3' if e4 else 'e5m2'} dY": SparseLinear(k, n, device="cuda", recipe=r, fp8=True,
-                                                                           fp8_grad_e4m3=e4)
+        layers = {f"{r} FP8, {'e4m3' if e4 else 'e5m2'} dY": SparseLinear(k, n, device="cuda", recipe=r,
+                                                                           precision="fp8" if e4 else "fp8-e5m2")
                   for e4 in (False, True) for r in ("dense", "s-ste")}
         time_and_profile(layers, x, g, ("dense FP8, e4m3 dY", "s-ste FP8, e4m3 dY"))
 
@@ -126,7 +126,7 @@ def fp8_host() -> None:
     x = torch.randn(t, k, device="cuda", requires_grad=True)
     g = torch.randn(t, n, device="cuda", dtype=torch.bfloat16)
     for recipe in ("dense", "s-ste"):
-        fn = fwd_bwd_step(SparseLinear(k, n, device="cuda", recipe=recipe, fp8=True, fp8_grad_e4m3=True), x, g)
+        fn = fwd_bwd_step(SparseLinear(k, n, device="cuda", recipe=recipe, precision="fp8"), x, g)
         for _ in range(5):
             fn()
         torch.cuda.synchronize()

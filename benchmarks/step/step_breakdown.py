@@ -4,8 +4,8 @@
         [--vocab-size 256] [--variants dense,s-ste,s-ste-gemm-dense] [--compile [--compile-mode M]]
         [--gaps] [--host]
 
-A variant is a recipe, optionally with options after a ``+`` each (as ``twofour train --opt``):
-``dense+fp8=true+fp8_grad_e4m3=true`` is dense FP8 with e4m3 gradients.
+A variant is a recipe, optionally with options after a ``+`` each (as ``twofour train --opt``, and
+``precision=NAME``): ``dense+precision=fp8`` is dense FP8 with e4m3 gradients.
 
 For each preset (micro-batch after the colon) and variant: the dispatch's choices, the step's time
 (median of 10 steps, each timed on its own behind a short device-side wait,

@@ -67,7 +67,7 @@ def _correctness(out: list[str]) -> None:
                 w = nn.Parameter(torch.randn(n, k, device="cuda") / k ** 0.5)
                 b = torch.randn(n, device="cuda", dtype=BF)
                 dy = torch.randn(t, n, device="cuda", dtype=BF)
-                y = F8.fp8_linear(x, w, b, scaling=scaling)
+                y = F8.fp8_linear(x, w, b, precision=F8.Precision(True, F8.E4M3, scaling))
                 y.backward(dy)
 
                 def fq(v: torch.Tensor, fmt: torch.dtype, s: F8.Scaling = scaling) -> torch.Tensor:
@@ -154,8 +154,8 @@ def _layer_rows(t: int, k: int, n: int, rows: _Rows) -> None:
         for e4m3 in (True, False) if not sc.rowwise else (True,):  # e4m3 dY: the FP8 2:4 dW route
             tag = f"FP8 {sc.name}{'' if e4m3 else ', e5m2 dY'}"
             for recipe, vs in (("dense", None), ("s-ste", f"dense {tag}")):
-                variants.append((f"{recipe} {tag}", lambda r=recipe, rw=sc.rowwise, e=e4m3: SparseLinear(
-                    k, n, device="cuda", recipe=r, fp8=True, fp8_rowwise=rw, fp8_grad_e4m3=e), vs))
+                variants.append((f"{recipe} {tag}", lambda r=recipe, s=sc, e=e4m3: SparseLinear(
+                    k, n, device="cuda", recipe=r, precision=F8.Precision(True, F8.E4M3 if e else F8.E5M2, s)), vs))
     times: dict[str, float | None] = {}
     for name, make, vs in variants:
         try:
@@ -173,10 +173,10 @@ def _layer_rows(t: int, k: int, n: int, rows: _Rows) -> None:
 def _train_steps(quick: bool, out: list[str]) -> None:
     from .bench import train_step_ms  # noqa: PLC0415
 
-    e5m2 = {"fp8": True, "fp8_grad_e4m3": False}
-    variants = [("dense bf16", make_recipe("dense")), ("dense FP8", make_recipe("dense", fp8=True)),
-                ("dense FP8, e5m2 dY", make_recipe("dense", **e5m2)), ("s-ste bf16", make_recipe("s-ste")),
-                ("s-ste FP8", make_recipe("s-ste", fp8=True)), ("s-ste FP8, e5m2 dY", make_recipe("s-ste", **e5m2))]
+    variants = [("dense bf16", make_recipe("dense")), ("dense FP8", make_recipe("dense", precision="fp8")),
+                ("dense FP8, e5m2 dY", make_recipe("dense", precision="fp8-e5m2")),
+                ("s-ste bf16", make_recipe("s-ste")), ("s-ste FP8", make_recipe("s-ste", precision="fp8")),
+                ("s-ste FP8, e5m2 dY", make_recipe("s-ste", precision="fp8-e5m2"))]
     for batch in (8,) if quick else (16, 8):
         res: dict[str, float | str] = {}
         oom = False

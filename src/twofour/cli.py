@@ -33,10 +33,17 @@ def _option(text: str) -> tuple[str, Any]:
     key, sep, val = text.partition("=")
     if not sep or not key:
         raise argparse.ArgumentTypeError(f"expected KEY=VALUE (e.g. decay=6e-5), got {text!r}")
-    return key.replace("-", "_"), _value(val)
+    key = key.replace("-", "_")
+    return key, (val if _precision_key(key) else _value(val))  # kept as text: _recipe_options refuses it by name
+
+
+def _precision_key(key: str) -> bool:
+    """An ``--opt`` key that means the precision, which ``--precision`` sets (``fp8``, ``fp8_rowwise``, ...)."""
+    return key == "precision" or key.startswith("fp8")
 
 
 def _run_args(p: argparse.ArgumentParser, default_out: str) -> None:
+    from .fp8.precision import PRECISIONS  # noqa: PLC0415
     from .models.presets import PRESETS  # noqa: PLC0415
     from .training.config import COMPILE_MODES, REGIMES, TrainConfig  # noqa: PLC0415
 
@@ -49,11 +56,16 @@ def _run_args(p: argparse.ArgumentParser, default_out: str) -> None:
     g.add_argument("--vocab-size", type=int, default=None, help=".bin shards' vocabulary size (else read meta.pkl)")
     g = p.add_argument_group("recipe")
     g.add_argument("--opt", type=_option, action="append", default=[], metavar="KEY=VALUE",
-                   help="recipe option, repeatable: mvue=false, decay=6e-5, mask_interval=40, fp8=true, "
-                        "fp8_rowwise=true, fp8_grad_e4m3=false, bf16_finetune=0.1, ...")
-    g.add_argument("--fp8", action="store_true",
-                   help="FP8 GEMMs in the FFN linears, e4m3 operands and gradients with one scale per tensor "
-                        "(same as --opt fp8=true; every recipe, dense included)")
+                   help="recipe option, repeatable: mvue=false, decay=6e-5, mask_interval=40, dense_finetune=0.2, "
+                        "bf16_finetune=0.1 (with an FP8 --precision: the last 10%% of the steps without FP8), ...")
+    fp8 = g.add_mutually_exclusive_group()
+    fp8.add_argument("--precision", default=d.precision, choices=list(PRECISIONS), metavar="NAME",
+                     help="which GEMMs of the FFN linears (attention's too with --sparse-attention) run in FP8, "
+                          "every recipe, dense included: bf16 (none, the default), fp8 (all three, e4m3, one scale "
+                          "per tensor), fp8-rowwise (one scale per row), fp8-e5m2 (dY in e5m2), fp8-forward (the "
+                          "forward GEMM only), fp8-backward (dX and dW only), and their combinations; all: "
+                          + ", ".join(PRECISIONS))
+    fp8.add_argument("--fp8", dest="precision", action="store_const", const="fp8", help="same as --precision fp8")
     g = p.add_argument_group("optimization (defaults marked 'regime' come from --regime; see the table below)")
     g.add_argument("--regime", default=d.regime, choices=list(REGIMES),
                    help="optimization defaults: ours (default) or the S-STE authors' GPT-2 settings")
@@ -113,18 +125,17 @@ def _config(a: argparse.Namespace, recipe: str):
 
 
 def _recipe_options(a: argparse.Namespace) -> dict[str, Any]:
-    """``--opt`` KEY=VALUE pairs, with ``--fp8`` as ``fp8=True``."""
-    options = dict(a.opt)
-    if a.fp8:
-        if options.get("fp8", True) is not True:
-            raise ValueError(f"--fp8 contradicts --opt fp8={options['fp8']}")
-        options["fp8"] = True
-    return options
+    """``--opt`` KEY=VALUE pairs; the precision's are refused, naming ``--precision``."""
+    for key, value in a.opt:
+        if _precision_key(key):
+            raise ValueError(f"--opt {key}={value}: the precision is --precision NAME (--fp8 for --precision fp8), "
+                             f"not a recipe option")
+    return dict(a.opt)
 
 
 def _given(a: argparse.Namespace) -> set[str]:
     """The TrainConfig fields set by an option on the command line (not by a default)."""
-    dests = {"opt": "recipe_options", "fp8": "recipe_options", "out": "out_dir"}
+    dests = {"opt": "recipe_options", "out": "out_dir"}
     return {dests.get(dest, dest) for dest in a.given}
 
 

@@ -12,12 +12,11 @@ from ..kernels import fp8cast, ops
 from ..kernels.compress import HAS_TRITON
 from ..kernels.mvue_fp8 import SCALE_BOUND, mvue_e4m3
 from .matmul import _fp8_24_device, _fp8_24_fits, _sparse_failed, scaled_mm
+from .precision import FP8, Precision, as_precision
 from .quantize import (
-    DEFAULT_SCALING,
     E4M3,
     TENSORWISE,
     Scaling,
-    _check_fmt,
     _current_scale,
     _failed,
     _guarded,
@@ -136,26 +135,26 @@ def _mvue_dw(dy2: torch.Tensor, qd: torch.Tensor | None, sd: torch.Tensor | None
 
 
 class FP8LinearFn(torch.autograd.Function):
-    """y = x W_eff^T + b with FP8 GEMMs: forward x(e4m3) W_eff(e4m3)^T, dX = dY(g) W_eff(e4m3),
-    dW = dY^T(g) X(e4m3) (with ``mvue``, on the MVUE 2:4 estimate of dY^T where its FP8 2:4 GEMM
-    pays, and always in the plain-torch reference), g = ``grad_fmt`` (e4m3
-    by default, or e5m2: one mantissa bit less, more range; None: dX and dW in the compute dtype
-    from the unquantized x and W_eff), outputs in the compute dtype; ``fp8_forward=False``: the
-    forward GEMM in the compute dtype, only the backward's in FP8; dW
-    passed straight through to the master ``weight``; ``grad``: whether grad mode was on at the
-    call (no backward copies otherwise); ``sparse``: W_eff is 2:4 (the forward GEMM may then run
-    FP8 2:4, :func:`scaled_mm`). Tensorwise, each operand is quantized once, with the transposed
-    copy its other GEMM reads written in the same pass; rowwise, the other axis is quantized again
-    from the high-precision tensor."""
+    """y = x W_eff^T + b with the GEMMs a :class:`~twofour.fp8.precision.Precision` puts in FP8:
+    forward x(e4m3) W_eff(e4m3)^T, dX = dY(g) W_eff(e4m3), dW = dY^T(g) X(e4m3) (with ``mvue``, on
+    the MVUE 2:4 estimate of dY^T where its FP8 2:4 GEMM pays, and always in the plain-torch
+    reference), g = ``precision.grad``; a GEMM the precision leaves out runs in the compute dtype
+    ``cdt`` from the unquantized operands; outputs in ``cdt``; dW passed straight through to the
+    master ``weight``; ``grad``: whether grad mode was on at the call (no backward copies
+    otherwise); ``sparse``: W_eff is 2:4 (the forward GEMM may then run FP8 2:4,
+    :func:`scaled_mm`). Tensorwise, each operand is quantized once, with the transposed copy its
+    other GEMM reads written in the same pass; rowwise, the other axis is quantized again from
+    the high-precision tensor."""
 
     @staticmethod
-    def forward(ctx, x, weight, bias, w_eff, mvue: bool, scaling: Scaling, cdt: torch.dtype, grad: bool = True,
-                sparse: bool = False, grad_fmt: torch.dtype | None = E4M3, fp8_forward: bool = True):
+    def forward(ctx, x, weight, bias, w_eff, precision: Precision, mvue: bool, cdt: torch.dtype, grad: bool = True,
+                sparse: bool = False):
+        scaling, grad_fmt = precision.scaling, precision.grad
         x2 = x.reshape(-1, x.shape[-1])
         tw = not scaling.rowwise and grad_fmt is not None  # transposed copies for FP8 backward GEMMs
         need_dx, need_dw = grad and ctx.needs_input_grad[0], grad and ctx.needs_input_grad[1]
         b = None if bias is None else bias.to(cdt)
-        if fp8_forward:
+        if precision.forward:
             qx, sx, qxt = quantize_t(x2, E4M3, scaling, transposed=tw and need_dw)
             qw, sw, qwt = quantize_t(w_eff, E4M3, scaling, transposed=tw and need_dx)
             y = scaled_mm(qx, sx, qw, sw, cdt, sparse_b=sparse, bias=b)
@@ -190,7 +189,7 @@ class FP8LinearFn(torch.autograd.Function):
                 dx = (dy2 @ w_eff.to(cdt)).reshape(ctx.x_shape).to(ctx.x_dtype)
             if need_dw:
                 dw = ((mvue_24_padded(dy2.t().contiguous()) if est else dy2.t()) @ x2.to(cdt)).to(ctx.w_dtype)
-            return dx, dw, db, None, None, None, None, None, None, None, None
+            return dx, dw, db, None, None, None, None, None, None
         if sc.rowwise:
             x2, w_eff = ctx.saved_tensors
             if need_dx:
@@ -214,26 +213,22 @@ class FP8LinearFn(torch.autograd.Function):
                 qdt, sdt = quantize(dy2.t().contiguous(), gf, sc)
             dw = _mvue_dw(dy2, qd, sd, qxt, sxt, cdt) if routed else scaled_mm(qdt, sdt, qxt, sxt, cdt)
             dw = dw.to(ctx.w_dtype)
-        return dx, dw, db, None, None, None, None, None, None, None, None
+        return dx, dw, db, None, None, None, None, None, None
 
 
 def fp8_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, w_eff: torch.Tensor | None = None,
-               *, mvue: bool = False, scaling: Scaling = DEFAULT_SCALING, sparse: bool = False,
-               grad_fmt: torch.dtype | None = E4M3, fp8_forward: bool = True) -> torch.Tensor:
-    """``F.linear(x, w_eff, bias)`` with FP8 GEMMs (:class:`FP8LinearFn`), the gradient of the
-    effective weight ``w_eff`` (default ``weight``) going to ``weight``. The GEMMs run in
-    autocast's dtype if on, else ``x``'s; the output has that dtype. ``sparse``: ``w_eff`` is 2:4
-    along its rows, so the forward GEMM may run FP8 2:4 where that measures faster. ``grad_fmt``:
-    the FP8 format of the output gradient dY (:data:`E4M3` or :data:`E5M2`), or None for backward
-    GEMMs in the compute dtype. ``fp8_forward=False``: the forward GEMM in the compute dtype (with
-    ``grad_fmt``, the backward's in FP8)."""
-    if grad_fmt is not None:
-        _check_fmt(grad_fmt)
-    elif not fp8_forward:
-        raise ValueError("fp8_linear: fp8_forward=False with grad_fmt=None leaves no GEMM in FP8 (use F.linear)")
+               *, precision: str | Precision = FP8, mvue: bool = False, sparse: bool = False) -> torch.Tensor:
+    """``F.linear(x, w_eff, bias)`` with the GEMMs ``precision`` (a :class:`Precision` or a name of
+    :data:`~twofour.fp8.precision.PRECISIONS`, default ``fp8``) puts in FP8 (:class:`FP8LinearFn`),
+    the gradient of the effective weight ``w_eff`` (default ``weight``) going to ``weight``. The
+    GEMMs run in autocast's dtype if on, else ``x``'s; the output has that dtype. ``sparse``:
+    ``w_eff`` is 2:4 along its rows, so the forward GEMM may run FP8 2:4 where that measures
+    faster. ``ValueError`` for a precision with no GEMM in FP8 (``F.linear`` is that)."""
+    precision = as_precision(precision)
+    if not precision.fp8:
+        raise ValueError(f"fp8_linear: precision {precision.name!r} puts no GEMM in FP8 (use F.linear)")
     dev = x.device.type
     cdt = torch.get_autocast_dtype(dev) if torch.is_autocast_enabled(dev) else x.dtype
     w_eff = weight.detach() if w_eff is None else w_eff
     with torch.autocast(dev, enabled=False):
-        return FP8LinearFn.apply(x, weight, bias, w_eff.detach(), mvue, scaling, cdt, torch.is_grad_enabled(), sparse,
-                                 grad_fmt, fp8_forward)
+        return FP8LinearFn.apply(x, weight, bias, w_eff.detach(), precision, mvue, cdt, torch.is_grad_enabled(), sparse)

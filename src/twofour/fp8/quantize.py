@@ -64,8 +64,6 @@ class Scaling:
 TENSORWISE = Scaling("tensorwise", False)
 ROWWISE = Scaling("rowwise", True)
 SCALINGS: dict[str, Scaling] = {s.name: s for s in (TENSORWISE, ROWWISE)}
-#: What FP8 layers use (the scaling the simulation always had).
-DEFAULT_SCALING = TENSORWISE
 
 
 def _check_fmt(fmt: torch.dtype) -> None:

@@ -2,11 +2,12 @@
 
 The dense ``weight`` stays the master the optimizer updates (so state-dict keys, optimizers,
 DDP and FSDP see a plain nn.Linear); the recipe's state (scale, mask, step counter, phase)
-lives in buffers. The recipe's :class:`~twofour.sparse.pruners.Pruner` says what the effective weight
-is; the forward runs the GPU fast path (``fastpath.py``) where it applies, else the reference
-math below: y = x W_eff^T + b, dX = dY W_eff, dW = dY^T X (or its MVUE 2:4 estimate) passed
-straight through to the master weight. SR-STE's masked decay is added once per optimizer step
-(:meth:`SparseLinear.add_masked_decay_`), not in the backward.
+lives in buffers. The recipe's :class:`~twofour.sparse.pruners.Pruner` says what the effective
+weight is, its :class:`~twofour.fp8.precision.Precision` which GEMMs run in FP8. The forward runs
+the first of its routes that applies (``routes.py``: the GPU fast path of ``fastpath.py``, FP8,
+else the reference math of ``reference.py``): y = x W_eff^T + b, dX = dY W_eff, dW = dY^T X (or
+its MVUE 2:4 estimate) passed straight through to the master weight. SR-STE's masked decay is
+added once per optimizer step (:meth:`SparseLinear.add_masked_decay_`), not in the backward.
 """
 
 from __future__ import annotations
@@ -18,12 +19,10 @@ import torch
 from torch import nn
 
 from ..activations import Activation
-from ..fp8.linear import fp8_linear
-from ..fp8.quantize import DEFAULT_SCALING, E4M3, E5M2, ROWWISE
 from ..kernels import ops
-from .fastpath import CompressedWeight, FastLinearActFn, FastSparseLinearFn, applies, compiled_linear, compute_dtype
+from .fastpath import CompressedWeight
 from .recipes import DEFAULT_RECIPE, Recipe, make_recipe
-from .reference import SparseLinearFn
+from .routes import route_for
 
 __all__ = ["SparseLinear", "RECIPE_BUFFERS", "advance_layers"]
 
@@ -92,6 +91,14 @@ class SparseLinear(nn.Linear):
         return self.recipe.pruning
 
     def _init_state(self) -> None:
+        """Check the shape, register the recipe's buffers and set the host flags.
+
+        Host flags: ``_step``, ``_dense`` and ``_fp8`` mirror the ``step`` and ``dense`` buffers
+        (and the FP8 phase they imply) as plain Python values. The forward's routes
+        (:mod:`twofour.sparse.routes`) branch on them and the fast path keys its weight cache on
+        ``_step``; under ``torch.compile`` a Python value is a constant that dynamo guards on (a
+        phase change recompiles once), where reading a buffer would cost a host sync per call.
+        :meth:`_next_step` and :meth:`_load_from_state_dict` keep them equal to the buffers."""
         reason = self.pruner.unsupported(self.out_features, self.in_features)
         if reason:
             raise ValueError(f"SparseLinear: recipe {self.recipe.name!r} can't prune weight shape "
@@ -112,7 +119,7 @@ class SparseLinear(nn.Linear):
     @property
     def _fp8_ends(self) -> bool:
         r = self.recipe
-        return bool(r.fp8 and r.bf16_finetune and r.total_steps)
+        return bool(r.precision.fp8 and r.bf16_finetune and r.total_steps)
 
     def _initial_state(self, w: torch.Tensor) -> dict[str, torch.Tensor]:
         """Buffers for a layer made sparse from weight ``w`` (fresh init or a dense checkpoint);
@@ -181,10 +188,10 @@ class SparseLinear(nn.Linear):
         return True
 
     def _fp8_phase(self) -> bool:
-        """Whether the GEMMs run in FP8 at the current step: an FP8 recipe before its ``bf16_finetune``
-        (kept in ``_fp8``, a plain bool that a compiled forward guards on)."""
+        """Whether the GEMMs run in FP8 at the current step: an FP8 precision before the recipe's
+        ``bf16_finetune`` (kept in ``_fp8``, a host flag: :meth:`_init_state`)."""
         r = self.recipe
-        return r.fp8 and not (self._fp8_ends and self._step >= r.total_steps * (1 - r.bf16_finetune))
+        return r.precision.fp8 and not (self._fp8_ends and self._step >= r.total_steps * (1 - r.bf16_finetune))
 
     def _refresh_due(self) -> bool:
         return not self._dense and self.pruner.refresh_due(self._step, self.recipe.mask_interval)
@@ -240,41 +247,10 @@ class SparseLinear(nn.Linear):
 
     def forward(self, x: torch.Tensor, act: Activation | None = None) -> torch.Tensor:
         """``x W_eff^T + b``, or with ``act`` (an activation of :mod:`twofour.activations` that
-        alone reads the output, as in an FFN) ``act(x W_eff^T + b)``: on the GPU fast path with
-        MVUE eagerly one op whose backward computes the activation's gradient and the MVUE
-        estimate of dY^T in one kernel (``kernels/actgrad.py``) where that measures faster."""
-        r = self.recipe
-        if act is not None:
-            if (r.sparse and r.mvue and not self._fp8 and not self._dense and not torch.compiler.is_compiling()
-                    and applies(x, self.in_features, self.out_features)):
-                cdt = compute_dtype(x)
-                with torch.autocast("cuda", enabled=False):
-                    wc, wd, wtc = self.compressed.get(self.weight, self.pruner, self.beta, self.mask, self._step, cdt)
-                    return FastLinearActFn.apply(x.to(cdt), self.weight, self.bias, wc, wd, wtc,
-                                                 self.transposed_output, act)
-            return act(self.forward(x))
-        if self._fp8:  # FP8 GEMMs (torch._scaled_mm or FP8 2:4, else their reference), dense recipe included
-            if self._dense or torch.compiler.is_compiling() or not applies(x, self.in_features, self.out_features):
-                w_eff = self.effective_weight()
-            else:  # the fused kernel's dense effective weight (no 2:4 operands), once per optimizer step
-                w_eff = self.compressed.get(self.weight, self.pruner, self.beta, self.mask, self._step,
-                                            compute_dtype(x), sparse=False)[1]
-            return fp8_linear(x, self.weight, self.bias, w_eff, mvue=r.mvue and not self._dense, sparse=not self._dense,
-                              scaling=ROWWISE if r.fp8_rowwise else DEFAULT_SCALING,
-                              grad_fmt=None if not r.fp8_backward else E4M3 if r.fp8_grad_e4m3 else E5M2,
-                              fp8_forward=r.fp8_forward)
-        if not r.sparse:
-            return super().forward(x)
-        if not self._dense and applies(x, self.in_features, self.out_features):
-            cdt = compute_dtype(x)
-            with torch.autocast("cuda", enabled=False):
-                if torch.compiler.is_compiling():  # compressed in the graph, the GEMMs as custom ops
-                    wc, wd, wtc = self.pruner.compress(self.weight.detach(), self.beta, self.mask, cdt)
-                    return compiled_linear(x.to(cdt), self.weight, self.bias, wc, wd, wtc, r.mvue)
-                wc, wd, wtc = self.compressed.get(self.weight, self.pruner, self.beta, self.mask, self._step, cdt)
-                return FastSparseLinearFn.apply(x.to(cdt), self.weight, self.bias, wc, wd, wtc, r.mvue,
-                                                self.transposed_output)
-        return SparseLinearFn.apply(x, self.weight, self.bias, self.effective_weight(), r.mvue and not self._dense)
+        alone reads the output, as in an FFN) ``act(x W_eff^T + b)``, by the first route of
+        :data:`twofour.sparse.routes.ROUTES` that applies: the fused linear+activation (GPU fast
+        path with MVUE, eager), FP8, dense, the fast path eager or compiled, else the reference."""
+        return route_for(self, x, act).run(self, x, act)
 
     def extra_repr(self) -> str:
         opts = ", ".join(f"{k}={v}" for k, v in self.recipe.to_dict().items() if k not in ("name", "pruning"))

@@ -25,21 +25,24 @@ __all__ = ["compare", "results_table", "recipe_stats", "plot_compare", "run_labe
            "run_order"]
 
 
-def run_label(recipe: str, options: dict[str, Any] | None = None) -> str:
-    """How a run's recipe is named in tables, plots and folder names: the recipe, then the
-    options it was given (``s-ste mvue=false``), so variants of one recipe stay apart."""
-    return " ".join([recipe, *(f"{k}={json.dumps(v)}" for k, v in sorted((options or {}).items()))])
+def run_label(recipe: str, options: dict[str, Any] | None = None, precision: str = "bf16") -> str:
+    """How a run's recipe is named in tables, plots and folder names: the recipe, its precision
+    unless ``bf16``, then the options it was given (``s-ste precision=fp8 mvue=false``), so
+    variants of one recipe stay apart."""
+    return " ".join([recipe, *([f"precision={precision}"] if precision != "bf16" else []),
+                     *(f"{k}={json.dumps(v)}" for k, v in sorted((options or {}).items()))])
 
 
-def _folder(recipe: str, options: dict[str, Any] | None, seed: int) -> str:
+def _folder(recipe: str, options: dict[str, Any] | None, seed: int, precision: str = "bf16") -> str:
     """The folder of a run under a comparison's root: its label's words joined by '-', then the seed
-    (``s-ste-mvue=false-s1``)."""
-    return run_label(recipe, options).replace(" ", "-") + f"-s{seed}"
+    (``s-ste-precision=fp8-mvue=false-s1``)."""
+    return run_label(recipe, options, precision).replace(" ", "-") + f"-s{seed}"
 
 
 def summary_label(summary: dict[str, Any]) -> str:
-    """:func:`run_label` of a finished run's summary."""
-    return run_label(summary["recipe"], summary.get("recipe_options"))
+    """:func:`run_label` of a finished run's summary (read by ``read_summary``: an older version's
+    in this one's form)."""
+    return run_label(summary["recipe"], summary.get("recipe_options"), summary.get("precision", "bf16"))
 
 
 def run_order(summary: dict[str, Any]) -> tuple:
@@ -50,20 +53,22 @@ def run_order(summary: dict[str, Any]) -> tuple:
 
 
 def _dense_label(summary: dict[str, Any]) -> str:
-    """The dense run a run is compared with: dense with the options dense takes (``fp8``) as this run's."""
-    return run_label("dense", _options_for("dense", summary.get("recipe_options") or {}))
+    """The dense run a run is compared with: dense with this run's precision and the options dense
+    takes (``bf16_finetune``) as this run's."""
+    return run_label("dense", _options_for("dense", summary.get("recipe_options") or {}),
+                     summary.get("precision", "bf16"))
 
 
 def _options_for(recipe: str, options: dict[str, Any]) -> dict[str, Any]:
     """The options of ``options`` that ``recipe`` takes (dense runs without the sparse recipes'
-    ``mvue`` or ``decay``, but with ``fp8``); one no recipe takes stays, to be refused by name."""
+    ``mvue`` or ``decay``, but with ``bf16_finetune``); one no recipe takes stays, to be refused by name."""
     takes = recipe_options(recipe)
     return {k: v for k, v in options.items() if k in takes or not any(k in recipe_options(r) for r in RECIPES)}
 
 
 def compare(recipes: list[str], base: TrainConfig, seeds: list[int] | None = None) -> list[dict[str, Any]]:
-    """Train ``base`` once per (recipe, seed) under ``base.out_dir``/RECIPE-sSEED (the recipe's
-    options in the name when it is given any: ``s-ste-mvue=false-s1``); runs already
+    """Train ``base`` once per (recipe, seed) under ``base.out_dir``/RECIPE-sSEED (the precision
+    and the recipe's options in the name when it is given any: ``s-ste-mvue=false-s1``); runs already
     finished there (a ``summary.json`` with the same config) are reused, not retrained, and an
     interrupted one (a checkpoint, no summary) is resumed, unless ``base.overwrite``. The table
     and plot cover every finished run in the folder with the same model and token budget."""
@@ -74,7 +79,7 @@ def compare(recipes: list[str], base: TrainConfig, seeds: list[int] | None = Non
     for recipe in recipes:
         for seed in seeds:
             options = _options_for(recipe, base.recipe_options)
-            out = root / _folder(recipe, options, seed)
+            out = root / _folder(recipe, options, seed, base.precision)
             cfg = dataclasses.replace(base, recipe=recipe, seed=seed, out_dir=str(out), recipe_options=options)
             cfg.validate()
             if _finished(cfg, base.overwrite):
@@ -137,7 +142,7 @@ def _all_runs(root: Path, like: dict[str, Any]) -> list[dict[str, Any]]:
     kept: dict[tuple, dict[str, Any]] = {}
     # the run in the folder its label names first
     for r in sorted(runs, key=lambda r: Path(r["out_dir"]).name != _folder(r["recipe"], r.get("recipe_options"),
-                                                                          r["seed"])):
+                                                                          r["seed"], r.get("precision", "bf16"))):
         if key(r) != key(like):
             continue
         same = kept.setdefault((summary_label(r), r["seed"]), r)
@@ -154,7 +159,7 @@ def _mean_std(values: list[float]) -> tuple[float, float | None]:
 
 def recipe_stats(summaries: list[dict[str, Any]]) -> list[dict[str, Any]]:
     """Per recipe (with its options, :func:`run_label`), over its seeds: the final val loss (mean,
-    std) and the paired gap to dense (with the same ``fp8``): recipe - dense of the same seed for every seed both ran,
+    std) and the paired gap to dense (with the same precision): recipe - dense of the same seed for every seed both ran,
     then the gaps' mean and std (absolute, and relative to that seed's dense loss)."""
     by_recipe: dict[str, dict[int, float]] = {}
     baseline: dict[str, str] = {}

@@ -1,8 +1,10 @@
 """What a training run depends on: :class:`TrainConfig` (saved as JSON in every run folder and
 checkpoint), the learning-rate schedule, and :class:`TrainError` for runs that can't start.
 
-The recipe stays a name plus options here (it is JSON); :meth:`TrainConfig.recipe_object` turns
-it into a :class:`twofour.Recipe` once, and the training code below passes that object on.
+The recipe stays a name plus options and the precision a preset's name here (it is JSON);
+:meth:`TrainConfig.recipe_object` turns them into a :class:`twofour.Recipe` once, and the training
+code passes that object on. A config or summary saved by an older version is read through one
+conversion, :func:`saved_options`.
 """
 
 from __future__ import annotations
@@ -17,8 +19,9 @@ from typing import Any
 import torch
 
 from ..errors import TrainError
+from ..fp8 import E4M3, E5M2, PRECISIONS, ROWWISE, TENSORWISE, Precision
 from ..models.presets import PRESETS
-from ..sparse.recipes import DEFAULT_RECIPE, RECIPES, Recipe, make_recipe, recipe_options
+from ..sparse.recipes import DEFAULT_RECIPE, Recipe, make_recipe, recipe_options
 
 __all__ = ["TrainConfig", "TrainError", "DEFAULT_LR", "Regime", "REGIMES", "lr_at", "resumed_config", "saved_options",
            "option_name", "resolve_device", "LAUNCH_OPTIONS", "ADJUSTABLE_OPTIONS"]
@@ -66,6 +69,7 @@ class TrainConfig:
     model: str = "tiny"
     recipe: str = DEFAULT_RECIPE
     recipe_options: dict[str, Any] = field(default_factory=dict)
+    precision: str = "bf16"  # a name of twofour.fp8.PRECISIONS: which GEMMs of the sparsified linears run in FP8
     sparse_attention: bool = False
     data: str | None = None  # None: the standard library corpus
     vocab_size: int | None = None  # for .bin shards without meta.pkl
@@ -98,33 +102,20 @@ class TrainConfig:
     step_graphs: bool = True  # the eager step's forward and backward as CUDA graphs (training/graphs.py)
     progress: bool = True
 
-    def __post_init__(self) -> None:
-        self.recipe_options = self._named(self.recipe_options)
-
     @classmethod
     def from_dict(cls, d: dict[str, Any]) -> TrainConfig:
-        """The config a ``config.json`` or checkpoint holds (unknown keys ignored; recipe options
-        as :func:`saved_options` reads them)."""
+        """The config a ``config.json`` or checkpoint holds (unknown keys ignored; an older
+        version's as :func:`saved_options` converts it)."""
         cfg = cls(**{k: v for k, v in saved_options(d).items() if k in cls.__dataclass_fields__})
         cfg.betas = tuple(cfg.betas)
         return cfg
 
     def to_dict(self) -> dict[str, Any]:
-        """Plain data (JSON), what config.json, checkpoints and summaries hold (an FP8 run's
-        options naming its gradient format, also where they were set after construction)."""
-        d = dataclasses.asdict(self)
-        d["recipe_options"] = self._named(d["recipe_options"])
-        return d
-
-    def _named(self, opts: Any) -> Any:
-        """Recipe options ``opts``, an FP8 run's with its gradient format named (the recipe's default
-        where it is not given), so that its config, checkpoint and label say which format it
-        trained with whatever the default is, and ``--opt fp8=true`` with or without the default
-        spelled out is one run."""
-        return _fp8_named(opts, recipe_options(self.recipe)["fp8_grad_e4m3"]) if self.recipe in RECIPES else opts
+        """Plain data (JSON), what config.json and checkpoints hold."""
+        return dataclasses.asdict(self)
 
     def recipe_object(self) -> Recipe:
-        """The run's :class:`twofour.Recipe`: the name and options, with ``total_steps`` set to
+        """The run's :class:`twofour.Recipe`: the name, options and precision, with ``total_steps`` set to
         ``steps`` when the recipe takes it and it wasn't given, and ``decay`` set to the regime's
         when it has one, the recipe takes it and it wasn't given. Raises TrainError if invalid."""
         options = dict(self.recipe_options)
@@ -135,7 +126,7 @@ class TrainConfig:
             regime = REGIMES.get(self.regime)
             if regime is not None and regime.decay is not None and "decay" in takes and "decay" not in options:
                 options["decay"] = regime.decay
-            return make_recipe(self.recipe, **options)
+            return make_recipe(self.recipe, precision=self.precision, **options)
         except (ValueError, TypeError) as e:
             raise TrainError(str(e)) from None
 
@@ -145,6 +136,8 @@ class TrainConfig:
             raise TrainError(f"unknown model preset {self.model!r}; valid presets: {', '.join(PRESETS)}")
         if self.regime not in REGIMES:
             raise TrainError(f"unknown regime {self.regime!r}; valid regimes: {', '.join(REGIMES)}")
+        if self.precision not in PRECISIONS:
+            raise TrainError(f"unknown --precision {self.precision!r}; valid precisions: {', '.join(PRECISIONS)}")
         self.recipe_object()
         for name in ("steps", "batch_size", "seq_len", "grad_accum", "eval_interval", "eval_iters", "ckpt_interval",
                      "log_interval", "vocab_size"):
@@ -249,20 +242,25 @@ def option_name(field_name: str) -> str:
     return _OPTION_NAMES.get(field_name, "--" + field_name.replace("_", "-"))
 
 
-def _fp8_named(opts: Any, grad_e4m3: bool) -> Any:
-    """Recipe options ``opts`` with ``fp8_grad_e4m3=grad_e4m3`` where they turn FP8 on and do not
-    name the gradient format (the same object otherwise)."""
-    if isinstance(opts, dict) and opts.get("fp8") is True and "fp8_grad_e4m3" not in opts:
-        return {**opts, "fp8_grad_e4m3": grad_e4m3}
-    return opts
+#: The recipe options older versions spelled the precision with (now :attr:`TrainConfig.precision`).
+_FP8_FLAGS = ("fp8", "fp8_rowwise", "fp8_grad_e4m3", "fp8_forward", "fp8_backward")
 
 
 def saved_options(d: dict[str, Any]) -> dict[str, Any]:
-    """A saved config or summary (``d``, with ``recipe_options``) as this version reads it: an FP8
-    run's options without ``fp8_grad_e4m3`` were saved while e5m2 was the default, so they get
-    ``fp8_grad_e4m3=False`` (configs name it since, :class:`TrainConfig`)."""
-    opts = _fp8_named(d.get("recipe_options"), False)
-    return d if opts is d.get("recipe_options") else {**d, "recipe_options": opts}
+    """A saved config, checkpoint config or summary (``d``) in this version's form: the one place
+    that reads older forms. Older versions spelled the precision as recipe options (``fp8``,
+    ``fp8_rowwise``, ``fp8_grad_e4m3``, ``fp8_forward``, ``fp8_backward``); they become
+    ``precision``, the name of the preset they meant (an FP8 run saved without ``fp8_grad_e4m3``
+    dates from when e5m2 was the default: ``fp8-e5m2``). ``d`` itself where it holds none."""
+    opts = d.get("recipe_options")
+    if not isinstance(opts, dict) or not any(k in opts for k in _FP8_FLAGS):
+        return d
+    on = opts.get("fp8") is True
+    grad = None if opts.get("fp8_backward") is False else E4M3 if opts.get("fp8_grad_e4m3") else E5M2
+    precision = Precision(opts.get("fp8_forward") is not False, grad,
+                          ROWWISE if opts.get("fp8_rowwise") else TENSORWISE) if on else None
+    return {**d, "recipe_options": {k: v for k, v in opts.items() if k not in _FP8_FLAGS},
+            "precision": precision.name if precision else "bf16"}
 
 
 def resumed_config(saved: dict[str, Any], cfg: TrainConfig, given: set[str] | None = None) -> TrainConfig:

@@ -306,7 +306,7 @@ def write_summary(out: Path, cfg: TrainConfig) -> dict[str, Any]:
     m = read_metrics(out)
     flips = [v for _, v in m["flip_rate"]]
     summary = {
-        "recipe": cfg.recipe, "recipe_options": cfg.to_dict()["recipe_options"], "model": cfg.model,
+        "recipe": cfg.recipe, "recipe_options": cfg.recipe_options, "precision": cfg.precision, "model": cfg.model,
         "regime": cfg.regime, "seed": cfg.seed, "steps": m["train_loss"][-1][0],
         "tokens": int(m["tokens"][-1][1]),
         "final_train_loss": m["train_loss"][-1][1],

@@ -1,0 +1,138 @@
+"""The ways a :class:`~twofour.sparse.layer.SparseLinear` computes its output, as one table.
+
+Each :class:`Route` says when it applies to a call (the layer, the input ``x``, the activation
+``act`` that follows or None) and what it runs; :data:`ROUTES` lists them in the order the forward
+tries them, and the forward runs the first that applies (:func:`route_for`). Each route but the
+last applies to calls no other does, so the order only makes the reference the fallback.
+Adding a route is one entry here.
+
+The conditions read the layer's host flags ``_dense`` and ``_fp8`` (and the fast path reads
+``_step``): plain Python values, which a compiled forward takes as constants (see
+:meth:`SparseLinear._init_state <twofour.sparse.layer.SparseLinear._init_state>`).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+import torch
+import torch.nn.functional as F
+
+from ..activations import Activation
+from ..fp8.linear import fp8_linear
+from .fastpath import FastLinearActFn, FastSparseLinearFn, applies, compiled_linear, compute_dtype
+from .reference import SparseLinearFn
+
+if TYPE_CHECKING:
+    from .layer import SparseLinear
+
+__all__ = ["Route", "ROUTES", "route_for"]
+
+
+@dataclass(frozen=True)
+class Route:
+    """One way to compute a SparseLinear's output: ``applies(layer, x, act)`` says whether it takes
+    this call, ``run(layer, x, act)`` computes ``x W_eff^T + b`` (then ``act`` of it, if given)."""
+
+    name: str
+    applies: Callable[[SparseLinear, torch.Tensor, Activation | None], bool]
+    run: Callable[[SparseLinear, torch.Tensor, Activation | None], torch.Tensor]
+
+
+def _fast(layer: SparseLinear, x: torch.Tensor) -> bool:
+    """The GPU fast path can take this call (:func:`twofour.sparse.fastpath.applies`)."""
+    return applies(x, layer.in_features, layer.out_features)
+
+
+def _sparse_phase(layer: SparseLinear) -> bool:
+    """A sparse recipe in a sparse phase, its GEMMs in the compute dtype (not FP8)."""
+    return layer.recipe.sparse and not layer._dense and not layer._fp8
+
+
+def _then(act: Activation | None, y: torch.Tensor) -> torch.Tensor:
+    return y if act is None else act(y)
+
+
+def _compressed(layer: SparseLinear, cdt: torch.dtype, sparse: bool = True):
+    """The layer's effective weight as the fast path takes it, built once per optimizer step."""
+    return layer.compressed.get(layer.weight, layer.pruner, layer.beta, layer.mask, layer._step, cdt, sparse)
+
+
+def _fused_applies(layer: SparseLinear, x: torch.Tensor, act: Activation | None) -> bool:
+    return (act is not None and _sparse_phase(layer) and layer.recipe.mvue and not torch.compiler.is_compiling()
+            and _fast(layer, x))
+
+
+def _fused_run(layer: SparseLinear, x: torch.Tensor, act: Activation | None) -> torch.Tensor:
+    """``act(x W_eff^T + b)`` as one op whose backward computes the activation's gradient and the
+    MVUE estimate of dY^T in one kernel (``kernels/actgrad.py``) where that measures faster."""
+    cdt = compute_dtype(x)
+    with torch.autocast("cuda", enabled=False):
+        wc, wd, wtc = _compressed(layer, cdt)
+        return FastLinearActFn.apply(x.to(cdt), layer.weight, layer.bias, wc, wd, wtc, layer.transposed_output, act)
+
+
+def _fp8_run(layer: SparseLinear, x: torch.Tensor, act: Activation | None) -> torch.Tensor:
+    """The GEMMs the recipe's precision puts in FP8 (``torch._scaled_mm`` or FP8 2:4, else their
+    reference), on the fused kernel's dense effective weight where the fast path runs eagerly."""
+    r, dense = layer.recipe, layer._dense
+    if dense or torch.compiler.is_compiling() or not _fast(layer, x):
+        w_eff = layer.effective_weight()
+    else:  # the fused kernel's dense effective weight (no 2:4 operands), once per optimizer step
+        w_eff = _compressed(layer, compute_dtype(x), sparse=False)[1]
+    return _then(act, fp8_linear(x, layer.weight, layer.bias, w_eff, precision=r.precision,
+                                 mvue=r.mvue and not dense, sparse=not dense))
+
+
+def _dense_run(layer: SparseLinear, x: torch.Tensor, act: Activation | None) -> torch.Tensor:
+    """nn.Linear's forward: the ``dense`` recipe without FP8."""
+    return _then(act, F.linear(x, layer.weight, layer.bias))
+
+
+def _eager_run(layer: SparseLinear, x: torch.Tensor, act: Activation | None) -> torch.Tensor:
+    """The fast path eagerly: the weight compressed once per optimizer step, each GEMM dense or 2:4,
+    whichever measured faster (:class:`~twofour.sparse.fastpath.FastSparseLinearFn`)."""
+    cdt = compute_dtype(x)
+    with torch.autocast("cuda", enabled=False):
+        wc, wd, wtc = _compressed(layer, cdt)
+        y = FastSparseLinearFn.apply(x.to(cdt), layer.weight, layer.bias, wc, wd, wtc, layer.recipe.mvue,
+                                     layer.transposed_output)
+    return _then(act, y)
+
+
+def _compiled_run(layer: SparseLinear, x: torch.Tensor, act: Activation | None) -> torch.Tensor:
+    """The fast path under ``torch.compile``: the compression in the graph, the GEMMs as custom ops
+    (:func:`~twofour.sparse.fastpath.compiled_linear`)."""
+    cdt = compute_dtype(x)
+    with torch.autocast("cuda", enabled=False):
+        wc, wd, wtc = layer.pruner.compress(layer.weight.detach(), layer.beta, layer.mask, cdt)
+        y = compiled_linear(x.to(cdt), layer.weight, layer.bias, wc, wd, wtc, layer.recipe.mvue)
+    return _then(act, y)
+
+
+def _reference_run(layer: SparseLinear, x: torch.Tensor, act: Activation | None) -> torch.Tensor:
+    """The plain-torch reference math (:class:`~twofour.sparse.reference.SparseLinearFn`): any
+    device and dtype, and a sparse recipe's dense phases (W_eff = W, no MVUE)."""
+    dense = layer._dense
+    return _then(act, SparseLinearFn.apply(x, layer.weight, layer.bias, layer.effective_weight(),
+                                           layer.recipe.mvue and not dense))
+
+
+#: The forward's routes in the order it tries them.
+ROUTES: tuple[Route, ...] = (
+    Route("fused linear+activation", _fused_applies, _fused_run),
+    Route("fp8", lambda layer, x, act: layer._fp8, _fp8_run),
+    Route("dense", lambda layer, x, act: not layer.recipe.sparse and not layer._fp8, _dense_run),
+    Route("fast path eager", lambda layer, x, act: (_sparse_phase(layer) and not torch.compiler.is_compiling()
+                                                    and _fast(layer, x)), _eager_run),
+    Route("fast path compiled", lambda layer, x, act: (_sparse_phase(layer) and torch.compiler.is_compiling()
+                                                       and _fast(layer, x)), _compiled_run),
+    Route("reference", lambda layer, x, act: True, _reference_run),
+)
+
+
+def route_for(layer: SparseLinear, x: torch.Tensor, act: Activation | None = None) -> Route:
+    """The route ``layer(x, act=act)`` runs: the first of :data:`ROUTES` that applies."""
+    return next(route for route in ROUTES if route.applies(layer, x, act))
