@@ -4,6 +4,7 @@ the CPU, the real kernel on the GPU), and byte for byte against cuSPARSELt where
 import pytest
 import torch
 
+from twofour import dispatch
 from twofour.functional import (
     _fixed_scale,
     _mvue_24,
@@ -255,11 +256,11 @@ def test_every_cusparselt_configuration_computes_the_same_product(d_col, b_col):
         torch.testing.assert_close((out.t() if d_col else out).float(), ref, rtol=2e-2, atol=2e-2)
         ran += 1
     assert ran == plan.num_configs
-    ops.clear_choices()
+    dispatch.clear_choices()
     y = ops.spmm(buf, b, m, d_col)
     torch.testing.assert_close(y.float(), ref, rtol=2e-2, atol=2e-2)
-    keys = [key for key in ops.choices() if key.startswith(f"spmm-d{'col' if d_col else 'row'}:{m}x{k}x{n}:")]
-    assert len(keys) == 1 and ops.choices()[keys[0]]["choice"].startswith("sparse#")
+    keys = [key for key in dispatch.choices() if key.startswith(f"spmm-d{'col' if d_col else 'row'}:{m}x{k}x{n}:")]
+    assert len(keys) == 1 and dispatch.choices()[keys[0]]["choice"].startswith("sparse#")
 
 
 # ---- e4m3: the FP8 2:4 GEMM's sparse operand --------------------------------------------------

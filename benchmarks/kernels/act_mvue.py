@@ -27,7 +27,7 @@ import statistics
 import torch
 from triton.testing import do_bench
 
-from twofour import activations, bench
+from twofour import activations, bench, dispatch
 from twofour.activations import GELU_TANH, SWIGLU
 from twofour.kernels import actgrad, ops
 from twofour.kernels import compress as ck
@@ -136,7 +136,7 @@ def main() -> None:
     if not args.no_step:
         steps(max(1, args.reps // 2))
     print("\ndispatch (the first linears' forward routes, sparse_dr leaving z column-major, and the dW routes):")
-    for line in ops.choice_lines("fwd") + ops.choice_lines("dw-mvue"):
+    for line in dispatch.choice_lines("fwd") + dispatch.choice_lines("dw-mvue"):
         print(" ", line)
 
 

@@ -9,8 +9,8 @@ import torch.nn.functional as F
 from .. import dispatch
 from ..functional import mvue_24_padded
 from ..kernels import fp8cast, ops
-from ..kernels.compress import HAS_TRITON
 from ..kernels.mvue_fp8 import SCALE_BOUND, mvue_e4m3
+from ..kernels.triton_common import HAS_TRITON
 from .matmul import _fp8_24_device, _fp8_24_fits, _sparse_failed, scaled_mm
 from .quantize import (
     DEFAULT_SCALING,
@@ -79,7 +79,7 @@ def _mvue_dw_timed(dy2: torch.Tensor, qd: torch.Tensor | None, sd: torch.Tensor 
                    sxt: torch.Tensor, cdt: torch.dtype) -> torch.Tensor:
     """dW with e4m3 gradients and one scale, where :func:`_mvue_dw_fits` on a GPU
     :func:`_fp8_24_device`, by the faster of two routes, timed whole once per shape
-    (``ops.choices()`` key ``fp8-dw-mvue``): the exact dense GEMM dY^T X (:func:`_exact_dw`, making
+    (``dispatch.choices()`` key ``fp8-dw-mvue``): the exact dense GEMM dY^T X (:func:`_exact_dw`, making
     dY^T included), or FP8 2:4 on the MVUE estimate, where one kernel writes the
     estimate compressed in e4m3 at the bound scale (:func:`mvue_e4m3`), the FP8 2:4 GEMM multiplies
     it by X (``qxt`` row-major is X column-major) and one pass applies the two scales. As in the
@@ -101,7 +101,7 @@ def _mvue_dw_timed(dy2: torch.Tensor, qd: torch.Tensor | None, sd: torch.Tensor 
 
     cands = {"sparse": sparse, "dense": dense}
     try:
-        return cands[ops.choose("fp8-dw-mvue", n, t, k, "col", E4M3, cands)]()
+        return cands[dispatch.choose("fp8-dw-mvue", n, t, k, "col", E4M3, cands)]()
     except Exception as e:  # noqa: BLE001 - cuSPARSELt refused the operands: the dense route answers
         _sparse_failed.add(failed)
         log.warning("the FP8 2:4 dW GEMM failed for %s (%s); it runs dense FP8 from now on", failed,

@@ -5,8 +5,10 @@ from __future__ import annotations
 
 import torch
 
+from .. import dispatch
 from ..kernels import cusparselt, fp8cast, ops
-from ..kernels.compress import HAS_TRITON, compress_e4m3
+from ..kernels.compress import compress_e4m3
+from ..kernels.triton_common import HAS_TRITON
 from .quantize import E4M3, _why, dequantize, log
 
 _refused: set[tuple] = set()
@@ -103,7 +105,7 @@ def _scaled_mm(qa: torch.Tensor, sa: torch.Tensor, qb: torch.Tensor, sb: torch.T
     cands = {"sparse": lambda: _sparse_mm(qa, sa, qb, sb, out_dtype, bias),
              "dense": lambda: _dense_mm(qa, sa, qb, sb, out_dtype, bias)}
     try:
-        choice = ops.choose("fp8-fwd+bias" if bias is not None else "fp8-fwd", n, k, m, "col", qa.dtype, cands)
+        choice = dispatch.choose("fp8-fwd+bias" if bias is not None else "fp8-fwd", n, k, m, "col", qa.dtype, cands)
         return cands[choice]()
     except Exception as e:  # noqa: BLE001 - cuSPARSELt refused the operands: the dense GEMM answers
         _sparse_failed.add(failed)
@@ -131,7 +133,7 @@ def scaled_mm(qa: torch.Tensor, sa: torch.Tensor, qb: torch.Tensor, sb: torch.Te
 
     ``sparse_b``: ``b`` is 2:4 along K (a pruned weight). Where cuSPARSELt has FP8 2:4 GEMMs (sm89+,
     e4m3 operands, ``a`` with a single scale), the GEMM also has a 2:4 route, ``b`` compressed on
-    each call, and runs whichever of the two measured faster at this shape (``ops.choices()`` key
+    each call, and runs whichever of the two measured faster at this shape (``dispatch.choices()`` key
     ``fp8-fwd``); the product is the same up to the GEMM's rounding.
     Under torch's tracers this is the custom op ``twofour::scaled_mm``, so a compiled model keeps
     the FP8 linear in one graph."""

@@ -141,7 +141,7 @@ def quantize_t(t: torch.Tensor, fmt: torch.dtype = E4M3, scaling: Scaling = TENS
     written in the same pass: the operand a linear's backward multiplies along its other axis.
     On a GPU with the fast path on, the Triton kernels (:mod:`twofour.kernels.fp8cast`) or the
     compiled plain-torch passes, whichever measured faster for this variant and shape (timed
-    once, like the GEMM dispatch: ``ops.choices()`` lists them); plain torch elsewhere."""
+    once, like the GEMM dispatch: ``dispatch.choices()`` lists them); plain torch elsewhere."""
     _check_fmt(fmt)
     if scaling.rowwise and t.dim() != 2:
         raise ValueError(f"rowwise scaling needs a 2-D tensor, got shape {tuple(t.shape)}")
@@ -161,8 +161,8 @@ def quantize_t(t: torch.Tensor, fmt: torch.dtype = E4M3, scaling: Scaling = TENS
     if not routes:
         return _quantize(*args)
     k = t.shape[-1] if t.dim() else 1
-    return routes[ops.choose(_dispatch_kind(fmt, rowwise, transposed), t.numel() // k, k, 0, "row", t.dtype,
-                             routes)]()
+    return routes[dispatch.choose(_dispatch_kind(fmt, rowwise, transposed), t.numel() // k, k, 0, "row", t.dtype,
+                                  routes)]()
 
 
 @functools.cache

@@ -10,6 +10,7 @@ import torch
 from torch import nn
 from torch.nn import functional as F
 
+from .. import dispatch
 from ..kernels import gemv24 as _gemv
 from ..kernels import ops
 from ..kernels.layout import compress_codes, position_codes, positions_width, unpack_24
@@ -137,8 +138,8 @@ class SparseInferenceLinear(nn.Module):
             x2 = ops.as_2d(x.to(cdt))
             order = ops.order(x2)
             routes = _working(self.routes(x2), (n, self.in_features, x2.shape[0], order, cdt, self.bias is not None))
-            choice = ops.choose("inf" if self.bias is None else "inf+bias", n, self.in_features, x2.shape[0], order,
-                                cdt, routes)
+            choice = dispatch.choose("inf" if self.bias is None else "inf+bias", n, self.in_features, x2.shape[0],
+                                     order, cdt, routes)
             return routes[choice]().reshape(*x.shape[:-1], n)
         if self._dense_key != self._key():
             self.prepare()
@@ -150,7 +151,7 @@ class SparseInferenceLinear(nn.Module):
         to its multiple of 8; y row-major), with ``transposed_output`` also ``sparse_dr`` (the
         same writing y^T row-major: a column-major y), and for up to 8 tokens ``sparse_gemv``
         (:mod:`twofour.kernels.gemv24`). The forward runs the one
-        :func:`twofour.kernels.ops.choose` measured fastest for the shape. Only where
+        :func:`twofour.dispatch.choose` measured fastest for the shape. Only where
         :meth:`runs_sparse`."""
         if self._packed_key != self._key():
             self.prepare()
