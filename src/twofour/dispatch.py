@@ -1,4 +1,5 @@
-"""The fast path's process-wide state, in one place: the switches and the measured choices.
+"""The fast path's process-wide state, in one place: the switches, the measured choices and the
+routes that failed.
 
 Switches, read from the environment once at import: ``TWOFOUR_FAST=0`` turns the fast path off
 (plain torch everywhere); ``TWOFOUR_GEMM=dense`` or ``=sparse`` forces one side for every GEMM
@@ -10,6 +11,10 @@ Measured choices: where an operation has several routes (dense or 2:4 GEMMs, Tri
 quantization, cuSPARSELt's algorithm configurations), :func:`choose` times each once per shape
 and keeps the fastest; :func:`choices` lists them, :func:`set_choice` pins one.
 
+Failed routes: a route that raises (a kernel that does not build, a GEMM a library refuses) is
+recorded with :func:`record_failure`, logged once as a warning on the ``twofour`` logger, and
+skipped from then on (:func:`failed`); :func:`failures` lists them.
+
 What stays with its module is memoization, not policy: compiled functions (``fp8/quantize.py``),
 Triton launch configurations and cuSPARSELt plans (``kernels/``). This module imports only torch
 and the standard library, so that every part of the package, the kernels included, may read it.
@@ -19,6 +24,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import logging
 import os
 import statistics
 from collections.abc import Callable, Iterator
@@ -27,7 +33,9 @@ import torch
 
 __all__ = ["fast", "gemm", "set_fast", "set_gemm", "override", "GEMM_MODES", "choice_key", "can_measure",
            "median_ms", "choose", "measure", "recorded", "choices", "choice_lines", "set_choice", "clear_choices",
-           "on_choice_change"]
+           "on_choice_change", "failed", "record_failure", "working", "failures", "clear_failures"]
+
+log = logging.getLogger("twofour")
 
 GEMM_MODES = ("auto", "dense", "sparse")
 
@@ -206,3 +214,59 @@ def on_choice_change(fn: Callable[[], None]) -> None:
 def _changed() -> None:
     for fn in _on_change:
         fn()
+
+
+# --------------------------------------------------------------------------------------------
+# failed routes: recorded once, logged once, skipped from then on
+# --------------------------------------------------------------------------------------------
+
+_failures: dict[tuple, str] = {}
+_probed: set[tuple] = set()
+
+
+def failed(route: tuple) -> bool:
+    """Whether the route ``route`` (a tuple: its name first, then where it ran) failed before."""
+    return route in _failures
+
+
+def record_failure(route: tuple, what: str, exc: BaseException, instead: str | None = None) -> None:
+    """Remember that ``route`` raised ``exc`` and log one warning the first time: ``what`` (the
+    operation, in words), the route, the exception's type and the first line of its message, and
+    what runs ``instead`` where the caller has a fallback."""
+    if route in _failures:
+        return
+    _failures[route] = f"{type(exc).__name__}: {(str(exc).splitlines() or [''])[0]}"
+    log.warning("%s failed for %s (%s); it is not used from now on%s", what, route, _failures[route],
+                f": {instead} runs instead" if instead else "")
+
+
+def working(kind: str, routes: dict[str, Callable[[], object]], where: tuple,
+            what: str) -> dict[str, Callable[[], object]]:
+    """``routes`` less those that failed at ``where``. The first time at ``where`` (outside a
+    CUDA-graph capture) each route runs once, and one that raises is recorded (route key
+    ``(kind, name, *where)``, ``what`` naming it in the warning), so that a measurement that
+    follows times only routes that run. RuntimeError if every route failed."""
+    probe = (kind, *where)
+    if probe not in _probed and not torch.cuda.is_current_stream_capturing():
+        _probed.add(probe)
+        for name, fn in routes.items():
+            try:
+                fn()
+            except Exception as e:  # noqa: BLE001 - any build or launch failure drops the route here
+                record_failure((kind, name, *where), f"{what} {name!r}", e)
+    left = {name: fn for name, fn in routes.items() if (kind, name, *where) not in _failures}
+    if not left:
+        raise RuntimeError(f"every route of {what} failed at {where}: "
+                           + "; ".join(f"{name}: {_failures[(kind, name, *where)]}" for name in routes))
+    return left
+
+
+def failures() -> dict[tuple, str]:
+    """The routes that failed so far: {route: "ExceptionType: first line of its message"}."""
+    return dict(_failures)
+
+
+def clear_failures() -> None:
+    """Forget every failure (each route is tried again at its next call)."""
+    _failures.clear()
+    _probed.clear()
