@@ -13,9 +13,9 @@ from pathlib import Path
 import pytest
 import torch
 
+from twofour import dispatch
 from twofour.cli import build_parser, main
 from twofour.functional import mask_24
-from twofour.kernels import ops
 from twofour.sparse import sparse_layers
 from twofour.training.runs import pyplot, source_digest
 
@@ -32,11 +32,11 @@ def losses(run):
 def test_train_writes_its_outputs(tmp_path, corpus, capsys):
     out = tmp_path / "run"
     key = "dw-mvue:96x128x32:Brow:bfloat16:dense|sparse"  # a pinned choice is one the run made
-    ops.set_choice(key, "dense")
+    dispatch.set_choice(key, "dense")
     try:
         assert main(["train", *SMALL, "--data", corpus, "--out", str(out)]) == 0
     finally:
-        ops.clear_choices()
+        dispatch.clear_choices()
     for name in ("metrics.csv", "ckpt.pt", "summary.json", "curves.png", "config.json"):
         assert (out / name).exists(), name
     s = json.loads((out / "summary.json").read_text())

@@ -136,22 +136,22 @@ def test_compile_runs_the_fast_path(recipe, monkeypatch):
 
 def test_choices_can_be_inspected_and_forced(monkeypatch):
     """A measured choice is listed with its timings; a forced choice is the one that runs."""
-    ops.clear_choices()
+    dispatch.clear_choices()
     layer = SparseLinear(256, 256, device="cuda", recipe="ste")
     x = torch.randn(64, 256, device="cuda")
     with torch.autocast("cuda", dtype=torch.bfloat16):
         layer(x)
-    table = ops.choices()
+    table = dispatch.choices()
     key = next(k for k in table if k.startswith("fwd"))
     assert table[key]["choice"] in table[key]["ms"] and len(table[key]["ms"]) >= 2
     spmm, calls = ops.spmm, []
     monkeypatch.setattr(ops, "spmm", lambda *a: calls.append(1) or spmm(*a))
     for forced, sparse_calls in (("dense", 0), ("sparse_dc", 1)):
-        ops.set_choice(key, forced)
+        dispatch.set_choice(key, forced)
         calls.clear()
         with torch.autocast("cuda", dtype=torch.bfloat16), torch.no_grad():
             layer(x)
-        assert ops.choices()[key]["choice"] == forced and len(calls) == sparse_calls
+        assert dispatch.choices()[key]["choice"] == forced and len(calls) == sparse_calls
 
 
 def test_cuda_graph_replay_follows_weight_updates():
@@ -252,8 +252,8 @@ def test_gated_ffn_fast_matches_reference(recipe, route):
              mlp.down.register_forward_pre_hook(lambda m, a: seen.update(h=ops.order(a[0].reshape(-1, 512))))]
 
     ffn_run(mlp, x, g, True)  # measure the dispatch, then force the gate|up forward route
-    for key in [k for k in ops.choices() if k.startswith("fwd:1024x256x512:")]:
-        ops.set_choice(key, route)
+    for key in [k for k in dispatch.choices() if k.startswith("fwd:1024x256x512:")]:
+        dispatch.set_choice(key, route)
     fast = ffn_run(mlp, x, g, True)
     assert seen["z"] == ("col" if route == "sparse_dr" else "row") and seen["h"] == seen["z"]
     for hook in hooks:
@@ -295,20 +295,20 @@ def test_ffn_fused_activation_matches_reference(kind, gemm):
     mlp, ref_mlp = ffn(kind, mvue=True), ffn(kind, mvue=False)
     x = torch.randn(4, 128, 256, device="cuda")
     g = torch.randn(4, 128, 256, device="cuda", dtype=torch.bfloat16)
-    ops.clear_choices()
+    dispatch.clear_choices()
     with dispatch.override(gemm=gemm):
         ffn_run(mlp, x, g, True)  # measure the dispatch, then keep z column-major (z^T stored)
-        for key in [k for k in ops.choices() if k.startswith("fwd") and ":1024x256x512:" in k]:
-            ops.set_choice(key, "sparse_dr")
+        for key in [k for k in dispatch.choices() if k.startswith("fwd") and ":1024x256x512:" in k]:
+            dispatch.set_choice(key, "sparse_dr")
         fast = ffn_run(mlp, x, g, True)
     ref = ffn_run(ref_mlp, x, g, False)
     act = "gelu_tanh" if kind == "gelu" else "swiglu"
-    keys = [k for k in ops.choices() if k.startswith(f"dw-mvue+{act}:")]
+    keys = [k for k in dispatch.choices() if k.startswith(f"dw-mvue+{act}:")]
     assert rel(fast[0], ref[0]) < 2e-2 and rel(fast[1], ref[1]) < 2e-2
-    if gemm == "dense" or ops.choices()[keys[0]]["choice"] == "dense":
+    if gemm == "dense" or dispatch.choices()[keys[0]]["choice"] == "dense":
         assert all(rel(a, b) < 2e-2 for a, b in zip(fast[2:], ref[2:]))
     if gemm == "auto":  # the three routes timed: the fused kernel, the standalone MVUE kernel, dense
-        assert set(ops.choices()[keys[0]]["ms"]) == {"sparse_fused", "sparse", "dense"}
+        assert set(dispatch.choices()[keys[0]]["ms"]) == {"sparse_fused", "sparse", "dense"}
     assert len(keys) == (1 if gemm == "auto" else 0)
 
 

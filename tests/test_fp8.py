@@ -530,7 +530,7 @@ def test_gpu_quantization_compiles_every_variant(caplog):
         pytest.skip("needs a CUDA GPU")
     if dispatch.gemm != "auto":
         pytest.skip("TWOFOUR_GEMM forces a route: the dispatch times nothing")
-    ops.clear_choices()
+    dispatch.clear_choices()
     with caplog.at_level(logging.WARNING, logger="twofour"):
         for dtype in (torch.float32, torch.bfloat16, torch.float16):
             for fmt in (E4M3, E5M2):
@@ -539,7 +539,7 @@ def test_gpu_quantization_compiles_every_variant(caplog):
                         t = torch.randn(*shape, device="cuda", dtype=dtype)
                         q, s, _ = quantize_t(t.requires_grad_(), fmt, scaling, transposed=transposed)
                         assert rel(dequantize(q, s), t.detach().float()) < 0.1
-    timed = [v["ms"] for k, v in ops.choices().items() if k.startswith("fp8-quantize")]
+    timed = [v["ms"] for k, v in dispatch.choices().items() if k.startswith("fp8-quantize")]
     assert len(timed) == 3 * 2 * 3 * 2 and all("compiled" in ms for ms in timed)
     assert "FP8 quantization failed" not in caplog.text  # no compiled or Triton variant fell back
 
@@ -615,9 +615,9 @@ def test_gpu_fp8_sparse_forward_matches_reference(shape):
             assert got.shape == (t, n) and got.is_contiguous() and got.dtype == torch.bfloat16
             assert rel(got, want) < 1e-2, mode
     if dispatch.gemm == "auto":
-        ops.clear_choices()
+        dispatch.clear_choices()
         scaled_mm(qx, sx, qw, sw, torch.bfloat16, sparse_b=True)
-        hit = [v for key, v in ops.choices().items() if key.startswith(f"fp8-fwd:{n}x{k}x{t}:")]
+        hit = [v for key, v in dispatch.choices().items() if key.startswith(f"fp8-fwd:{n}x{k}x{t}:")]
         assert len(hit) == 1 and set(hit[0]["ms"]) == {"sparse", "dense"}
 
 
@@ -657,9 +657,9 @@ def test_gpu_fp8_mvue_dw_routes(shape, caplog):
         assert torch.equal(column_major, grads[0]), name
     if dispatch.gemm == "auto":
         for xs in x_grad.values():
-            ops.clear_choices()
+            dispatch.clear_choices()
             draw(xs)
-            hit = [v for key, v in ops.choices().items() if key.startswith(f"fp8-dw-mvue:{n}x{t}x{k}:")]
+            hit = [v for key, v in dispatch.choices().items() if key.startswith(f"fp8-dw-mvue:{n}x{t}x{k}:")]
             assert len(hit) == 1 and set(hit[0]["ms"]) == {"sparse", "dense"}
 
 
@@ -697,7 +697,7 @@ def test_gpu_fp8_mvue_dw_routes_run_compiled(mode, caplog, monkeypatch):
     for xs in (x.clone().requires_grad_(), x):  # with dX (dY's scale from its quantization), without
         for forced in ("sparse", "auto"):
             torch.compiler.reset()  # a fresh graph per dispatch setting (a recorded graph replays its route)
-            ops.clear_choices()
+            dispatch.clear_choices()
             calls.clear()
             f = torch.compile(lambda a: fp8_linear(a, w, None, precision="fp8", mvue=True), mode=mode,
                               fullgraph=True)
@@ -708,7 +708,7 @@ def test_gpu_fp8_mvue_dw_routes_run_compiled(mode, caplog, monkeypatch):
                 one, mean = rel(grads[0], exact), rel(grads.mean(0), exact)
                 assert torch.isfinite(grads).all() and one > 0.2 and mean < min(one / 4, 0.1), xs.requires_grad
             else:
-                hit = [v for key, v in ops.choices().items() if key.startswith(f"fp8-dw-mvue:{n}x{t}x{k}:")]
+                hit = [v for key, v in dispatch.choices().items() if key.startswith(f"fp8-dw-mvue:{n}x{t}x{k}:")]
                 assert len(hit) == 1 and set(hit[0]["ms"]) == {"sparse", "dense"}
 
 

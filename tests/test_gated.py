@@ -7,10 +7,10 @@ import torch
 import torch.nn.functional as F
 
 from twofour.activations import interleave_gate_up, split_gate_up, swiglu, swiglu_backward_reference, swiglu_reference
-from twofour.kernels import compress as ck
 from twofour.kernels.swiglu import swiglu_backward, swiglu_forward
+from twofour.kernels.triton_common import HAS_TRITON
 
-needs_triton = pytest.mark.skipif(not ck.HAS_TRITON, reason="needs triton")
+needs_triton = pytest.mark.skipif(not HAS_TRITON, reason="needs triton")
 KERNEL_DTYPES = [torch.float32, torch.bfloat16, torch.float16]
 SHAPES = [(64, 64), (37, 96), (130, 40), (1, 32)]  # (tokens, H): odd sizes leave partial tiles
 
@@ -92,7 +92,7 @@ def test_bad_input():
         swiglu(torch.randn(4, 7))
     with pytest.raises(ValueError, match="of one shape"):
         interleave_gate_up(torch.randn(4, 8), torch.randn(5, 8))
-    if ck.HAS_TRITON:
+    if HAS_TRITON:
         with pytest.raises(ValueError, match="row- or column-major"):
             swiglu_forward(torch.randn(8, 16)[::2])
         with pytest.raises(TypeError, match="bfloat16"):

@@ -4,6 +4,7 @@ the CPU, the real kernel on the GPU), and byte for byte against cuSPARSELt where
 import pytest
 import torch
 
+from twofour import dispatch
 from twofour.functional import (
     _fixed_scale,
     _mvue_24,
@@ -15,8 +16,9 @@ from twofour.functional import (
 from twofour.kernels import compress as ck
 from twofour.kernels import ops
 from twofour.kernels.layout import compress_reference, decompress_reference
+from twofour.kernels.triton_common import HAS_TRITON
 
-pytestmark = [pytest.mark.skipif(not ck.HAS_TRITON, reason="needs triton"), pytest.mark.triton]
+pytestmark = [pytest.mark.skipif(not HAS_TRITON, reason="needs triton"), pytest.mark.triton]
 SHAPES = [(64, 64), (100, 96), (128, 256), (32, 160)]
 OUT = [torch.bfloat16, torch.float16]
 
@@ -91,31 +93,27 @@ def test_mvue_with_philox_seed_is_unbiased(device):
     assert ((acc / n - x.double()).abs() <= 5 * sem + 1e-2).all()
 
 
-VARIANTS = [True, False]  # pair_rows
-
-
-@pytest.mark.parametrize("variant", VARIANTS, ids=["pair_rows", "pair_groups"])
 @pytest.mark.parametrize("in_place", [True, False], ids=["in_place", "row_major"])
-def test_mvue_layout_variants(variant, in_place, device):
-    """dY^T read in place or row-major, every layout variant of the kernel: with the reference's
-    uniforms it keeps the reference's entries; with Philox draws each kept value is x / p at its
-    own place (metadata and values agree) and the dense copy is the same estimate."""
+def test_mvue_on_both_load_paths(in_place, device):
+    """dY^T read in place (four loads, Philox counters of row pairs) or row-major (a tile load,
+    counters of group pairs): with the reference's uniforms the kernel keeps the reference's
+    entries; with Philox draws each kept value is x / p at its own place (metadata and values
+    agree) and the dense copy is the same estimate."""
     n, t = 96, 256
     dy = torch.randn(t, n, device=device)
     x = dy.t() if in_place else dy.t().contiguous()
     u = torch.rand(n, t // 2, device=device)
-    buf, dense = ck.compress_tiled(x, "mvue", u=u, dense_out=True, pair_rows=variant)
+    buf, dense = ck.compress(x, "mvue", u=u, dense_out=True)
     ref = _mvue_24(x.contiguous(), u=u)
     dec = decompress_reference(buf, n, t).float()
     assert torch.equal(dec != 0, ref != 0) and torch.equal(dense.float(), dec)
-    buf, dense = ck.compress_tiled(x, "mvue", seed=torch.tensor([7], device=device), dense_out=True,
-                                   pair_rows=variant)
+    buf, dense = ck.compress(x, "mvue", seed=torch.tensor([7], device=device), dense_out=True)
     dec = decompress_reference(buf, n, t).float()
     kept = dec != 0
     assert (kept.reshape(-1, 4).sum(1) == 2).all() and torch.equal(dense.float(), dec)
     want = x / mvue_inclusion_probability(x)
     torch.testing.assert_close(dec[kept], want[kept].bfloat16().float(), rtol=1e-2, atol=1e-6)
-    hard, _ = ck.compress_tiled(x, "hard", pair_rows=variant)  # the plain top-2 through the same layout
+    hard, _ = ck.compress(x, "hard")  # the plain top-2 through the same layout
     assert torch.equal(hard, compress_reference((x * mask_24(x)).bfloat16(), mask_24(x)))
 
 
@@ -258,11 +256,11 @@ def test_every_cusparselt_configuration_computes_the_same_product(d_col, b_col):
         torch.testing.assert_close((out.t() if d_col else out).float(), ref, rtol=2e-2, atol=2e-2)
         ran += 1
     assert ran == plan.num_configs
-    ops.clear_choices()
+    dispatch.clear_choices()
     y = ops.spmm(buf, b, m, d_col)
     torch.testing.assert_close(y.float(), ref, rtol=2e-2, atol=2e-2)
-    keys = [key for key in ops.choices() if key.startswith(f"spmm-d{'col' if d_col else 'row'}:{m}x{k}x{n}:")]
-    assert len(keys) == 1 and ops.choices()[keys[0]]["choice"].startswith("sparse#")
+    keys = [key for key in dispatch.choices() if key.startswith(f"spmm-d{'col' if d_col else 'row'}:{m}x{k}x{n}:")]
+    assert len(keys) == 1 and dispatch.choices()[keys[0]]["choice"].startswith("sparse#")
 
 
 # ---- e4m3: the FP8 2:4 GEMM's sparse operand --------------------------------------------------

@@ -8,8 +8,9 @@ from twofour.functional import _mvue_24
 from twofour.kernels import compress as ck
 from twofour.kernels.layout import decompress_reference
 from twofour.kernels.mvue_fp8 import SCALE_BOUND, mvue_e4m3
+from twofour.kernels.triton_common import HAS_TRITON
 
-pytestmark = [pytest.mark.skipif(not ck.HAS_TRITON, reason="needs triton"), pytest.mark.triton]
+pytestmark = [pytest.mark.skipif(not HAS_TRITON, reason="needs triton"), pytest.mark.triton]
 E4M3 = torch.float8_e4m3fn
 FMAX = torch.finfo(E4M3).max
 
@@ -62,6 +63,9 @@ def test_same_draws_as_the_standalone_kernel_and_unbiased(device):
     err = (acc / runs - x.double()).norm() / x.double().norm()
     one = (got * s - x).norm() / x.norm()
     assert one > 0.5 and err < one / 4  # a noisy estimate whose average converges
+    xr = x.contiguous()  # dY^T row-major: both kernels' tile-load path and its Philox counters
+    got = decompress_reference(mvue_e4m3(xr, s, seed=seed), n, t, E4M3).float()
+    assert torch.equal(got != 0, decompress_reference(ck.compress(xr, "mvue", seed=seed)[0], n, t).float() != 0)
 
 
 def test_the_bound_never_saturates(device):

@@ -10,6 +10,7 @@ import types
 import pytest
 import torch
 
+from twofour import dispatch
 from twofour.kernels import cusparselt as real_cs
 from twofour.kernels import ops
 
@@ -60,11 +61,11 @@ def fake(monkeypatch):
                                plan_for=plan_for, cached_plan=plans.get, drop_plan=drop_plan,
                                forget_tuning=forget_tuning)
     monkeypatch.setattr(ops, "_cs", cs)
-    monkeypatch.setattr(ops, "median_ms", lambda fn: (ran.clear(), fn(), TIMES[ran[-1]])[-1])
+    monkeypatch.setattr(dispatch, "median_ms", lambda fn: (ran.clear(), fn(), TIMES[ran[-1]])[-1])
     monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: False)
-    ops.clear_choices()
+    dispatch.clear_choices()
     yield types.SimpleNamespace(plans=plans, ran=ran, built=built)
-    ops.clear_choices()
+    dispatch.clear_choices()
 
 
 def operands():
@@ -78,7 +79,7 @@ def test_keeps_the_fastest_configuration_whose_product_matches(fake, d_col, capl
     a, b, ref = operands()
     y = ops.spmm(a, b, 8, d_col)
     torch.testing.assert_close(y, ref)
-    ((key, value),) = ops.choices().items()
+    ((key, value),) = dispatch.choices().items()
     assert key.startswith(f"spmm-d{'col' if d_col else 'row'}:8x16x12:Brow:") and key.endswith(":configs")
     assert value["choice"] == "sparse#1"  # 2 is faster but wrong, 4 cannot build
     assert set(value["ms"]) == {"sparse#0", "sparse#1", "sparse#3"}
@@ -88,19 +89,19 @@ def test_keeps_the_fastest_configuration_whose_product_matches(fake, d_col, capl
     fake.ran.clear()
     ops.spmm(a, b, 8, d_col)
     assert fake.ran == [1]  # no measuring the second time
-    line = ops.choice_lines("spmm")[0]
+    line = dispatch.choice_lines("spmm")[0]
     assert line.startswith(key) and "'sparse#0 (default)'" in line and "of 3 configurations" in line
 
 
 def test_forced_choice_is_used_without_measuring(fake):
     a, b, ref = operands()
     ops.spmm(a, b, 8, False)
-    (key,) = ops.choices()
-    ops.set_choice(key, "sparse#3")
+    (key,) = dispatch.choices()
+    dispatch.set_choice(key, "sparse#3")
     fake.ran.clear()
     torch.testing.assert_close(ops.spmm(a, b, 8, False), ref)
     assert fake.ran == [3]
-    ops.set_choice(key, "dense")
+    dispatch.set_choice(key, "dense")
     with pytest.raises(ValueError, match="sparse#N"):
         ops.spmm(a, b, 8, False)
 
@@ -108,33 +109,33 @@ def test_forced_choice_is_used_without_measuring(fake):
 def test_capture_builds_nothing(fake, monkeypatch):
     a, b, _ = operands()
     ops.spmm(a, b, 8, False)  # measured eagerly: configuration 1 recorded and built
-    (key,) = ops.choices()
-    ops.set_choice(key, "sparse#3")  # forced to a configuration whose plan was dropped
+    (key,) = dispatch.choices()
+    dispatch.set_choice(key, "sparse#3")  # forced to a configuration whose plan was dropped
     monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: True)
     built = len(fake.built)
     fake.ran.clear()
     ops.spmm(a, b, 8, False)
     assert fake.ran == [0] and len(fake.built) == built  # the default, nothing built
-    ops.set_choice(key, "sparse#1")  # recorded, and its plan exists
+    dispatch.set_choice(key, "sparse#1")  # recorded, and its plan exists
     fake.ran.clear()
     ops.spmm(a, b, 8, False)
     assert fake.ran == [1] and len(fake.built) == built
-    ops.clear_choices()  # nothing recorded: the default, nothing measured
+    dispatch.clear_choices()  # nothing recorded: the default, nothing measured
     fake.ran.clear()
     ops.spmm(a, b, 8, False)
-    assert fake.ran == [0] and not ops.choices()
+    assert fake.ran == [0] and not dispatch.choices()
 
 
 def test_set_choice_keys_are_what_choice_lines_print(fake):
     a, b, _ = operands()
     ops.spmm(a, b, 8, True)
-    key = ops.choice_lines()[0].split(": ")[0]
-    assert key in ops.choices()
+    key = dispatch.choice_lines()[0].split(": ")[0]
+    assert key in dispatch.choices()
 
 
 def test_nan_in_the_data_is_not_a_disagreement(fake):
     a, b, _ = operands()
     a[0, 0] = float("nan")
     ops.spmm(a, b, 8, False)
-    ((_, value),) = ops.choices().items()
+    ((_, value),) = dispatch.choices().items()
     assert set(value["ms"]) == {"sparse#0", "sparse#1", "sparse#3"}  # only the wrong one left out

@@ -11,10 +11,10 @@ from __future__ import annotations
 
 import sys
 
+from twofour import dispatch
 from twofour.cli import main
-from twofour.kernels import ops
 
 if __name__ == "__main__":
     rc = main(["train", "--no-progress", "--overwrite", *sys.argv[1:]])
-    print("\n".join(line for line in ops.choice_lines() if "dw" in line.split(":")[0]))
+    print("\n".join(line for line in dispatch.choice_lines() if "dw" in line.split(":")[0]))
     sys.exit(rc)

@@ -16,8 +16,9 @@ import itertools
 import torch
 import torch.nn.functional as F
 
+from twofour import dispatch
 from twofour import fp8 as f8
-from twofour.kernels import fp8cast, ops
+from twofour.kernels import fp8cast
 from twofour.sparse import SparseLinear
 
 SHAPES = [(128, 64), (96, 64), (128, 96), (64, 96), (37, 100), (1024, 768)]
@@ -75,14 +76,14 @@ def fp8_layer_step(recipe: str, seed: int, x_grad: bool = False):
 def layer_grads(route: str | None, repeats: int) -> list[str]:
     """The FP8 layer test's forward and backward with the quantization route forced (None: the
     dispatch's own choice), repeated; how many runs gave non-finite dX, dW or db."""
-    orig = ops.choose
+    orig = dispatch.choose
 
     def forced(kind, *a):
         if route and kind.startswith("fp8-quantize"):
             return route if route in a[-1] else next(iter(a[-1]))
         return orig(kind, *a)
 
-    ops.choose = forced
+    dispatch.choose = forced
     rows = []
     try:
         for recipe in ("ste", "s-ste"):
@@ -94,7 +95,7 @@ def layer_grads(route: str | None, repeats: int) -> list[str]:
                 assert rel_ok(y, F.linear(x, lin.effective_weight(), lin.bias))
             rows.append(f"layer {recipe:6} route={route or 'dispatch':9} non-finite runs of {repeats}: {bad}")
     finally:
-        ops.choose = orig
+        dispatch.choose = orig
     return rows
 
 
@@ -119,12 +120,12 @@ def main() -> None:
     ap.add_argument("--layer-test", action="store_true", help="only the layer test, once, with the choices")
     a = ap.parse_args()
     if a.layer_test:
-        print("\n".join(layer_test_once() + ops.choice_lines()))
+        print("\n".join(layer_test_once() + dispatch.choice_lines()))
         return
     print("\n".join(check_quantization(a.repeats)))
     for route in (None, "triton", "compiled"):
         print("\n".join(layer_grads(route, a.repeats)))
-    print("\n".join(ops.choice_lines()))
+    print("\n".join(dispatch.choice_lines()))
 
 
 if __name__ == "__main__":

@@ -232,7 +232,7 @@ def dispatch_table(shapes) -> list[str]:
                     errs[mode] = rel(F8.scaled_mm(qx, sx, qw, sw, BF, sparse_b=True, bias=b), ref)
             F8.scaled_mm(qx, sx, qw, sw, BF, sparse_b=True, bias=b)
             kind = "fp8-fwd" if b is None else "fp8-fwd+bias"
-            hit = next((v for key, v in ops.choices().items() if key.startswith(f"{kind}:{n}x{k}x{t}:")), None)
+            hit = next((v for key, v in dispatch.choices().items() if key.startswith(f"{kind}:{n}x{k}x{t}:")), None)
             ms = ", ".join(f"{c} {v:.3f}" for c, v in hit["ms"].items()) if hit else ""
             lines.append(f"| {name} | {'yes' if b is not None else 'no'} | {hit['choice'] if hit else 'none'} | {ms} | "
                          f"{errs['sparse']:.1e} | {errs['dense']:.1e} |")
@@ -287,9 +287,9 @@ def dw_shape(t: int, k: int, n: int) -> tuple[dict[str, float], str]:
     ms = {DW[0]: route("dense"), DW[1]: bench(lambda: mvue_e4m3(dy.t(), s2)),
           DW[2]: bench(lambda: plan.matmul(packed, qxt.t(), out)), DW[3]: bench(lambda: fp8cast.rescale_(out, s2, sxt)),
           DW[4]: route("sparse")}
-    ops.clear_choices()
+    dispatch.clear_choices()
     dw()
-    hit = next((v for key, v in ops.choices().items() if key.startswith(f"fp8-dw-mvue:{n}x{t}x{k}:")), None)
+    hit = next((v for key, v in dispatch.choices().items() if key.startswith(f"fp8-dw-mvue:{n}x{t}x{k}:")), None)
     return ms, f"{hit['choice']} ({hit['ms']['sparse']:.3f} / {hit['ms']['dense']:.3f})" if hit else "none"
 
 

@@ -7,11 +7,11 @@ and against dense.
 
 1. Kernels at the FFN shapes (16384 tokens; z column-major, as a 2:4 gate|up or fc with
    ``transposed_output`` leaves it, the order the fused kernel takes): the activation's gradient
-   alone, the standalone MVUE compression of its dz^T, and the fused kernel with each of its
-   Philox counter schemes (``actgrad.VARIANT``); the fused kernel's extra time over the gradient
-   alone against one write of the compressed operand at copy bandwidth (its traffic bound), and
-   its GB/s. Checked too: the fused dz against the unfused kernel's, and its bytes against the
-   standalone MVUE kernel on that dz with the same seed and counters.
+   alone, the standalone MVUE compression of its dz^T, and the fused kernel; the fused kernel's
+   extra time over the gradient alone against one write of the compressed operand at copy
+   bandwidth (its traffic bound), and its GB/s. Checked too: the fused dz against the unfused
+   kernel's, and its bytes against the standalone MVUE kernel on that dz with the same seed and
+   counters.
 2. FFN blocks, forward + backward (``bench.fwd_bwd_step``: weight compression counted): the GELU
    block at GPT-2 774M and the SwiGLU block at Llama-7B, dense, s-ste unfused and s-ste fused,
    ``--reps`` rounds interleaved, each a ``do_bench`` median; the median of the rounds.
@@ -27,7 +27,7 @@ import statistics
 import torch
 from triton.testing import do_bench
 
-from twofour import activations, bench
+from twofour import activations, bench, dispatch
 from twofour.activations import GELU_TANH, SWIGLU
 from twofour.kernels import actgrad, ops
 from twofour.kernels import compress as ck
@@ -48,10 +48,10 @@ def stored(rows: int, cols: int) -> torch.Tensor:
 
 
 def kernels(bw: float) -> None:
-    print("| case (z column-major) | Philox counters | grad alone ms | standalone MVUE ms | fused ms | "
+    print("| case (z column-major) | grad alone ms | standalone MVUE ms | fused ms | "
           "fused - grad ms | compressed write at copy bw ms | fused GB/s (% of copy) | unfused total ms | "
           "dz rel err | bytes = standalone |")
-    print("|---|---|---|---|---|---|---|---|---|---|---|")
+    print("|---|---|---|---|---|---|---|---|---|---|")
     seed = torch.tensor([11], device="cuda")
     for name, t, n, act in KERNEL_CASES:
         z = stored(t, n)
@@ -59,18 +59,16 @@ def kernels(bw: float) -> None:
         dz_plain = act.grad(z, dh)
         t_grad = do_bench(lambda a=act, z=z, dh=dh: a.grad(z, dh), return_mode="median")
         t_mvue = do_bench(lambda d=dz_plain: ops.compress(d.t(), "mvue", seed=seed), return_mode="median")
-        for pair_rows in (False, True):
-            dz, buf = actgrad.act_backward_mvue(z, dh, act.code, seed, pair_rows=pair_rows)
-            same = torch.equal(buf, ck.compress_tiled(dz.t().contiguous(), "mvue", seed=seed, pair_rows=pair_rows)[0])
-            t_fused = do_bench(lambda a=act, z=z, dh=dh, p=pair_rows: actgrad.act_backward_mvue(z, dh, a.code, seed,
-                                                                                              pair_rows=p),
-                               return_mode="median")
-            cbytes = compressed_size(n, t, 2)
-            nbytes = z.numel() * 2 + dh.numel() * 2 + dz.numel() * 2 + cbytes
-            gbs = nbytes / t_fused / 1e6
-            print(f"| {name} | {'row pairs' if pair_rows else 'group pairs'} | {t_grad:.3f} | {t_mvue:.3f} | "
-                  f"{t_fused:.3f} | {t_fused - t_grad:.3f} | {cbytes / bw / 1e6:.3f} | {gbs:.0f} ({gbs / bw:.0%}) | "
-                  f"{t_grad + t_mvue:.3f} | {rel(dz, dz_plain):.1e} | {same} |", flush=True)
+        dz, buf = actgrad.act_backward_mvue(z, dh, act.code, seed)
+        same = torch.equal(buf, ck.compress(dz.t().contiguous(), "mvue", seed=seed)[0])
+        t_fused = do_bench(lambda a=act, z=z, dh=dh: actgrad.act_backward_mvue(z, dh, a.code, seed),
+                           return_mode="median")
+        cbytes = compressed_size(n, t, 2)
+        nbytes = z.numel() * 2 + dh.numel() * 2 + dz.numel() * 2 + cbytes
+        gbs = nbytes / t_fused / 1e6
+        print(f"| {name} | {t_grad:.3f} | {t_mvue:.3f} | {t_fused:.3f} | {t_fused - t_grad:.3f} | "
+              f"{cbytes / bw / 1e6:.3f} | {gbs:.0f} ({gbs / bw:.0%}) | {t_grad + t_mvue:.3f} | "
+              f"{rel(dz, dz_plain):.1e} | {same} |", flush=True)
         z = dh = dz_plain = dz = buf = None
         torch.cuda.empty_cache()
 
@@ -138,7 +136,7 @@ def main() -> None:
     if not args.no_step:
         steps(max(1, args.reps // 2))
     print("\ndispatch (the first linears' forward routes, sparse_dr leaving z column-major, and the dW routes):")
-    for line in ops.choice_lines("fwd") + ops.choice_lines("dw-mvue"):
+    for line in dispatch.choice_lines("fwd") + dispatch.choice_lines("dw-mvue"):
         print(" ", line)
 
 

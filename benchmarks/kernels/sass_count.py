@@ -62,7 +62,6 @@ def sass(mode: int, bc: int, warps: int, in_place: bool) -> tuple[int, int, str]
     fn = ck._compress_kernel
     const = {"MODE": mode, "HAS_U": False, "WRITE_DENSE": False, "OUT_BF16": True, "BC": bc, "BIG": False,
              "QUAD_LOADS": in_place, "WRITE_SPARSE": True,
-             **(ck.VARIANT if in_place else dict.fromkeys(ck.VARIANT, False)),
              "sr" if in_place else "sc": 1}
     # a compiled signature names every constexpr: the rest (ROUNDS) at the kernel's own defaults
     const.update({p.name: p.default for p in fn.params if p.is_constexpr and p.has_default and p.name not in const})

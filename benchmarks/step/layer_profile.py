@@ -58,7 +58,7 @@ def host_costs() -> None:
     # (no public name launches them without compress()'s Python around it), with the constants
     # compress()'s launcher passes for a row-major source in hard mode (ROUNDS at its default).
     consts = dict(MODE=0, HAS_U=False, WRITE_DENSE=False, OUT_BF16=True, BIG=False, QUAD_LOADS=False,
-                  WRITE_SPARSE=True, PAIR_ROWS=False)
+                  WRITE_SPARSE=True)
     pieces = {
         "ops.compress (direct)": lambda: ops.compress(w, "hard", out_dtype=torch.bfloat16),
         # the registered ops by their public names (what ops' private _compress_op/_spmm_op call)

@@ -9,7 +9,7 @@ A variant is a recipe, optionally with options after a ``+`` each (as ``twofour 
 
 For each preset (micro-batch after the colon) and variant: the dispatch's choices, the step's time
 (median of 10 steps, each timed on its own behind a short device-side wait,
-``ops.median_ms(calls=1)``; and per step over windows of 4 steps in a row, as the loop runs them,
+``dispatch.median_ms(calls=1)``; and per step over windows of 4 steps in a row, as the loop runs them,
 the host free to run ahead), the device time
 of its kernels (summed from torch.profiler over 2 steps; below the step time when the GPU waits
 for the host), and the host's time to issue a step. Then
@@ -46,7 +46,6 @@ from torch.profiler import ProfilerActivity, profile
 from twofour import dispatch
 from twofour.bench import preset_train_step
 from twofour.cli import _option
-from twofour.kernels import ops
 from twofour.sparse import make_recipe
 
 #: (kind, pattern on the kernel's name), first match wins
@@ -180,12 +179,12 @@ def main() -> None:
                     breaks = sum(counters["graph_break"].values())
                     print(f"{preset} {variant}: {breaks} graph breaks; "
                           + "; ".join(f"{n}x {r[:90]}" for r, n in counters["graph_break"].most_common(4)))
-                ms, host = ops.median_ms(step, 10, calls=1), host_ms(step, 5)
-                in_a_row = ops.median_ms(step, 3, calls=4)
+                ms, host = dispatch.median_ms(step, 10, calls=1), host_ms(step, 5)
+                in_a_row = dispatch.median_ms(step, 3, calls=4)
                 kinds, names, gaps = profile_step(step)
                 results[variant] = (ms, in_a_row, host, kinds, names)
                 print(f"{preset} {variant}: dispatch choices\n  "
-                      + "\n  ".join(line for line in ops.choice_lines() if ":configs" not in line.split(": ")[0]))
+                      + "\n  ".join(line for line in dispatch.choice_lines() if ":configs" not in line.split(": ")[0]))
                 if args.gaps:
                     print(f"\n{preset} {variant}, where the GPU waits:\n" + "\n".join(gaps) + f"\n  {sync_check(step)}")
                 if args.host:

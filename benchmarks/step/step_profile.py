@@ -19,7 +19,6 @@ from triton.testing import do_bench
 
 from twofour import dispatch
 from twofour.bench import preset_train_step
-from twofour.kernels import ops
 from twofour.sparse import advance, make_recipe
 
 
@@ -58,7 +57,7 @@ def main() -> None:
     for variant, table in tables.items():
         print(f"\n{variant}: 2 steps, kernels by device time\n{table}")
     print("\ndispatch choices:")
-    print("\n".join(ops.choice_lines()))
+    print("\n".join(dispatch.choice_lines()))
 
 
 if __name__ == "__main__":

@@ -112,7 +112,7 @@ def block_vs_reference() -> None:
     worst, layout_bad = 0.0, []
     for recipe in ("s-ste", "t-sr-ste"):
         for route in ("auto", "sparse_dr", "sparse_dc", "dense"):
-            ops.clear_choices()
+            dispatch.clear_choices()
             torch.manual_seed(0)
             d, h, batch, seq = CHECK_BLOCK
             mlp = sparsify(GatedMLP(d, h).cuda(), recipe, include=("gate_up", "down"),
@@ -134,8 +134,8 @@ def block_vs_reference() -> None:
 
             run(True)  # the dispatch measures
             if route != "auto":
-                for key in [k for k in ops.choices() if k.startswith(f"fwd:{2 * h}x{d}x{batch * seq}:")]:
-                    ops.set_choice(key, route)
+                for key in [k for k in dispatch.choices() if k.startswith(f"fwd:{2 * h}x{d}x{batch * seq}:")]:
+                    dispatch.set_choice(key, route)
             fast = run(True)
             order = seen.get("z")
             hook.remove()
@@ -144,7 +144,7 @@ def block_vs_reference() -> None:
             if route == "sparse_dr" and order != "col":
                 layout_bad.append(f"{recipe} {route} left z {order}-major")
             print(f"| {recipe} | {route} | {order} | " + " | ".join(f"{e:.1e}" for e in errs) + " |", flush=True)
-    ops.clear_choices()  # no forced choice leaks into the timings
+    dispatch.clear_choices()  # no forced choice leaks into the timings
     SUMMARY.append(f"FFN block fast path vs reference: worst relative error {worst:.1e} "
                    f"({'ok' if worst < 2e-2 else 'TOO LARGE'}, bound 2e-2); z^T route: "
                    f"{'; '.join(layout_bad) or 'column-major z as planned'}")
@@ -299,7 +299,7 @@ def main() -> None:
     args = ap.parse_args()
     if args.profile:
         block_profile()
-        print("\n" + "\n".join(ops.choice_lines()))
+        print("\n" + "\n".join(dispatch.choice_lines()))
         return
     rep = 100 if args.quick else 200
     import triton
@@ -318,8 +318,8 @@ def main() -> None:
              args.quick)
     run_part("4. llama-1b training step (bf16 autocast, fused AdamW, vocabulary 32000, seq 1024)", llama_steps,
              [int(b) for b in args.batches.split(",")])
-    print("\n## dispatch choices (twofour.kernels.ops.choices())\n")
-    print("\n".join(ops.choice_lines()))
+    print("\n## dispatch choices (twofour.kernels.dispatch.choices())\n")
+    print("\n".join(dispatch.choice_lines()))
     print("\n## summary\n")
     print("\n".join(f"- {line}" for line in SUMMARY))
 

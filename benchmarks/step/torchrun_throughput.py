@@ -92,9 +92,10 @@ def main() -> None:
                 stop.set()
                 for p in procs:
                     p.join()
+    ratios_head = " | ".join(f"{r} / {recipes[0]}" for r in recipes[1:])
     lines = [f"{a.gpus} GPUs, torchrun, `twofour train --model {a.model} --seq-len {a.seq_len} --steps {a.steps}` "
              f"(--batch-size per GPU), median (min-max) tokens/s of {a.repeats} runs", "",
-             f"| busy procs | batch/GPU | variant | {' | '.join(recipes)} | {' | '.join(f'{r} / {recipes[0]}' for r in recipes[1:])} |",
+             f"| busy procs | batch/GPU | variant | {' | '.join(recipes)} | {ratios_head} |",
              "|---|---|---|" + "---|" * (2 * len(recipes) - 1)]
     for key in sorted({k[:3] for k in results}):
         cells, meds = [], []

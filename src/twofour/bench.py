@@ -24,6 +24,7 @@ from pathlib import Path
 import torch
 from torch import nn
 
+from . import dispatch
 from .activations import GELU_TANH, SWIGLU, Activation, linear_act
 from .functional import transposable_mask_24
 from .kernels import cusparselt, ops
@@ -494,8 +495,8 @@ def run_bench(args: argparse.Namespace) -> str:
         ratio, td, batch = _train_step(preset, batches, vocab)
         lines.append(f"| {preset} | {batch} x 1024 | {td:.1f} | {ratio:.2f}x |")
         print(lines[-1], flush=True)
-    lines += ["", "Dispatch choices measured in this run (`twofour.kernels.ops.choices()`):", "", "```"]
-    lines += ops.choice_lines() + ["```"]
+    lines += ["", "Dispatch choices measured in this run (`twofour.dispatch.choices()`):", "", "```"]
+    lines += dispatch.choice_lines() + ["```"]
     gc.collect()  # leave the GPU's memory to the training processes
     torch.cuda.empty_cache()
     models, recipes = TRAIN_QUICK if quick else TRAIN_FULL

@@ -25,6 +25,7 @@ import torch
 from torch import nn
 from torch.nn import functional as F
 
+from . import dispatch
 from .inference.format import load_for_inference, save_inference
 from .inference.layer import SparseInferenceLinear
 from .kernels import cusparselt, ops
@@ -268,9 +269,9 @@ def inference_bench(preset: str = PRESET, *, vocab_size: int = VOCAB, context: i
             rep.add(f"| {b} | {tok['dense']:,.0f} | {tok['sparse']:,.0f} | {tok['sparse'] / tok['dense']:.2f}x "
                     f"| {(wd + kvd) / 1e6:,.0f} / {(ws + kvs) / 1e6:,.0f} MB | {(wd + kvd) / (ws + kvs):.2f}x "
                     f"| {same} |")
-    rep.add("", "2:4 kernel chosen per shape (`twofour.kernels.ops.choices()`, `inf` keys: MxKxN = out x in x "
+    rep.add("", "2:4 kernel chosen per shape (`twofour.dispatch.choices()`, `inf` keys: MxKxN = out x in x "
             "tokens):", "", "```")
-    rep.add(*ops.choice_lines("inf"))
+    rep.add(*dispatch.choice_lines("inf"))
     rep.add("```")
     return "\n".join(rep.lines) + "\n"
 

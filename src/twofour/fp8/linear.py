@@ -9,19 +9,16 @@ import torch.nn.functional as F
 from .. import dispatch
 from ..functional import mvue_24_padded
 from ..kernels import fp8cast, ops
-from ..kernels.compress import HAS_TRITON
 from ..kernels.mvue_fp8 import SCALE_BOUND, mvue_e4m3
-from .matmul import _fp8_24_device, _fp8_24_fits, _sparse_failed, scaled_mm
+from ..kernels.triton_common import HAS_TRITON
+from .matmul import _fp8_24_device, _fp8_24_fits, scaled_mm
 from .precision import FP8, Precision, as_precision
 from .quantize import (
     E4M3,
     TENSORWISE,
     Scaling,
     _current_scale,
-    _failed,
     _guarded,
-    _why,
-    log,
     quantize,
     quantize_t,
 )
@@ -64,9 +61,9 @@ def _transposed(q: torch.Tensor) -> torch.Tensor:
     fast for 1-byte elements, where the kernel cannot run or once it failed: logged once)."""
     if q.t().is_contiguous():
         return q.t()
-    key = ("transpose", q.device.type, q.dtype)
-    if q.is_contiguous() and ops.triton_ok(q) and ("triton", key) not in _failed:
-        return _guarded("triton", "transpose", key, fp8cast.transpose, _torch_transpose, q)
+    route = ("fp8-transpose-triton", q.device.type, q.dtype)
+    if q.is_contiguous() and ops.triton_ok(q) and not dispatch.failed(route):
+        return _guarded(route, "the triton FP8 transpose", fp8cast.transpose, _torch_transpose, q)
     return _torch_transpose(q)
 
 
@@ -78,7 +75,7 @@ def _mvue_dw_timed(dy2: torch.Tensor, qd: torch.Tensor | None, sd: torch.Tensor 
                    sxt: torch.Tensor, cdt: torch.dtype) -> torch.Tensor:
     """dW with e4m3 gradients and one scale, where :func:`_mvue_dw_fits` on a GPU
     :func:`_fp8_24_device`, by the faster of two routes, timed whole once per shape
-    (``ops.choices()`` key ``fp8-dw-mvue``): the exact dense GEMM dY^T X (:func:`_exact_dw`, making
+    (``dispatch.choices()`` key ``fp8-dw-mvue``): the exact dense GEMM dY^T X (:func:`_exact_dw`, making
     dY^T included), or FP8 2:4 on the MVUE estimate, where one kernel writes the
     estimate compressed in e4m3 at the bound scale (:func:`mvue_e4m3`), the FP8 2:4 GEMM multiplies
     it by X (``qxt`` row-major is X column-major) and one pass applies the two scales. As in the
@@ -88,8 +85,8 @@ def _mvue_dw_timed(dy2: torch.Tensor, qd: torch.Tensor | None, sd: torch.Tensor 
         return _exact_dw(dy2, qd, sd, qxt, sxt, cdt)
 
     n, t, k = dy2.shape[1], dy2.shape[0], qxt.shape[0]
-    failed = ("dw", n, t, k, dy2.device.index, cdt)
-    if failed in _sparse_failed:
+    failed = ("fp8-24-dw", n, t, k, dy2.device.index, cdt)
+    if dispatch.failed(failed):
         return dense()
 
     def sparse() -> torch.Tensor:
@@ -100,11 +97,9 @@ def _mvue_dw_timed(dy2: torch.Tensor, qd: torch.Tensor | None, sd: torch.Tensor 
 
     cands = {"sparse": sparse, "dense": dense}
     try:
-        return cands[ops.choose("fp8-dw-mvue", n, t, k, "col", E4M3, cands)]()
+        return cands[dispatch.choose("fp8-dw-mvue", n, t, k, "col", E4M3, cands)]()
     except Exception as e:  # noqa: BLE001 - cuSPARSELt refused the operands: the dense route answers
-        _sparse_failed.add(failed)
-        log.warning("the FP8 2:4 dW GEMM failed for %s (%s); it runs dense FP8 from now on", failed,
-                    _why(e))
+        dispatch.record_failure(failed, "the FP8 2:4 dW GEMM", e, "the exact dense FP8 GEMM")
         return dense()
 
 

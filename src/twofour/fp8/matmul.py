@@ -5,11 +5,11 @@ from __future__ import annotations
 
 import torch
 
+from .. import dispatch
 from ..kernels import cusparselt, fp8cast, ops
-from ..kernels.compress import HAS_TRITON, compress_e4m3
-from .quantize import E4M3, _why, dequantize, log
-
-_refused: set[tuple] = set()
+from ..kernels.compress import compress_e4m3
+from ..kernels.triton_common import HAS_TRITON
+from .quantize import E4M3, dequantize
 
 
 def scaled_mm_available() -> bool:
@@ -19,8 +19,9 @@ def scaled_mm_available() -> bool:
 
 def refusals() -> frozenset[tuple]:
     """The operand kinds ``_scaled_mm`` refused so far in this process (each ran the reference):
-    (device type, A format, B format, rowwise, A shape, N, output dtype)."""
-    return frozenset(_refused)
+    (device type, A format, B format, rowwise, A shape, N, output dtype); the ``scaled_mm``
+    routes of :func:`twofour.dispatch.failures`."""
+    return frozenset(route[1:] for route in dispatch.failures() if route[0] == "scaled_mm")
 
 
 def _reference_mm(qa, sa, qb, sb, out_dtype, bias=None):
@@ -32,16 +33,14 @@ def _dense_mm(qa: torch.Tensor, sa: torch.Tensor, qb: torch.Tensor, sb: torch.Te
               out_dtype: torch.dtype, bias: torch.Tensor | None = None) -> torch.Tensor:
     m, n = qa.shape[0], qb.shape[0]
     qa, qb = qa.contiguous(), qb.contiguous()  # a row-major, b^T column-major (no-ops when already)
-    key = (qa.device.type, qa.dtype, qb.dtype, sa.numel() > 1, tuple(qa.shape), n, out_dtype)
-    if scaled_mm_available() and key not in _refused:
+    key = ("scaled_mm", qa.device.type, qa.dtype, qb.dtype, sa.numel() > 1, tuple(qa.shape), n, out_dtype)
+    if scaled_mm_available() and not dispatch.failed(key):
         try:
             out = torch._scaled_mm(qa, qb.t(), sa.reshape(m, 1) if sa.numel() > 1 else sa,
                                    sb.reshape(1, n) if sb.numel() > 1 else sb, out_dtype=out_dtype)
             return out if bias is None else out.add_(bias)
         except (RuntimeError, NotImplementedError, TypeError) as e:
-            _refused.add(key)
-            log.warning("torch._scaled_mm refused %s: %s; this GEMM runs the FP8 reference instead", key,
-                        str(e).splitlines()[0] if str(e) else type(e).__name__)
+            dispatch.record_failure(key, "torch._scaled_mm", e, "the FP8 reference")
     return _reference_mm(qa, sa, qb, sb, out_dtype, bias)
 
 
@@ -58,9 +57,6 @@ def _sparse_mm(qa: torch.Tensor, sa: torch.Tensor, qb: torch.Tensor, sb: torch.T
     packed = compress_e4m3(qb) if HAS_TRITON else cusparselt.compress(qb)
     out = ops.spmm(packed, qa.contiguous().t(), n, True, out_dtype=out_dtype).t()
     return fp8cast.rescale_(out, sa, sb, bias)
-
-
-_sparse_failed: set[tuple] = set()  # FP8 2:4 GEMMs cuSPARSELt could not build or run (dense from then on)
 
 
 def _fp8_24_fits(sparse_rows: int, k: int, dense_rows: int, out_dtype: torch.dtype) -> bool:
@@ -96,19 +92,17 @@ def _scaled_mm(qa: torch.Tensor, sa: torch.Tensor, qb: torch.Tensor, sb: torch.T
     if not sparse_b or not _sparse_applies(qb, sb, qa, sa, out_dtype):
         return _dense_mm(qa, sa, qb, sb, out_dtype, bias)
     m, k, n = qa.shape[0], qa.shape[1], qb.shape[0]
-    failed = (n, k, m, qb.device.index, out_dtype)
-    if failed in _sparse_failed:
+    failed = ("fp8-24-fwd", n, k, m, qb.device.index, out_dtype)
+    if dispatch.failed(failed):
         return _dense_mm(qa, sa, qb, sb, out_dtype, bias)
 
     cands = {"sparse": lambda: _sparse_mm(qa, sa, qb, sb, out_dtype, bias),
              "dense": lambda: _dense_mm(qa, sa, qb, sb, out_dtype, bias)}
     try:
-        choice = ops.choose("fp8-fwd+bias" if bias is not None else "fp8-fwd", n, k, m, "col", qa.dtype, cands)
+        choice = dispatch.choose("fp8-fwd+bias" if bias is not None else "fp8-fwd", n, k, m, "col", qa.dtype, cands)
         return cands[choice]()
     except Exception as e:  # noqa: BLE001 - cuSPARSELt refused the operands: the dense GEMM answers
-        _sparse_failed.add(failed)
-        log.warning("the FP8 2:4 GEMM failed for %s (%s); it runs dense FP8 from now on", failed,
-                    _why(e))
+        dispatch.record_failure(failed, "the FP8 2:4 GEMM", e, "the dense FP8 GEMM")
         return _dense_mm(qa, sa, qb, sb, out_dtype, bias)
 
 
@@ -131,7 +125,7 @@ def scaled_mm(qa: torch.Tensor, sa: torch.Tensor, qb: torch.Tensor, sb: torch.Te
 
     ``sparse_b``: ``b`` is 2:4 along K (a pruned weight). Where cuSPARSELt has FP8 2:4 GEMMs (sm89+,
     e4m3 operands, ``a`` with a single scale), the GEMM also has a 2:4 route, ``b`` compressed on
-    each call, and runs whichever of the two measured faster at this shape (``ops.choices()`` key
+    each call, and runs whichever of the two measured faster at this shape (``dispatch.choices()`` key
     ``fp8-fwd``); the product is the same up to the GEMM's rounding.
     Under torch's tracers this is the custom op ``twofour::scaled_mm``, so a compiled model keeps
     the FP8 linear in one graph."""

@@ -36,7 +36,6 @@ whose amax / fmt_max underflows to 0, gets scale 1.
 from __future__ import annotations
 
 import functools
-import logging
 import types
 from dataclasses import dataclass
 
@@ -44,8 +43,6 @@ import torch
 
 from .. import dispatch
 from ..kernels import fp8cast, ops
-
-log = logging.getLogger("twofour")
 
 E4M3 = torch.float8_e4m3fn
 E5M2 = torch.float8_e5m2
@@ -113,23 +110,14 @@ def _variant(t: torch.Tensor, fmt: torch.dtype, rowwise: bool, transposed: bool)
     return t.dtype, t.dim(), t.is_contiguous(), fmt, rowwise, transposed
 
 
-_failed: set[tuple] = set()  # (route, variant) whose kernels failed to compile or launch
-
-
-def _why(e: BaseException) -> str:
-    """An exception in one line for a warning: its type and its message's first line."""
-    return f"{type(e).__name__}: {(str(e).splitlines() or [''])[0]}"
-
-
-def _guarded(route: str, what: str, key: tuple, fn, fallback, *args):
-    """``fn(*args)`` (``what``: the operation, for the log); if it raises, ``(route, key)`` joins
-    ``_failed`` (logged once) and ``fallback(*args)``, plain torch computing the same bytes,
-    answers: a failing kernel never stops a training run."""
+def _guarded(route: tuple, what: str, fn, fallback, *args):
+    """``fn(*args)`` (``what``: the operation, for the log); if it raises, ``route`` is recorded
+    as failed (:func:`twofour.dispatch.record_failure`, logged once) and ``fallback(*args)``,
+    plain torch computing the same bytes, answers: a failing kernel never stops a training run."""
     try:
         return fn(*args)
     except Exception as e:  # noqa: BLE001 - any compiler or launch failure
-        _failed.add((route, key))
-        log.warning("%s FP8 %s failed for %s (%s); it is not used from now on", route, what, key, _why(e))
+        dispatch.record_failure(route, what, e, "plain torch")
         return fallback(*args)
 
 
@@ -139,7 +127,7 @@ def quantize_t(t: torch.Tensor, fmt: torch.dtype = E4M3, scaling: Scaling = TENS
     written in the same pass: the operand a linear's backward multiplies along its other axis.
     On a GPU with the fast path on, the Triton kernels (:mod:`twofour.kernels.fp8cast`) or the
     compiled plain-torch passes, whichever measured faster for this variant and shape (timed
-    once, like the GEMM dispatch: ``ops.choices()`` lists them); plain torch elsewhere."""
+    once, like the GEMM dispatch: ``dispatch.choices()`` lists them); plain torch elsewhere."""
     _check_fmt(fmt)
     if scaling.rowwise and t.dim() != 2:
         raise ValueError(f"rowwise scaling needs a 2-D tensor, got shape {tuple(t.shape)}")
@@ -151,16 +139,18 @@ def quantize_t(t: torch.Tensor, fmt: torch.dtype = E4M3, scaling: Scaling = TENS
         return _quantize(*args)
     key = _variant(*args)
     routes = {}
-    if ("triton", key) not in _failed and ops.triton_ok(t) and fp8cast.supported(t, rowwise, transposed):
-        routes["triton"] = lambda: _guarded("triton", "quantization", key, fp8cast.quantize, _quantize, *args)
-    if ("compiled", key) not in _failed:
-        routes["compiled"] = lambda: _guarded("compiled", "quantization", key, _compiled_quantize(key), _quantize,
-                                               *args)
+    by_triton, by_compiled = ("fp8-quantize-triton", *key), ("fp8-quantize-compiled", *key)
+    if not dispatch.failed(by_triton) and ops.triton_ok(t) and fp8cast.supported(t, rowwise, transposed):
+        routes["triton"] = lambda: _guarded(by_triton, "the triton FP8 quantization", fp8cast.quantize, _quantize,
+                                            *args)
+    if not dispatch.failed(by_compiled):
+        routes["compiled"] = lambda: _guarded(by_compiled, "the compiled FP8 quantization", _compiled_quantize(key),
+                                              _quantize, *args)
     if not routes:
         return _quantize(*args)
     k = t.shape[-1] if t.dim() else 1
-    return routes[ops.choose(_dispatch_kind(fmt, rowwise, transposed), t.numel() // k, k, 0, "row", t.dtype,
-                             routes)]()
+    return routes[dispatch.choose(_dispatch_kind(fmt, rowwise, transposed), t.numel() // k, k, 0, "row", t.dtype,
+                                  routes)]()
 
 
 @functools.cache

@@ -3,13 +3,13 @@ positions, run by 2:4 kernels on a GPU (cuSPARSELt, or the streaming GEMV for a 
 
 from __future__ import annotations
 
-import warnings
 from typing import Any
 
 import torch
 from torch import nn
 from torch.nn import functional as F
 
+from .. import dispatch
 from ..kernels import gemv24 as _gemv
 from ..kernels import ops
 from ..kernels.layout import compress_codes, position_codes, positions_width, unpack_24
@@ -136,9 +136,10 @@ class SparseInferenceLinear(nn.Module):
             cdt, n = self.values.dtype, self.out_features
             x2 = ops.as_2d(x.to(cdt))
             order = ops.order(x2)
-            routes = _working(self.routes(x2), (n, self.in_features, x2.shape[0], order, cdt, self.bias is not None))
-            choice = ops.choose("inf" if self.bias is None else "inf+bias", n, self.in_features, x2.shape[0], order,
-                                cdt, routes)
+            routes = dispatch.working("inf", self.routes(x2), (n, self.in_features, x2.shape[0], order, cdt,
+                                                                self.bias is not None), "the 2:4 inference kernel")
+            choice = dispatch.choose("inf" if self.bias is None else "inf+bias", n, self.in_features, x2.shape[0],
+                                     order, cdt, routes)
             return routes[choice]().reshape(*x.shape[:-1], n)
         if self._dense_key != self._key():
             self.prepare()
@@ -150,7 +151,8 @@ class SparseInferenceLinear(nn.Module):
         to its multiple of 8; y row-major), with ``transposed_output`` also ``sparse_dr`` (the
         same writing y^T row-major: a column-major y), and for up to 8 tokens ``sparse_gemv``
         (:mod:`twofour.kernels.gemv24`). The forward runs the one
-        :func:`twofour.kernels.ops.choose` measured fastest for the shape. Only where
+        :func:`twofour.dispatch.choose` measured fastest for the shape (a kernel that raises the first
+        time at a shape is left out there: :func:`twofour.dispatch.working`). Only where
         :meth:`runs_sparse`."""
         if self._packed_key != self._key():
             self.prepare()
@@ -173,30 +175,6 @@ class SparseInferenceLinear(nn.Module):
         return (f"in_features={self.in_features}, out_features={self.out_features}, bias={self.bias is not None}, "
                 f"2:4 {'values+positions' if self.packed_state else 'dense-layout'} state"
                 + (", transposed_output=True" if self.transposed_output else ""))
-
-
-_tried: set[tuple] = set()
-_failed: dict[tuple, str] = {}
-
-
-def _working(routes: dict[str, Any], shape: tuple) -> dict[str, Any]:
-    """``routes`` less those that raised the first time they ran at this shape (each is run once
-    per shape, outside CUDA-graph capture; a failure is a warning, and the others carry on)."""
-    if shape not in _tried and not torch.cuda.is_current_stream_capturing():
-        _tried.add(shape)
-        for name, fn in routes.items():
-            try:
-                fn()
-            except Exception as e:
-                _failed[(name, shape)] = f"{type(e).__name__}: {e}"
-                warnings.warn(f"SparseInferenceLinear: the {name} kernel failed at out x in x tokens "
-                              f"{shape[0]}x{shape[1]}x{shape[2]} ({_failed[(name, shape)][:200]}); not using it there",
-                              stacklevel=3)
-    left = {name: fn for name, fn in routes.items() if (name, shape) not in _failed}
-    if not left:
-        raise RuntimeError(f"every 2:4 kernel failed at out x in x tokens {shape[0]}x{shape[1]}x{shape[2]}: "
-                           + "; ".join(_failed[(n, shape)][:200] for n in routes))
-    return left
 
 
 # --------------------------------------------------------------------------------------------

@@ -26,24 +26,22 @@ from __future__ import annotations
 
 import torch
 
-from .compress import HAS_TRITON
 from .layout import compressed_size
+from .triton_common import HAS_TRITON, PHILOX_ROUNDS
 
 if HAS_TRITON:
     import triton
     import triton.language as tl
 
-    from .compress import (
-        PHILOX_ROUNDS,
-        _group_uniforms,
-        _mvue_keep,
-        _mvue_rescale,
-        _mvue_weights,
-        _out,
-        _pick,
-        _quads,
-        _row_pair_uniforms,
-        _store_compressed,
+    from .triton_common import (
+        group_uniforms,
+        mvue_keep,
+        mvue_rescale,
+        mvue_weights,
+        out_bits,
+        pick,
+        quads,
+        store_compressed,
     )
 
 __all__ = ["act_backward_mvue", "GELU_TANH", "SWIGLU", "DTYPES"]
@@ -51,10 +49,6 @@ __all__ = ["act_backward_mvue", "GELU_TANH", "SWIGLU", "DTYPES"]
 GELU_TANH, SWIGLU = 0, 1  # the ACT codes
 DTYPES = (torch.bfloat16, torch.float16)
 BC = 64  # tokens per program off the GPU (the interpreter); on the GPU autotuned
-#: The Philox counters of the draws: ``PAIR_ROWS`` shares one call between rows 2i and 2i+1 of a
-#: group (as ``compress.VARIANT``), else between two groups of a row (the standalone kernel's
-#: tile-load path); the bytes equal the standalone kernel's with the same ``pair_rows``.
-VARIANT = {"PAIR_ROWS": False}
 
 if HAS_TRITON:
 
@@ -77,7 +71,7 @@ if HAS_TRITON:
     @triton.jit
     def _rounded(x, OUT_BF16: tl.constexpr):
         """(the output's bits, their value in float32) of float32 ``x``, rounded to nearest even."""
-        bits = _out(x, OUT_BF16)
+        bits = out_bits(x, OUT_BF16)
         if OUT_BF16:
             val = (bits.to(tl.int32) << 16).to(tl.float32, bitcast=True)
         else:
@@ -87,7 +81,7 @@ if HAS_TRITON:
     @triton.jit
     def _act_bwd_mvue_kernel(z, dh, dz, seed_ptr, vals, meta, m_rows, k_cols, z_r, h_r, h_c, n_ct,
                              ACT: tl.constexpr, OUT_BF16: tl.constexpr, BC: tl.constexpr, BIG: tl.constexpr,
-                             PAIR_ROWS: tl.constexpr = False, ROUNDS: tl.constexpr = PHILOX_ROUNDS):
+                             ROUNDS: tl.constexpr = PHILOX_ROUNDS):
         """Rows band*64.. of dz^T (features) x tokens pc*BC..: z^T and dz^T row-major with row
         stride ``z_r``, dh^T read through ``h_r`` per feature and ``h_c`` per token; dz written
         densely, its MVUE estimate compressed into ``vals``/``meta``."""
@@ -114,23 +108,21 @@ if HAS_TRITON:
             grad = tl.reshape(tl.permute(tl.join(dg, du), (0, 2, 1)), (64, BC))  # (32, 2, BC): rows 2j, 2j+1
         bits, val = _rounded(grad, OUT_BF16)
         tl.store(dz + r * z_r + c, bits, mask=ok)
-        x0, x1, x2, x3 = _quads(val, G)
-        a0, a1, a2, a3 = _mvue_weights(tl.abs(x0), tl.abs(x1), tl.abs(x2), tl.abs(x3))
-        if PAIR_ROWS:
-            u1, u2 = _row_pair_uniforms(seed_ptr, band, pc, k_cols, G, ROUNDS)
-        else:
-            u1, u2 = _group_uniforms(seed_ptr, r, pc, k_cols, G, ROUNDS)
-        k0, k1, k2, k3 = _mvue_keep(a0, a1, a2, a3, u1, u2)
+        x0, x1, x2, x3 = quads(val, G)
+        a0, a1, a2, a3 = mvue_weights(tl.abs(x0), tl.abs(x1), tl.abs(x2), tl.abs(x3))
+        # the counters of the standalone kernel's tile-load path (two groups of a row per Philox call)
+        u1, u2 = group_uniforms(seed_ptr, r, pc, k_cols, G, ROUNDS)
+        k0, k1, k2, k3 = mvue_keep(a0, a1, a2, a3, u1, u2)
         i0 = tl.where(k0, 0, tl.where(k1, 1, 2))
         i1 = tl.where(k3, 3, tl.where(k2, 2, 1))
-        y0, y1 = _pick(k0, k1, k2, k3, x0, x1, x2, x3)
-        y0, y1 = _mvue_rescale(y0, y1, k0, k1, k2, k3, a0, a1, a2, a3)
-        _store_compressed(_out(y0, OUT_BF16), _out(y1, OUT_BF16), i0, i1, r, band, pc, m_rows, k_cols, n_ct,
-                          vals, meta, BC)
+        y0, y1 = pick(k0, k1, k2, k3, x0, x1, x2, x3)
+        y0, y1 = mvue_rescale(y0, y1, k0, k1, k2, k3, a0, a1, a2, a3)
+        store_compressed(out_bits(y0, OUT_BF16), out_bits(y1, OUT_BF16), i0, i1, r, band, pc, m_rows, k_cols, n_ct,
+                         vals, meta, BC)
 
     _act_bwd_mvue_tuned = triton.autotune(
         configs=[triton.Config({"BC": bc}, num_warps=w) for bc, w in ((32, 4), (64, 4), (64, 8), (128, 4), (128, 8))],
-        key=["m_rows", "k_cols", "z_r", "h_r", "h_c", "ACT", "PAIR_ROWS"],
+        key=["m_rows", "k_cols", "z_r", "h_r", "h_c", "ACT"],
     )(_act_bwd_mvue_kernel)
 
 _launch: dict[tuple, tuple[int, int]] = {}  # (shape, strides, dtypes, constants) -> the tuned (BC, warps)
@@ -141,14 +133,12 @@ def _big(*ts: torch.Tensor) -> bool:
 
 
 def act_backward_mvue(z: torch.Tensor, dh: torch.Tensor, act: int, seed: torch.Tensor,
-                      tile: tuple[int, int] | None = None,
-                      pair_rows: bool | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+                      tile: tuple[int, int] | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """(dz, the MVUE 2:4 estimate of dz^T compressed for cuSPARSELt) from the saved activation
     input ``z`` (T, N), column-major (z^T stored row-major), and ``dh`` (T, N/2 for SwiGLU, else
     T, N; any strides). ``dz`` comes back column-major in z's dtype; the estimate is 2:4 along tokens, with
     the Philox ``seed`` (an int tensor on the device). T must be a multiple of 32. ``tile`` =
-    (tokens, warps) fixes the launch instead of the autotuned one, ``pair_rows`` the Philox counters
-    instead of :data:`VARIANT`'s (tests, benchmarks)."""
+    (tokens, warps) fixes the launch instead of the autotuned one (tests, benchmarks)."""
     if not HAS_TRITON:
         raise RuntimeError("twofour's fused activation kernels need Triton (pip install triton)")
     if act not in (GELU_TANH, SWIGLU):
@@ -171,8 +161,7 @@ def act_backward_mvue(z: torch.Tensor, dh: torch.Tensor, act: int, seed: torch.T
     bits = torch.int16 if z.dtype == torch.bfloat16 else torch.float16  # bf16 is written as its bits
     args = (z, dh, dz.view(bits), seed, buf[: nval * 2].view(bits), buf[nval * 2:].view(torch.int16), n, t,
             z.stride(1), dh.stride(1), dh.stride(0), t // 32)
-    consts = dict(ACT=act, OUT_BF16=z.dtype == torch.bfloat16, BIG=_big(z, dh),
-                  PAIR_ROWS=VARIANT["PAIR_ROWS"] if pair_rows is None else pair_rows)
+    consts = dict(ACT=act, OUT_BF16=z.dtype == torch.bfloat16, BIG=_big(z, dh))
     rows = triton.cdiv(n, 64)
     if z.is_cuda:  # measured once per shape (triton.autotune), then launched directly
         key = (t, n, z.stride(), dh.stride(), z.dtype, dh.dtype, tuple(consts.values()))

@@ -278,7 +278,7 @@ def compress(a: torch.Tensor) -> torch.Tensor:
 
 def forget_tuning() -> None:
     """Drop every plan's cached configuration: the next call looks it up again in the dispatch's
-    choices (:mod:`twofour.kernels.ops`), measuring only where none is recorded."""
+    choices (:mod:`twofour.dispatch`), measuring only where none is recorded."""
     with _lock:
         for plan in _plans.values():
             plan.tuned = None

@@ -20,15 +20,14 @@ propagates through the max and the atomic without a separate check.
 from __future__ import annotations
 
 import functools
-import math
 import os
 
 import torch
 
-from .compress import HAS_TRITON
+from .triton_common import HAS_TRITON, fp8_constants
 
 if HAS_TRITON:
-    from .compress import _out
+    from .triton_common import out_bits, to_grid
 
 __all__ = ["quantize", "supported", "rescale_", "transpose"]
 
@@ -54,19 +53,6 @@ if HAS_TRITON:
         tl.atomic_max(amax_ptr, tl.max(acc, 0))
 
     @triton.jit
-    def _to_grid(v, MBITS: tl.constexpr, EMIN: tl.constexpr):
-        """``v`` (float32, within the format's range) rounded to the nearest FP8 value, ties to
-        even, still in float32: the cast that follows is exact. Done here rather than by the
-        cast, so that Triton's interpreter (whose float32 -> FP8 cast drops the carry of a
-        rounding into the exponent) runs the GPU's arithmetic."""
-        bits = v.to(tl.int32, bitcast=True)
-        e = tl.maximum(((bits >> 23) & 0xFF) - 127, EMIN)  # subnormals: EMIN's step
-        step = ((e - MBITS + 127) << 23).to(tl.float32, bitcast=True)  # 2^(e - MBITS)
-        inv_step = ((MBITS - e + 127) << 23).to(tl.float32, bitcast=True)  # its exact inverse
-        r = ((tl.abs(v) * inv_step + 12582912.0) - 12582912.0) * step  # + 1.5 * 2^23 - 1.5 * 2^23: half to even
-        return (r.to(tl.int32, bitcast=True) | ((bits >> 31) << 31)).to(tl.float32, bitcast=True)  # v's sign, -0 too
-
-    @triton.jit
     def _scale_of(amax_bits, INV_FMAX: tl.constexpr):
         """amax / fmax, or 1 where that is 0 (an all-zero tensor or row, or one too small to scale)."""
         s = amax_bits.to(tl.float32, bitcast=True) * INV_FMAX
@@ -88,12 +74,12 @@ if HAS_TRITON:
         rn = pid_n.to(tl.int64) * BN + tl.arange(0, BN)
         mask = (rm[:, None] < M) & (rn[None, :] < N)
         x = tl.load(x_ptr + rm[:, None] * N + rn[None, :], mask=mask, other=0.0).to(tl.float32)
-        q = _to_grid(tl.clamp(tl.math.div_rn(x, scale), -FMAX, FMAX, propagate_nan=tl.PropagateNan.ALL), MBITS, EMIN)
+        q = to_grid(tl.clamp(tl.math.div_rn(x, scale), -FMAX, FMAX, propagate_nan=tl.PropagateNan.ALL), MBITS, EMIN)
         q = q.to(q_ptr.dtype.element_ty)
         tl.store(q_ptr + rm[:, None] * N + rn[None, :], q, mask=mask)
         if TRANS:  # the tile read again along the other axis (from cache) and cast again: no transpose
             xt = tl.load(x_ptr + rm[None, :] * N + rn[:, None], mask=tl.trans(mask), other=0.0).to(tl.float32)
-            qt = _to_grid(tl.clamp(tl.math.div_rn(xt, scale), -FMAX, FMAX, propagate_nan=tl.PropagateNan.ALL),
+            qt = to_grid(tl.clamp(tl.math.div_rn(xt, scale), -FMAX, FMAX, propagate_nan=tl.PropagateNan.ALL),
                           MBITS, EMIN)
             tl.store(qt_ptr + rn[:, None] * M + rm[None, :], qt.to(q_ptr.dtype.element_ty), mask=tl.trans(mask))
 
@@ -116,7 +102,7 @@ if HAS_TRITON:
             mask = rmask[:, None] & (rn[None, :] < N)
             x = tl.load(x_ptr + rm[:, None] * N + rn[None, :], mask=mask, other=0.0).to(tl.float32)
             q = tl.clamp(tl.math.div_rn(x, scale[:, None]), -FMAX, FMAX, propagate_nan=tl.PropagateNan.ALL)
-            q = _to_grid(q, MBITS, EMIN)
+            q = to_grid(q, MBITS, EMIN)
             tl.store(q_ptr + rm[:, None] * N + rn[None, :], q.to(q_ptr.dtype.element_ty), mask=mask)
 
 
@@ -152,7 +138,7 @@ if HAS_TRITON:
         y = y.to(tl.float32) * (tl.load(sa_ptr) * tl.load(sb_ptr))
         if HAS_BIAS:
             y += tl.load(bias_ptr + rn, mask=rn < N, other=0.0).to(tl.float32)[None, :]
-        tl.store(y_ptr + off, _out(y, OUT_BF16), mask=mask)
+        tl.store(y_ptr + off, out_bits(y, OUT_BF16), mask=mask)
 
 
 def supported(t: torch.Tensor, rowwise: bool, transposed: bool) -> bool:
@@ -184,15 +170,6 @@ def _programs(t: torch.Tensor) -> int:
     return 4 * _sms(_index(t)) if t.is_cuda else 4
 
 
-@functools.cache
-def _constants(fmt: torch.dtype) -> dict[str, float | int]:
-    """The kernels' constants of an FP8 format: its largest value and that value's reciprocal, its
-    mantissa bits (from eps = 2^-MBITS) and least normal exponent (from tiny = 2^EMIN)."""
-    fi = torch.finfo(fmt)
-    return {"FMAX": fi.max, "INV_FMAX": 1.0 / fi.max, "MBITS": 1 - math.frexp(fi.eps)[1],
-            "EMIN": math.frexp(fi.tiny)[1] - 1}
-
-
 def quantize(t: torch.Tensor, fmt: torch.dtype, rowwise: bool = False,
              transposed: bool = False) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
     """``(q, scale, q^T row-major or None)`` of ``t`` in FP8 ``fmt`` with current scaling: one
@@ -200,7 +177,7 @@ def quantize(t: torch.Tensor, fmt: torch.dtype, rowwise: bool = False,
     if not supported(t, rowwise, transposed):
         raise ValueError(f"fp8cast.quantize takes a contiguous float tensor (2-D for rowwise scales or a "
                          f"transposed copy), got shape {tuple(t.shape)}, strides {t.stride()}, {t.dtype}")
-    consts = _constants(fmt)
+    consts = fp8_constants(fmt)
     n_cols = t.shape[-1] if t.dim() else 1
     m, n = t.numel() // n_cols, n_cols
     q = torch.empty(t.shape, dtype=fmt, device=t.device)

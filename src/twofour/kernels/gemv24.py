@@ -29,9 +29,9 @@ import logging
 import torch
 from torch.nn import functional as F
 
-from .compress import HAS_TRITON
+from ..dispatch import median_ms
 from .layout import positions_width, unpack_24
-from .ops import median_ms
+from .triton_common import HAS_TRITON
 
 if HAS_TRITON:  # the reference path needs no Triton
     import triton
@@ -246,7 +246,7 @@ def _launch(x, values, positions, bias, y, cfg) -> None:
 
 def _tune(x, values, positions, bias, y) -> tuple[int, ...]:
     """The fastest fitting config for this shape, timed as the dispatch times its candidates
-    (:func:`twofour.kernels.ops.median_ms`)."""
+    (:func:`twofour.dispatch.median_ms`)."""
     fitting = [c for c in CONFIGS if _fits(_block_tokens(x.shape[0]), c)] or list(CONFIGS[:1])
     times, errors = {}, {}
     for cfg in fitting:  # a variant this GPU's Triton can't build is left out, with a warning

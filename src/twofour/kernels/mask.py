@@ -1,9 +1,9 @@
 """The per-step mask refresh of SparseLinear layers in one Triton kernel launch: each layer's new
-2:4 mask (2 largest |w| of every group of 4, ties to the lower index, as ``pruning.mask_24``)
+2:4 mask (2 largest |w| of every group of 4, ties to the lower index, as ``functional.mask_24``)
 written over the old one, and the number of positions that changed added to that layer's device
 counter.
 
-The plain-torch version (``pruning._mask_24``, a comparison and a sum) builds a 4 x 4
+The plain-torch version (``functional._mask_24``, a comparison and a sum) builds a 4 x 4
 comparison per group and ran at 0.58 ms a layer on the H200 (42 ms of a 259 ms gpt2-774m step
 for its 72 FFN layers, docs/notes/fastpath-experiments.md); this kernel reads each weight and old
 mask once and writes the new mask. All the layers of a model go in one launch (the kernel reads
@@ -17,13 +17,13 @@ from collections.abc import Sequence
 
 import torch
 
-from .compress import HAS_TRITON
+from .triton_common import HAS_TRITON
 
 if HAS_TRITON:
     import triton
     import triton.language as tl
 
-    from .compress import _rank_keep
+    from .triton_common import rank_keep
 
     @triton.jit
     def _swap(mask, off, keep, ok):
@@ -51,7 +51,7 @@ if HAS_TRITON:
             a1 = tl.abs(tl.load(w + off + 1, mask=ok, other=0.0).to(tl.float32))
             a2 = tl.abs(tl.load(w + off + 2, mask=ok, other=0.0).to(tl.float32))
             a3 = tl.abs(tl.load(w + off + 3, mask=ok, other=0.0).to(tl.float32))
-            k0, k1, k2, k3 = _rank_keep(a0, a1, a2, a3)
+            k0, k1, k2, k3 = rank_keep(a0, a1, a2, a3)
             changed = (_swap(mask, off, k0, ok) + _swap(mask, off + 1, k1, ok) + _swap(mask, off + 2, k2, ok)
                        + _swap(mask, off + 3, k3, ok))
             tl.atomic_add(flips, tl.sum(changed, axis=0).to(tl.int64))

@@ -19,8 +19,8 @@ from __future__ import annotations
 
 import torch
 
-from .compress import HAS_TRITON, PHILOX_ROUNDS, VARIANT
 from .layout import compressed_size, supported_shape
+from .triton_common import HAS_TRITON, PHILOX_ROUNDS, fp8_constants
 
 __all__ = ["mvue_e4m3", "SCALE_BOUND"]
 
@@ -31,15 +31,22 @@ if HAS_TRITON:
     import triton
     import triton.language as tl
 
-    from .compress import _load_groups, _mvue_draws, _mvue_rescale, _mvue_weights, _pick, _store_compressed_e4m3
-    from .fp8cast import _constants, _to_grid
+    from .triton_common import (
+        load_groups,
+        mvue_draws,
+        mvue_rescale,
+        mvue_weights,
+        pick,
+        store_compressed_e4m3,
+        to_grid,
+    )
 
     #: e4m3's constants as the quantization kernels derive them (the reciprocal is not needed here)
-    _E4M3 = {k: v for k, v in _constants(torch.float8_e4m3fn).items() if k != "INV_FMAX"}
+    _E4M3 = {k: v for k, v in fp8_constants(torch.float8_e4m3fn).items() if k != "INV_FMAX"}
 
     @triton.jit
     def _mvue_e4m3_kernel(src, sr, sc, m_rows, k_cols, u_ptr, seed_ptr, scale_ptr, vals, meta, n_ct,
-                          HAS_U: tl.constexpr, BIG: tl.constexpr, QUAD_LOADS: tl.constexpr, PAIR_ROWS: tl.constexpr,
+                          HAS_U: tl.constexpr, BIG: tl.constexpr, QUAD_LOADS: tl.constexpr,
                           FMAX: tl.constexpr, MBITS: tl.constexpr, EMIN: tl.constexpr, BC: tl.constexpr,
                           ROUNDS: tl.constexpr = PHILOX_ROUNDS):
         """One 64-row band x BC columns: MVUE's kept pair of each group, rescaled, divided by the
@@ -51,24 +58,24 @@ if HAS_TRITON:
         ok = (r < m_rows) & (c < k_cols)
         if BIG:  # offsets past 2^31: 64-bit index arithmetic
             r, c = r.to(tl.int64), c.to(tl.int64)
-        x0, x1, x2, x3 = _load_groups(src, sr, sc, r, pc, r * sr + c * sc, ok, m_rows, k_cols, G, QUAD_LOADS)
-        a0, a1, a2, a3 = _mvue_weights(tl.abs(x0), tl.abs(x1), tl.abs(x2), tl.abs(x3))
-        k0, k1, k2, k3 = _mvue_draws(a0, a1, a2, a3, u_ptr, seed_ptr, r, band, pc, m_rows, k_cols, G, HAS_U,
-                                     PAIR_ROWS, ROUNDS)
+        x0, x1, x2, x3 = load_groups(src, sr, sc, r, pc, r * sr + c * sc, ok, m_rows, k_cols, G, QUAD_LOADS)
+        a0, a1, a2, a3 = mvue_weights(tl.abs(x0), tl.abs(x1), tl.abs(x2), tl.abs(x3))
+        k0, k1, k2, k3 = mvue_draws(a0, a1, a2, a3, u_ptr, seed_ptr, r, band, pc, m_rows, k_cols, G, HAS_U,
+                                    QUAD_LOADS, ROUNDS)
         i0 = tl.where(k0, 0, tl.where(k1, 1, 2))
         i1 = tl.where(k3, 3, tl.where(k2, 2, 1))
-        y0, y1 = _pick(k0, k1, k2, k3, x0, x1, x2, x3)
-        y0, y1 = _mvue_rescale(y0, y1, k0, k1, k2, k3, a0, a1, a2, a3)
+        y0, y1 = pick(k0, k1, k2, k3, x0, x1, x2, x3)
+        y0, y1 = mvue_rescale(y0, y1, k0, k1, k2, k3, a0, a1, a2, a3)
         scale = tl.load(scale_ptr)
-        q0 = _to_grid(tl.clamp(tl.math.div_rn(y0, scale), -FMAX, FMAX, propagate_nan=tl.PropagateNan.ALL), MBITS, EMIN)
-        q1 = _to_grid(tl.clamp(tl.math.div_rn(y1, scale), -FMAX, FMAX, propagate_nan=tl.PropagateNan.ALL), MBITS, EMIN)
+        q0 = to_grid(tl.clamp(tl.math.div_rn(y0, scale), -FMAX, FMAX, propagate_nan=tl.PropagateNan.ALL), MBITS, EMIN)
+        q1 = to_grid(tl.clamp(tl.math.div_rn(y1, scale), -FMAX, FMAX, propagate_nan=tl.PropagateNan.ALL), MBITS, EMIN)
         vv = tl.reshape(tl.join(q0, q1), (64, BC // 2)).to(vals.dtype.element_ty)  # (64, G, 2) -> row-major
-        _store_compressed_e4m3(vv, i0, i1, r, band, pc, m_rows, k_cols, n_ct, vals, meta, BC)
+        store_compressed_e4m3(vv, i0, i1, r, band, pc, m_rows, k_cols, n_ct, vals, meta, BC)
 
     _mvue_e4m3_tuned = triton.autotune(
         configs=[triton.Config({"BC": bc}, num_warps=w) for bc, w in ((64, 2), (64, 4), (128, 4), (128, 8),
                                                                        (256, 8))],
-        key=["m_rows", "k_cols", "sr", "sc", "PAIR_ROWS"],
+        key=["m_rows", "k_cols", "sr", "sc"],
     )(_mvue_e4m3_kernel)
 
 BC = 128  # columns per program off the GPU; on the GPU autotuned over 64-256
@@ -101,9 +108,8 @@ def mvue_e4m3(x: torch.Tensor, scale: torch.Tensor, *, seed: torch.Tensor | None
     nval = m * k // 2
     vals, meta = buf[:nval].view(torch.float8_e4m3fn), buf[nval:].view(torch.int32)
     span = (m - 1) * abs(x.stride(0)) + (k - 1) * abs(x.stride(1)) + 1
-    quad = x.stride(0) == 1 and k > 1
-    consts = dict(HAS_U=u is not None, BIG=max(span, m * k) >= 2**31, QUAD_LOADS=quad,
-                  PAIR_ROWS=VARIANT["PAIR_ROWS"] and quad, **_E4M3)
+    consts = dict(HAS_U=u is not None, BIG=max(span, m * k) >= 2**31, QUAD_LOADS=x.stride(0) == 1 and k > 1,
+                  **_E4M3)
     args = (x, x.stride(0), x.stride(1), m, k, u if u is not None else scale, seed if seed is not None else scale,
             scale, vals, meta, k // 64)
     if x.is_cuda:  # tuned once per shape, then launched directly (the autotuner's dispatch costs host time)

@@ -1,7 +1,7 @@
 """The fast path's operations (plain calls in eager mode, torch custom ops, one opaque node each,
 under torch's tracers, so that ``torch.compile`` keeps them; ``twofour.sparse.fastpath`` builds the
-layer's compiled op on them), and the dispatch that picks, per GEMM and shape, dense or 2:4
-sparse by measuring both once.
+layer's compiled op on them). Which route each GEMM takes, dense or 2:4, is measured once per
+shape by :func:`twofour.dispatch.choose`.
 
 ``spmm(a, b, m, d_col, bias)``: D (m x n) = A @ B (+ bias[:, None], in cuSPARSELt's epilogue)
 with A compressed 2:4 (cuSPARSELt layout) and B a (k, n) tensor in row- or column-major order
@@ -15,11 +15,8 @@ cuSPARSELt's algorithm configurations and keeps the fastest (the library's defau
 from __future__ import annotations
 
 import dataclasses
-import json
 import logging
-import statistics
 import threading
-from collections.abc import Callable
 
 import torch
 
@@ -28,11 +25,11 @@ from . import compress as _ck
 from . import cusparselt as _cs
 from .layout import compressed_size
 from .mask import refresh_mask_, refresh_masks_
+from .triton_common import HAS_TRITON
 
 log = logging.getLogger(__name__)
 
-__all__ = ["spmm", "compress", "refresh_mask_", "refresh_masks_", "order", "fast_available", "triton_ok", "choose",
-           "choices", "choice_lines", "set_choice", "clear_choices", "median_ms", "as_2d"]
+__all__ = ["spmm", "compress", "refresh_mask_", "refresh_masks_", "order", "fast_available", "triton_ok", "as_2d"]
 
 
 def order(t: torch.Tensor) -> str | None:
@@ -52,7 +49,7 @@ def as_2d(t: torch.Tensor) -> torch.Tensor:
 
 
 def _enabled() -> bool:
-    return _ck.HAS_TRITON and dispatch.fast
+    return HAS_TRITON and dispatch.fast
 
 
 def fast_available() -> bool:
@@ -83,12 +80,20 @@ def _spmm(a: torch.Tensor, b: torch.Tensor, m: int, d_col: bool, bias: torch.Ten
 _tune_lock = threading.Lock()
 
 
+def _forget_tuning() -> None:
+    _cs.forget_tuning()
+
+
+dispatch.on_choice_change(_forget_tuning)  # a plan's tuned configuration follows the recorded choice
+
+
 def _tune(plan: _cs.Plan, a: torch.Tensor, b: torch.Tensor, out: torch.Tensor, bias: torch.Tensor | None) -> _cs.Plan:
     """The plan of the fastest of cuSPARSELt's algorithm configurations for this GEMM.
 
     Measured once per shape, orders, dtype and epilogue on these operands and recorded like the
-    other choices (``choices()`` key ``spmm-d{row,col}[+bias][->D's dtype]:MxKxN:B..:dtype:configs``, value
-    ``sparse#N``; :func:`set_choice` pins one). Each configuration's product is checked on a
+    other choices (:func:`twofour.dispatch.choices` key
+    ``spmm-d{row,col}[+bias][->D's dtype]:MxKxN:B..:dtype:configs``, value ``sparse#N``;
+    :func:`twofour.dispatch.set_choice` pins one). Each configuration's product is checked on a
     sample of the output against the default's before it is timed; one that fails to build or
     run, or disagrees, is left out. The choice is made by timing, so two processes can pick
     different configurations (products equal up to the GEMM's rounding). While tracing or
@@ -96,23 +101,23 @@ def _tune(plan: _cs.Plan, a: torch.Tensor, b: torch.Tensor, out: torch.Tensor, b
     the default.
     """
     key = plan.key
-    to = "" if key.out_dtype is None else "->" + _dtype_name(key.out_dtype)
+    to = "" if key.out_dtype is None else "->" + str(key.out_dtype).split(".")[-1]
     kind = f"spmm-d{'col' if key.d_order == _cs.COL else 'row'}{'+bias' if key.bias else ''}{to}"
-    name = _key(kind, key.m, key.k, key.n, "row" if key.b_order == _cs.ROW else "col", key.dtype, ("configs",))
+    name = dispatch.choice_key(kind, key.m, key.k, key.n, "row" if key.b_order == _cs.ROW else "col", key.dtype,
+                               ("configs",))
 
     def config_key(config: int) -> _cs.PlanKey:
         return dataclasses.replace(key, config=None if config == plan.config_id else config)
 
     def recorded() -> int | None:
-        hit = _choices.get(name)
-        if hit is None:
+        choice = dispatch.recorded(name)
+        if choice is None:
             return None
-        choice = hit["choice"]
         if not (choice.startswith("sparse#") and choice[7:].isdigit()):
             raise ValueError(f"the choice for {name} must be 'sparse#N' (a cuSPARSELt configuration), got {choice!r}")
         return int(choice[7:])
 
-    if _tracing() or torch.cuda.is_current_stream_capturing():
+    if not dispatch.can_measure():
         config = recorded()
         return (_cs.cached_plan(config_key(config)) if config is not None else None) or plan
     with _tune_lock:
@@ -150,7 +155,7 @@ def _tune(plan: _cs.Plan, a: torch.Tensor, b: torch.Tensor, out: torch.Tensor, b
                 _cs.drop_plan(p)
                 continue
             plans[config] = p
-        best = int(_measure(name, {f"sparse#{c}": (lambda p=p: p.matmul(a, b, out, bias))
+        best = int(dispatch.measure(name, {f"sparse#{c}": (lambda p=p: p.matmul(a, b, out, bias))
                                    for c, p in plans.items()})[7:])
         for c, p in plans.items():
             if c not in (best, plan.config_id):
@@ -208,122 +213,3 @@ def compress(x: torch.Tensor, mode: str, *, scale: torch.Tensor | None = None, m
     ``twofour::compress``."""
     args = (x, mode, scale, mask, seed, dense_out, out_dtype, sparse_out)
     return _compress_op(*args) if torch.compiler.is_compiling() else _compress(*args)
-
-
-# --------------------------------------------------------------------------------------------
-# dispatch: dense or sparse, measured once per GEMM, shape and operand order
-# --------------------------------------------------------------------------------------------
-
-_choices: dict[str, dict] = {}
-
-
-def _dtype_name(dtype: torch.dtype) -> str:
-    return str(dtype).split(".")[-1]
-
-
-def _key(kind: str, m: int, k: int, n: int, b_order: str, dtype: torch.dtype, candidates=("dense", "sparse")) -> str:
-    """One entry per GEMM, shape, operand order, dtype and set of candidates (a dense-only dX of
-    one recipe must not answer for another recipe's sparse W^T)."""
-    return f"{kind}:{m}x{k}x{n}:B{b_order}:{_dtype_name(dtype)}:{'|'.join(sorted(candidates))}"
-
-
-def _tracing() -> bool:
-    """Inside torch.compile's tracing (dynamo or AOTAutograd's fake tensors): nothing to time."""
-    from torch._guards import detect_fake_mode  # noqa: PLC0415
-
-    return torch.compiler.is_compiling() or detect_fake_mode() is not None
-
-
-_LEAD_CYCLES = 150_000  # about 80 us of device time at Hopper's clocks: longer than one call's launch
-
-
-def median_ms(fn: Callable[[], object], reps: int = 5, calls: int = 4) -> float:
-    """Median over ``reps`` windows of the CUDA-event time per call of ``fn``, each window
-    ``calls`` calls back to back behind a short device-side wait, after 2 warm-up calls: how the
-    dispatch times its candidates.
-
-    The wait keeps the device busy while the host launches the window's first call, and later
-    calls launch while earlier ones run, as in a training loop whose GPU runs ahead of the host:
-    a candidate's host time counts only where it is longer than its device time (timing each
-    call alone from an idle device would add its whole launch cost, which under
-    ``torch.compile`` and CUDA graphs the loop does not pay)."""
-    for _ in range(2):
-        fn()
-    torch.cuda.synchronize()
-    times = []
-    for _ in range(reps):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        torch.cuda._sleep(_LEAD_CYCLES)
-        start.record()
-        for _ in range(calls):
-            fn()
-        end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end) / calls)
-    return statistics.median(times)
-
-
-def choose(kind: str, m: int, k: int, n: int, b_order: str, dtype: torch.dtype,
-           candidates: dict[str, Callable[[], torch.Tensor]]) -> str:
-    """The candidate to run for this GEMM: an override, a cached measurement, or measure now.
-
-    ``dispatch.gemm`` (``TWOFOUR_GEMM``) ``dense`` or ``sparse`` forces a side for every GEMM;
-    :func:`set_choice` forces one GEMM. While compiling or capturing a CUDA graph nothing is
-    measured: the cached choice is used, else the first sparse candidate.
-    """
-    if len(candidates) == 1:
-        return next(iter(candidates))
-    forced = dispatch.gemm
-    if forced != "auto":
-        return next((c for c in candidates if c.startswith(forced)), next(iter(candidates)))
-    key = _key(kind, m, k, n, b_order, dtype, candidates)
-    hit = _choices.get(key)
-    if hit is not None and hit["choice"] in candidates:
-        return hit["choice"]
-    if _tracing() or torch.cuda.is_current_stream_capturing():
-        return next((c for c in candidates if c.startswith("sparse")), next(iter(candidates)))
-    return _measure(key, candidates)
-
-
-def _measure(key: str, candidates: dict[str, Callable[[], object]]) -> str:
-    """Time every candidate (:func:`median_ms`), record the times and the fastest under ``key``,
-    and return its name."""
-    times = {name: median_ms(fn) for name, fn in candidates.items()}
-    best = min(times, key=times.get)
-    _choices[key] = {"choice": best, "ms": {k2: round(v, 4) for k2, v in times.items()}}
-    return best
-
-
-def choices() -> dict[str, dict]:
-    """What was measured and chosen so far: {gemm key: {"choice", "ms": {candidate: time}}}."""
-    return json.loads(json.dumps(_choices))
-
-
-def choice_lines(prefix: str = "") -> list[str]:
-    """:func:`choices` as one line per GEMM, ``key: chosen  {candidate: ms}``, keys starting with
-    ``prefix``; a choice among cuSPARSELt's configurations lists the chosen and the default (the
-    first measured) and how many were timed."""
-    lines = []
-    for key, value in sorted(_choices.items()):
-        if not key.startswith(prefix):
-            continue
-        ms, note = value["ms"], ""
-        if key.endswith(":configs") and len(ms) > 2:
-            default = next(iter(ms))
-            note = f" of {len(ms)} configurations"
-            ms = {value["choice"]: ms.get(value["choice"]), f"{default} (default)": ms[default]}
-        lines.append(f"{key}: {value['choice']}  {ms}{note}")
-    return lines
-
-
-def set_choice(key: str, choice: str) -> None:
-    """Force ``choice`` (e.g. ``"dense"``, ``"sparse_dr"``, ``"sparse#3"``) for the GEMM ``key`` from
-    :func:`choices`."""
-    _choices[key] = {"choice": choice, "ms": _choices.get(key, {}).get("ms", {})}
-    _cs.forget_tuning()
-
-
-def clear_choices() -> None:
-    """Forget every measurement (the next call of each GEMM measures again)."""
-    _choices.clear()
-    _cs.forget_tuning()

@@ -23,7 +23,7 @@ from __future__ import annotations
 import torch
 from torch.nn import functional as F
 
-from .compress import HAS_TRITON
+from .triton_common import HAS_TRITON
 
 if HAS_TRITON:
     import triton

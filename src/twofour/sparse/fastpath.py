@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import torch
 
+from .. import dispatch
 from ..kernels import ops
 from .pruners import Compressed, Pruner
 
@@ -88,8 +89,8 @@ def _forward_gemm(x2: torch.Tensor, wc: torch.Tensor, wdense: torch.Tensor, b: t
         cands["sparse_dc"] = lambda: ops.spmm(wc, x2.t(), n, True, b).t()
         if transposed_output:
             cands["sparse_dr"] = lambda: ops.spmm(wc, x2.t(), n, False, b).t()
-    cands = dict(sorted(cands.items(), key=lambda kv: kv[0] == "dense"))  # sparse first (see ops.choose)
-    return cands[ops.choose("fwd" if b is None else "fwd+bias", n, k, t, bo, x2.dtype, cands)]()
+    cands = dict(sorted(cands.items(), key=lambda kv: kv[0] == "dense"))  # sparse first (see dispatch.choose)
+    return cands[dispatch.choose("fwd" if b is None else "fwd+bias", n, k, t, bo, x2.dtype, cands)]()
 
 
 def _dx_gemm(dy2: torch.Tensor, x2: torch.Tensor, wdense: torch.Tensor, wtc: torch.Tensor) -> torch.Tensor:
@@ -102,7 +103,7 @@ def _dx_gemm(dy2: torch.Tensor, x2: torch.Tensor, wdense: torch.Tensor, wtc: tor
     if wtc.numel():
         cands = {"sparse": lambda: ops.spmm(wtc, dy2.t(), k, not x_col).t(), **cands}
     bo = "col" if ops.order(dy2) == "row" else "row"
-    return cands[ops.choose("dx-xcol" if x_col else "dx", k, n, t, bo, dy2.dtype, cands)]()
+    return cands[dispatch.choose("dx-xcol" if x_col else "dx", k, n, t, bo, dy2.dtype, cands)]()
 
 
 def _dw_gemm(dy2: torch.Tensor, x2: torch.Tensor, mvue: bool) -> torch.Tensor:
@@ -115,7 +116,7 @@ class FastSparseLinearFn(torch.autograd.Function):
     transposable masks, compressed transposed (``wtc``); dW = dY^T X (or its MVUE 2:4 estimate
     with ``mvue``) passed straight through to the master ``weight``. Eager calls.
 
-    Each GEMM runs dense or 2:4, whichever :func:`twofour.kernels.ops.choose` measured faster.
+    Each GEMM runs dense or 2:4, whichever :func:`twofour.dispatch.choose` measured faster.
     The output is row-major, as nn.Linear's, unless ``transposed_output`` allows y^T stored
     row-major (a column-major y) where that is faster; dX comes back in x's own order, so that
     elementwise backward ops see operands of one order."""
@@ -198,7 +199,7 @@ def _act_grad_dw(z: torch.Tensor, dh2: torch.Tensor, x2: torch.Tensor, act,
         return dz, dz.t() @ x2
 
     cands = {"sparse_fused": fused, "sparse": sparse, "dense": dense}
-    return cands[ops.choose(f"dw-mvue+{act.name}", n, z.shape[0], x2.shape[1], ops.order(x2), z.dtype, cands)]()
+    return cands[dispatch.choose(f"dw-mvue+{act.name}", n, z.shape[0], x2.shape[1], ops.order(x2), z.dtype, cands)]()
 
 
 def _seed(device: torch.device) -> torch.Tensor:
@@ -223,7 +224,7 @@ def _mvue_dw(dy2: torch.Tensor, x2: torch.Tensor) -> torch.Tensor:
     elsewhere dW is exact (unbiased either way)."""
     t, n = dy2.shape
     cands = {"sparse": lambda: _mvue_sparse_dw(dy2, x2), "dense": lambda: dy2.t() @ x2}
-    return cands[ops.choose("dw-mvue", n, t, x2.shape[1], ops.order(x2), dy2.dtype, cands)]()
+    return cands[dispatch.choose("dw-mvue", n, t, x2.shape[1], ops.order(x2), dy2.dtype, cands)]()
 
 
 # --------------------------------------------------------------------------------------------

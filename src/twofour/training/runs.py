@@ -27,9 +27,9 @@ from typing import Any
 import numpy as np
 import torch
 
+from .. import dispatch
 from ..errors import TrainError
 from ..inference.format import MODEL_CONFIG, WEIGHTS
-from ..kernels import ops
 from .config import TrainConfig, resumed_config, saved_options
 
 __all__ = ["CKPT", "METRICS", "FIELDS", "WEIGHTS", "MODEL_CONFIG", "prepare_run_dir", "save_checkpoint",
@@ -315,7 +315,7 @@ def write_summary(out: Path, cfg: TrainConfig) -> dict[str, Any]:
         "mean_flip_rate": float(np.mean(flips)),
         "final_flip_rate": flips[-1],
         "wall_s": m["elapsed_s"][-1][1],
-        "gemm_choices": ops.choices(),
+        "gemm_choices": dispatch.choices(),
         "code": {"twofour": _version(), "torch": torch.__version__, "source": source_digest()},
         "out_dir": str(out),
     }
