@@ -20,12 +20,17 @@ metadata word packs within a warp.) Kernel time is CUDA graph replay (no host ov
 
 from __future__ import annotations
 
-import torch
-from triton.testing import do_bench, do_bench_cudagraph
+import sys
+from pathlib import Path
 
-from twofour.functional import _mvue_24, mvue_inclusion_probability
+import torch
+
+from twofour.functional import mvue_24, mvue_inclusion_probability
 from twofour.kernels import compress as ck
 from twofour.kernels.layout import decompress_reference
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # benchmarks/: common.py
+from common import copy_bandwidth, graph_ms  # noqa: E402
 
 
 def check() -> None:
@@ -37,7 +42,7 @@ def check() -> None:
     x = dy.t()
     u = torch.rand(x.shape[0], x.shape[1] // 2, device="cuda")
     buf, _ = ck.compress(x, "mvue", u=u)
-    ref = _mvue_24(x.contiguous(), u=u)  # the private reference: public mvue_24 draws its own uniforms
+    ref = mvue_24(x.contiguous(), u=u)
     dec = decompress_reference(buf, *x.shape).float()
     same = (dec != 0) == (ref != 0)
     print(f"check: kept sets equal on {same.float().mean().item():.6f} of entries; "
@@ -55,19 +60,12 @@ def check() -> None:
     assert z.max() < 6
 
 
-def _copy_bandwidth() -> float:
-    """GB/s of a 512 MB device-to-device copy, bytes read + written."""
-    x = torch.randn(256 * 2**20, device="cuda", dtype=torch.bfloat16)
-    y = torch.empty_like(x)
-    return 2 * x.numel() * 2 / do_bench(lambda: y.copy_(x), return_mode="median") / 1e6
-
-
 VARIANTS = {"v10": False, "PAIR_ROWS": True}  # compress_tiled's pair_rows
 
 
 def main() -> None:
     check()
-    bw = _copy_bandwidth()
+    bw = copy_bandwidth()
     print(f"copy bandwidth {bw:.0f} GB/s")
     seed = torch.tensor([5], device="cuda")
     print("\n| shape (tokens x out) | variant | kernel ms | GB/s | of copy |\n|---|---|---|---|---|")
@@ -87,7 +85,7 @@ def main() -> None:
             src = kw.pop("src", dy)
             fn = lambda src=src, kw=kw: ck.compress_tiled(src.t(), **kw)  # noqa: E731
             fn()
-            ms = do_bench_cudagraph(fn)
+            ms = graph_ms(fn, inner=10)
             print(f"| {t} x {n} | {name} | {ms:.3f} | {nbytes / ms / 1e6:.0f} | {nbytes / ms / 1e6 / bw:.0%} |",
                   flush=True)
     t, n = 32768, 5120
@@ -97,11 +95,8 @@ def main() -> None:
     for bc, w in ((32, 2), (64, 2), (64, 4), (128, 4), (128, 8), (256, 8)):
         fn = lambda bc=bc, w=w: ck.compress_tiled(dy.t(), "mvue", seed=seed, tile=(bc, w))  # noqa: E731
         fn()
-        ms = do_bench_cudagraph(fn)
+        ms = graph_ms(fn, inner=10)
         print(f"  BC={bc} {w} warps: {ms:.3f} ms ({nbytes / ms / 1e6 / bw:.0%})", flush=True)
-    # compress.py keeps the autotuner's picks in a private table: no public name reports them
-    print("\nautotuned (tile, warps) per (rows, columns, strides):",
-          sorted({(k[:4], v) for k, v in ck._launch.items()}))
 
 
 def profile_once() -> None:

@@ -9,7 +9,7 @@ A variant is a recipe, optionally with options after a ``+`` each (as ``twofour 
 
 For each preset (micro-batch after the colon) and variant: the dispatch's choices, the step's time
 (median of 10 steps, each timed on its own behind a short device-side wait,
-``ops.median_ms(calls=1)``; and per step over windows of 4 steps in a row, as the loop runs them,
+``common.steps_ms(lead=True)``; and per step over windows of 4 steps in a row, as the loop runs them,
 the host free to run ahead), the device time
 of its kernels (summed from torch.profiler over 2 steps; below the step time when the GPU waits
 for the host), and the host's time to issue a step. Then
@@ -31,23 +31,26 @@ host's time over five steps (cProfile, by own time).
 from __future__ import annotations
 
 import argparse
+import contextlib
 import cProfile
 import io
 import pstats
 import re
+import sys
 import traceback
+from pathlib import Path
 
 import torch
-from layer_profile import host_ms  # benchmarks/ is the script's folder
 from torch._dynamo.utils import counters
 from torch.autograd import DeviceType
 from torch.profiler import ProfilerActivity, profile
 
 from twofour import dispatch
-from twofour.bench import preset_train_step
-from twofour.cli import _option
 from twofour.kernels import ops
 from twofour.sparse import make_recipe
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # benchmarks/: common.py
+from common import host_ms, preset_train_step, steps_ms  # noqa: E402
 
 #: (kind, pattern on the kernel's name), first match wins
 KINDS = [
@@ -141,13 +144,27 @@ def sync_check(step) -> str:
         torch.cuda.synchronize()
 
 
+def option(text: str) -> tuple[str, bool | int | float]:
+    """``KEY=VALUE`` as ``twofour train --opt`` reads it: the value a bool (true/false, yes/no,
+    on/off) or a number."""
+    key, sep, val = text.partition("=")
+    low = val.lower()
+    if not sep or not key:
+        raise ValueError(f"expected KEY=VALUE, got {text!r}")
+    if low in ("true", "yes", "on", "false", "no", "off"):
+        return key.replace("-", "_"), low in ("true", "yes", "on")
+    for kind in (int, float):
+        with contextlib.suppress(ValueError):
+            return key.replace("-", "_"), kind(val)
+    raise ValueError(f"option value {val!r} is not a bool or a number")
+
+
 def variant_recipe(variant: str):
-    """The recipe of a ``--variants`` entry: ``NAME[-gemm-dense][+KEY=VALUE...]``, each value as
-    ``twofour train --opt`` reads it (a bool or a number)."""
+    """The recipe of a ``--variants`` entry: ``NAME[-gemm-dense][+KEY=VALUE...]``."""
     name, *opts = variant.split("+")
     try:
-        options = dict(_option(opt) for opt in opts)  # twofour train --opt's parsing
-    except argparse.ArgumentTypeError as e:
+        options = dict(option(opt) for opt in opts)
+    except ValueError as e:
         raise SystemExit(f"step_breakdown.py: variant {variant!r}: {e}") from None
     return make_recipe(name.removesuffix("-gemm-dense"), **options), name.endswith("-gemm-dense")
 
@@ -180,8 +197,8 @@ def main() -> None:
                     breaks = sum(counters["graph_break"].values())
                     print(f"{preset} {variant}: {breaks} graph breaks; "
                           + "; ".join(f"{n}x {r[:90]}" for r, n in counters["graph_break"].most_common(4)))
-                ms, host = ops.median_ms(step, 10, calls=1), host_ms(step, 5)
-                in_a_row = ops.median_ms(step, 3, calls=4)
+                ms, host = steps_ms(step, 10, lead=True), host_ms(step, 5)
+                in_a_row = steps_ms(step, 3, calls=4, lead=True)
                 kinds, names, gaps = profile_step(step)
                 results[variant] = (ms, in_a_row, host, kinds, names)
                 print(f"{preset} {variant}: dispatch choices\n  "
