@@ -19,7 +19,7 @@ from pathlib import Path
 
 import numpy as np
 
-from twofour.training.compare import _band, run_order, summary_label
+from twofour.training.compare import run_order, summary_label
 from twofour.training.runs import pyplot, read_metrics, read_summary
 
 
@@ -60,12 +60,13 @@ def plot_gaps(steps: list[int], series: dict[str, dict[int, list[float]]], base:
         raise SystemExit("--plot needs matplotlib (pip install matplotlib)")
     fig, ax = plt.subplots(figsize=(8, 4.5))
     for i, (name, by_seed) in enumerate(series.items()):
-        at, mean, lo, hi = _band([list(zip(steps, gaps)) for gaps in by_seed.values()])
+        gaps = np.array(list(by_seed.values()))  # seeds x steps
+        mean, lo, hi = gaps.mean(0), gaps.min(0), gaps.max(0)
         color = f"C{i % 10}"
-        ax.plot(at, mean, "o-", markersize=3, color=color,
+        ax.plot(steps, mean, "o-", markersize=3, color=color,
                 label=f"{name} ({len(by_seed)} seed{'s' if len(by_seed) > 1 else ''})")
         if len(by_seed) > 1:
-            ax.fill_between(at, lo, hi, color=color, alpha=0.2, linewidth=0)
+            ax.fill_between(steps, lo, hi, color=color, alpha=0.2, linewidth=0)
     ax.axhline(0, color="black", linewidth=0.8)
     ax.set(xlabel="step", ylabel=f"validation loss over {base}'s, same seed - 1 (%)",
            title=f"relative gap to {base} (mean over seeds, band: min to max)")

@@ -1,8 +1,14 @@
-"""twofour.bench.train_throughput on the CPU: real ``twofour train`` subprocesses on the tiny preset."""
+"""``twofour bench``: the real loop's tokens/s on the CPU (real ``twofour train`` subprocesses on the
+tiny preset), the exported pair it times, its refusal without a GPU, and its reports on a GPU."""
 
 import pytest
+import torch
 
-from twofour.bench import throughput_table, train_throughput
+from twofour.bench import exported_pair, fp8_report, inference_report, layer_report
+from twofour.cli import main
+from twofour.inference import SparseInferenceLinear
+from twofour.training import throughput
+from twofour.training.throughput import throughput_table, train_throughput
 
 
 def cpu_args(corpus):
@@ -47,8 +53,6 @@ def test_train_throughput_raises_on_a_failed_run(corpus):
 def test_train_throughput_compile_modes_and_the_fastest_dense(monkeypatch):
     """A string mode runs ``--compile --compile-mode`` it; the ratio to compiled dense is to the
     fastest compiled dense over the modes run (the fastest dense a user can run)."""
-    from twofour import bench  # noqa: PLC0415
-
     speed = {("dense", "eager"): 100.0, ("dense", "default"): 200.0, ("dense", "reduce-overhead"): 250.0,
              ("s-ste", "eager"): 110.0, ("s-ste", "default"): 190.0, ("s-ste", "reduce-overhead"): 240.0}
     cmds = []
@@ -59,7 +63,7 @@ def test_train_throughput_compile_modes_and_the_fastest_dense(monkeypatch):
             "default" if "--compile" in cmd else "eager"
         return speed[(cmd[cmd.index("--recipe") + 1], mode)]
 
-    monkeypatch.setattr(bench, "_train_once", fake_run)
+    monkeypatch.setattr(throughput, "_train_once", fake_run)
     rows = train_throughput(["tiny"], ["dense", "s-ste"], compile_modes=(False, True, "reduce-overhead"), repeats=1,
                             steps=2, batch_sizes=[2], progress=False)
     assert [r["mode"] for r in rows[:3]] == ["eager", "compiled", "compiled (reduce-overhead)"]
@@ -86,3 +90,83 @@ def test_throughput_table_ratios():
     assert table[0].startswith("| model | micro-batch x seq | recipe | mode | tokens/s median (min-max) |")
     assert table[2] == "| m | 4 x 8 | dense | eager | 1,000 (900-1,100) | 1.00x | 0.50x |"
     assert table[4] == "| m | 4 x 8 | s-ste | compiled | 2,500 (2,400-2,600) | 1.25x | 1.25x |"
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="the refusal is for a machine without CUDA")
+@pytest.mark.parametrize("what", [[], ["--quick"], ["--fp8"], ["--inference"]])
+def test_bench_needs_a_gpu(what, capsys):
+    assert main(["bench", *what]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and err.startswith("twofour bench: error: twofour bench") and "needs a CUDA GPU" in err
+    assert ("--fp8" in err, "--inference" in err) == ("--fp8" in what, "--inference" in what)
+
+
+def test_exported_pair_is_one_model_twice(tmp_path):
+    """The 2:4 export and its dense twin hold the same weights: the same logits."""
+    sparse, dense, cfg = exported_pair("tiny", tmp_path, vocab_size=256, context=64, device="cpu")
+    assert cfg["sparse_layers"] == [f"h.{i}.mlp.{n}" for i in range(4) for n in ("fc", "proj")]
+    assert sum(isinstance(m, SparseInferenceLinear) for m in sparse.modules()) == 8
+    assert not any(isinstance(m, SparseInferenceLinear) for m in dense.modules())
+    idx = torch.randint(0, 256, (2, 16))
+    with torch.no_grad():
+        torch.testing.assert_close(sparse(idx)[0].float(), dense(idx)[0].float(), atol=2e-2, rtol=2e-2)
+
+
+def _gpu_rows(lines) -> list[str]:
+    rows = [line for line in lines if line.startswith("| ") and not line.startswith(("| shape", "| block", "| phase"))]
+    assert rows and not [r for r in rows if "error" in r], rows
+    return rows
+
+
+@pytest.mark.gpu
+def test_gpu_layer_report_rows():
+    rows = _gpu_rows(layer_report(True, shapes=[("small", 256, 1024, 2048)], swiglu=["llama-tiny"]))
+    assert [r.split(" | ")[0] for r in rows] == ["| small", "| small", "| small GELU", "| llama-tiny SwiGLU"]
+    assert all(r.count("x |") == (4 if i < 2 else 2) for i, r in enumerate(rows))
+
+
+@pytest.mark.gpu
+def test_gpu_fp8_report_rows():
+    from twofour.fp8 import scaled_mm_available  # noqa: PLC0415
+
+    if not scaled_mm_available():
+        pytest.skip("needs torch._scaled_mm")
+    rows = _gpu_rows(fp8_report(True, shapes=[("small", 2048, 256, 512)]))
+    assert len(rows) == 8 and "| s-ste FP8 rowwise |" in rows[-1] and rows[-1].endswith("x |")
+
+
+@pytest.mark.gpu
+def test_gpu_inference_report_rows():
+    rows = _gpu_rows(inference_report(False, "tiny", vocab_size=256, context=128, prefill_batches=(1,),
+                                      decode_batches=(1, 8), prompt_len=16, decode_steps=16))
+    assert [r.split(" | ")[:2] for r in rows] == [["| prefill", "1"], ["| decode", "1"], ["| decode", "8"]]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("which", ["2:4", "dense twin"])
+@torch.no_grad()
+def test_gpu_graph_decoding_gives_the_eager_tokens(which, tmp_path):
+    """Decoding as ``twofour bench --inference`` times it, one captured step replayed against the
+    static KV cache, gives the tokens eager decoding gives."""
+    model = exported_pair("tiny", tmp_path, vocab_size=256, context=128)[0 if which == "2:4" else 1]
+    prompt = torch.randint(0, 256, (8, 16), device="cuda", generator=torch.Generator("cuda").manual_seed(0))
+    cache = model.make_cache(8, 32)
+    tok = torch.zeros(8, 1, dtype=torch.long, device="cuda")
+
+    def step() -> None:
+        tok.copy_(model(tok, cache=cache)[0][:, -1:].argmax(-1))
+
+    def decode(run_step) -> list[torch.Tensor]:
+        cache.reset()
+        tok.copy_(model(prompt, cache=cache)[0][:, -1:].argmax(-1))
+        tokens = []
+        for _ in range(8):
+            run_step()
+            tokens.append(tok.clone())
+        return tokens
+
+    eager = decode(step)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        step()
+    assert all(torch.equal(a, b) for a, b in zip(eager, decode(graph.replay)))

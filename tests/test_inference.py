@@ -282,11 +282,3 @@ def test_gpu_model_and_graph_decoding(tmp_path):
     with torch.no_grad():
         ls, ld = sparse(IDX.cuda())[0].float(), dense(IDX.cuda())[0].float()
     assert (ls - ld).abs().max() <= 0.02 * ld.abs().max()
-    from twofour.bench_inference import inference_bench
-
-    report = inference_bench("tiny", vocab_size=256, context=128, prefill_batches=(1,), decode_batches=(1, 8),
-                             prompt_len=16, decode_steps=16, reps=2, log=lambda line: None)
-    assert "error" not in report and "| 2:4 layers as stored" in report
-    decoding = report.split("### Whole model, decoding")[1]
-    decode_rows = [ln for ln in decoding.splitlines() if ln.startswith(("| 1 |", "| 8 |"))]
-    assert len(decode_rows) == 2 and all(ln.endswith("| yes |") for ln in decode_rows)  # graph = eager

@@ -158,6 +158,20 @@ def test_mvue_is_reproducible_with_a_generator(device):
     assert torch.equal(a, b) and not torch.equal(a, c)
 
 
+def test_mvue_draws_with_given_uniforms(device):
+    """``u`` fixes the draw: uniforms of 0 keep each group's first two entries (the first two
+    running sums lie above 0), scaled by 1 / their inclusion probability; a wrong count is refused."""
+    x = rand((8, 16), torch.float32, device) + 3  # no zeros
+    out = mvue_24(x, u=torch.zeros(x.numel() // 2, device=device))
+    kept = (out != 0).reshape(-1, 4)
+    assert kept[:, :2].all() and not kept[:, 2:].any()
+    torch.testing.assert_close(out[out != 0], (x / mvue_inclusion_probability(x))[out != 0])
+    u = torch.rand(x.numel() // 2, device=device)
+    assert torch.equal(mvue_24(x, u=u), mvue_24(x, u=u))
+    with pytest.raises(ValueError, match="2 uniforms per group"):
+        mvue_24(x, u=u[1:])
+
+
 def test_mvue_is_unbiased(device):
     """The sample mean over N draws is within 5 standard errors of x, element by element.
 

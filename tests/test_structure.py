@@ -24,11 +24,11 @@ LEVELS = {
     "models": 5,
     "inference": 6,
     "training": 7,
-    "bench": 8, "bench_fp8": 8, "bench_inference": 8,
+    "bench": 8,
     "cli": 9,
     "__main__": 10,
 }
-ALLOWED_SIDEWAYS: set[tuple[str, str]] = {("bench_fp8", "bench"), ("bench_inference", "bench")}
+ALLOWED_SIDEWAYS: set[tuple[str, str]] = set()
 #: What the kernels know of the rest of the package: the switches and measured choices only.
 KERNEL_IMPORTS = {"kernels", "dispatch"}
 

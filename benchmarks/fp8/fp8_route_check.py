@@ -37,26 +37,39 @@ def same(a, b) -> bool:
     return a.shape == b.shape and torch.equal(a.view(torch.uint8), b.view(torch.uint8))
 
 
+def force_route(route: str) -> None:
+    """Make every FP8 quantization the dispatch has measured so far take ``route`` (``triton`` or
+    ``compiled``) where it is one of its candidates."""
+    for key in dispatch.choices():
+        if key.startswith("fp8-quantize") and route in key.rsplit(":", 1)[-1].split("|"):
+            dispatch.set_choice(key, route)
+
+
 def check_quantization(repeats: int) -> list[str]:
     rows = []
     variants = ((False, False), (False, True), (True, False))  # (rowwise, transposed)
     dtypes = (torch.float32, torch.bfloat16, torch.float16)
     for shape, fmt, (rowwise, transposed), dtype in itertools.product(SHAPES, (f8.E4M3, f8.E5M2), variants, dtypes):
         t = (torch.randn(shape, device="cuda") * 3).to(dtype)
-        args = (t, fmt, rowwise, transposed)
-        ref = f8._quantize(*args)
-        routes = {"compiled": f8._compiled_quantize(f8._variant(*args))}
-        if fp8cast.supported(t, rowwise, transposed):
-            routes["triton"] = fp8cast.quantize
-        for name, fn in routes.items():
+
+        def run(t=t, fmt=fmt, rowwise=rowwise, transposed=transposed):
+            return f8.quantize_t(t, fmt, f8.ROWWISE if rowwise else f8.TENSORWISE, transposed=transposed)
+
+        with dispatch.override(fast=False):
+            ref = run()  # plain torch
+        run()  # the dispatch measures its routes for this variant and shape
+        routes = ["compiled"] + (["triton"] if fp8cast.supported(t, rowwise, transposed) else [])
+        for name in routes:
+            force_route(name)
             bad = 0
             for _ in range(repeats):
                 poison(t.numel())
-                out = fn(*args)
+                out = run()
                 torch.cuda.synchronize()
                 bad += not (same(out[0], ref[0]) and torch.equal(out[1], ref[1]) and same(out[2], ref[2]))
             rows.append(f"{str(shape):12} {str(dtype)[6:]:8} {str(fmt).split('_')[1]:5} rowwise={rowwise:d} "
                         f"T={transposed:d} {name:9} mismatches {bad}/{repeats}")
+        dispatch.clear_choices()
     return rows
 
 
@@ -74,28 +87,20 @@ def fp8_layer_step(recipe: str, seed: int, x_grad: bool = False):
 
 
 def layer_grads(route: str | None, repeats: int) -> list[str]:
-    """The FP8 layer test's forward and backward with the quantization route forced (None: the
-    dispatch's own choice), repeated; how many runs gave non-finite dX, dW or db."""
-    orig = dispatch.choose
-
-    def forced(kind, *a):
-        if route and kind.startswith("fp8-quantize"):
-            return route if route in a[-1] else next(iter(a[-1]))
-        return orig(kind, *a)
-
-    dispatch.choose = forced
+    """The FP8 layer test's forward and backward with the quantization route forced after the
+    first run (None: the dispatch's own choice), repeated; how many runs gave non-finite dX, dW or db."""
     rows = []
-    try:
-        for recipe in ("ste", "s-ste"):
-            bad = {"dx": 0, "dw": 0, "db": 0}
-            for i in range(repeats):
-                lin, x, y = fp8_layer_step(recipe, i, x_grad=True)
-                for name, g in (("dx", x.grad), ("dw", lin.weight.grad), ("db", lin.bias.grad)):
-                    bad[name] += not bool(torch.isfinite(g).all())
-                assert rel_ok(y, F.linear(x, lin.effective_weight(), lin.bias))
-            rows.append(f"layer {recipe:6} route={route or 'dispatch':9} non-finite runs of {repeats}: {bad}")
-    finally:
-        dispatch.choose = orig
+    for recipe in ("ste", "s-ste"):
+        bad = {"dx": 0, "dw": 0, "db": 0}
+        for i in range(repeats):
+            lin, x, y = fp8_layer_step(recipe, i, x_grad=True)
+            if route and i == 0:
+                force_route(route)
+            for name, g in (("dx", x.grad), ("dw", lin.weight.grad), ("db", lin.bias.grad)):
+                bad[name] += not bool(torch.isfinite(g).all())
+            assert rel_ok(y, F.linear(x, lin.effective_weight(), lin.bias))
+        rows.append(f"layer {recipe:6} route={route or 'dispatch':9} non-finite runs of {repeats}: {bad}")
+        dispatch.clear_choices()
     return rows
 
 

@@ -15,7 +15,7 @@
    output and adds the bias (``fp8cast.rescale_``), and the FP8 2:4 route as ``fp8.scaled_mm``
    runs it with the bias (compression, GEMM, scaling pass); with each one's share of its limit:
    the dense tensor-core peaks (H100 SXM: 989 TFLOP/s bf16, 1979 FP8; 2:4 GEMMs against twice
-   those) and copy bandwidth (measured here, ``twofour.bench.copy_bandwidth``) for the
+   those) and copy bandwidth (measured here, ``common.copy_bandwidth``) for the
    compression (read W, write half of it and the metadata) and the scaling pass (read and write
    the output).
 3. ``fp8.scaled_mm(..., sparse_b=True)`` with the dispatch free (``gemm=auto``), without and with a
@@ -32,20 +32,23 @@
 from __future__ import annotations
 
 import argparse
+import sys
+from pathlib import Path
 
 import numpy as np
 import torch
-from triton.testing import do_bench
 
 from twofour import dispatch
 from twofour import fp8 as F8
-from twofour.bench import copy_bandwidth
 from twofour.functional import hard_threshold_24
 from twofour.kernels import cusparselt as cs
 from twofour.kernels import fp8cast, ops
 from twofour.kernels.compress import compress_e4m3
 from twofour.kernels.layout import compressed_size
 from twofour.kernels.mvue_fp8 import SCALE_BOUND, mvue_e4m3
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # benchmarks/: common.py
+from common import bench_ms, copy_bandwidth, gpu_line  # noqa: E402
 
 BF = torch.bfloat16
 SHAPES = [("gpt2-774m fc", 16384, 1280, 5120), ("gpt2-774m proj", 16384, 5120, 1280),
@@ -97,7 +100,9 @@ def scaling_modes() -> list[str]:
     formats, each in a plan built from raw descriptors (e4m3 A 2:4, B column-major, bf16 D
     column-major): a per-row alpha vector; A and B scale modes (a float32 scalar each, read
     through device pointers set before the plan is built); A e5m2 with B e4m3."""
-    L, h = cs._lib(), cs._handle(torch.cuda.current_device())
+    from nvmath.bindings import cusparseLt as L  # the library's own bindings: these plans are not twofour's
+
+    h = L.init()
     t, k, n = 256, 512, 384
     x, w = operands(t, k, n)
     lines = ["| variant | result |", "|---|---|"]
@@ -161,7 +166,7 @@ def fastest_plan_ms(wc: torch.Tensor, b: torch.Tensor, n: int, out_dtype: torch.
     plan = cs.get_plan(n, k, t, cs.COL, cs.COL, b.dtype, out_dtype=out_dtype)
     plan = plan.tuned or plan
     out = torch.empty((t, n), dtype=out_dtype, device="cuda")
-    return do_bench(lambda: plan.matmul(wc, b, out), warmup=10, rep=60)
+    return bench_ms(lambda: plan.matmul(wc, b, out), warmup=10, rep=60)
 
 
 def timings(shapes) -> list[str]:
@@ -200,7 +205,7 @@ def shape_timings(t: int, k: int, n: int) -> dict[str, float]:
     assert torch.equal(compress_e4m3(qw), cs.compress(qw)), "the Triton compression disagrees with cuSPARSELt's"
 
     def bench(fn) -> float:
-        return do_bench(fn, warmup=10, rep=60)
+        return bench_ms(fn, warmup=10, rep=60)
 
     ms = {
         "bf16 dense": bench(lambda: x @ w.t()),
@@ -243,9 +248,9 @@ DW = ["dense route (exact)", "MVUE -> e4m3 compressed (fused)", "FP8 2:4 GEMM", 
 
 
 def dw_timings(shapes) -> list[str]:
-    """Section 4: dW with MVUE and e4m3 gradients, each route's parts and the routes whole as
-    ``fp8._mvue_dw`` runs them (forced), with each part's share of its limit, and the dispatch's
-    own timing and choice."""
+    """Section 4: dW with MVUE and e4m3 gradients, each route's parts and the routes whole as the
+    layer runs them (``torch.ops.twofour.mvue_dw_e4m3``, forced), with each part's share of its
+    limit, and the dispatch's own timing and choice."""
     copy_bw = copy_bandwidth() * 1e9
     lines = ["| at 16384 tokens | " + " | ".join(DW) + " | dense route / 2:4 route | dispatch (ms sparse / dense) |",
              "|---" * (len(DW) + 3) + "|"]
@@ -275,10 +280,10 @@ def dw_shape(t: int, k: int, n: int) -> tuple[dict[str, float], str]:
     plan = plan.tuned or plan
 
     def bench(fn) -> float:
-        return do_bench(fn, warmup=10, rep=60)
+        return bench_ms(fn, warmup=10, rep=60)
 
-    def dw() -> torch.Tensor:
-        return F8._mvue_dw(dy, qd, sd, qxt, sxt, BF)
+    def dw() -> torch.Tensor:  # the FP8 layer's dW with MVUE, by its registered op
+        return torch.ops.twofour.mvue_dw_e4m3(dy, qd, sd, qxt, sxt, BF)
 
     def route(mode: str) -> float:
         with dispatch.override(gemm=mode):
@@ -300,7 +305,7 @@ def main() -> None:
     args = p.parse_args()
     wanted = {int(v) for v in args.sections.split(",")}
     shapes = SHAPES[:2] if args.quick else SHAPES
-    print(f"{torch.cuda.get_device_name()}, torch {torch.__version__}, cuSPARSELt {cs.version()}\n")
+    print(f"{gpu_line()}\n")
     for section, title, fn in ((1, "FP8 plans cuSPARSELt builds", kinds),
                                (1, "Scaling on the device, mixed formats", scaling_modes),
                                (2, "Forward GEMM timings", lambda: timings(shapes)),

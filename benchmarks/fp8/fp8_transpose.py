@@ -12,12 +12,16 @@ the share of copy bandwidth (1 byte read and 1 written per element), and the exa
 
 from __future__ import annotations
 
+import sys
+from pathlib import Path
+
 import torch
-from triton.testing import do_bench
 
 from twofour import fp8 as F8
-from twofour.bench import copy_bandwidth
 from twofour.kernels import fp8cast
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # benchmarks/: common.py
+from common import bench_ms, copy_bandwidth, gpu_line  # noqa: E402
 
 SHAPES = [  # (tokens, dY features, X features): c_fc's and c_proj's dW
     ("gpt2-124m fc", 32768, 3072, 768), ("gpt2-124m proj", 32768, 768, 3072),
@@ -33,19 +37,19 @@ def shape(name: str, t: int, n: int, k: int) -> tuple[dict, float, float, int]:
     qd, sd = F8.quantize(dy, F8.E4M3)
     qxt, sxt = F8.quantize(torch.randn(k, t, device="cuda", dtype=torch.bfloat16), F8.E4M3)
     want = qd.t().contiguous().view(torch.uint8)
-    ms, failures = {"torch": do_bench(lambda: qd.t().contiguous(), warmup=10, rep=60)}, 0
+    ms, failures = {"torch": bench_ms(lambda: qd.t().contiguous(), warmup=10, rep=60)}, 0
     for tile in TILES:
         if not torch.equal(fp8cast.transpose(qd, tile).view(torch.uint8), want):
             failures += 1
             print(f"MISMATCH {name} tile {tile}")
-        ms[tile] = do_bench(lambda tile=tile: fp8cast.transpose(qd, tile), warmup=10, rep=60)
-    old = do_bench(lambda: F8.scaled_mm(qd.t().contiguous(), sd, qxt, sxt, torch.bfloat16), warmup=10, rep=60)
-    new = do_bench(lambda: F8._exact_dw(dy, qd, sd, qxt, sxt, torch.bfloat16), warmup=10, rep=60)
+        ms[tile] = bench_ms(lambda tile=tile: fp8cast.transpose(qd, tile), warmup=10, rep=60)
+    old = bench_ms(lambda: F8.scaled_mm(qd.t().contiguous(), sd, qxt, sxt, torch.bfloat16), warmup=10, rep=60)
+    new = bench_ms(lambda: F8.scaled_mm(fp8cast.transpose(qd), sd, qxt, sxt, torch.bfloat16), warmup=10, rep=60)
     return ms, old, new, failures
 
 
 def main() -> None:
-    print(f"{torch.cuda.get_device_name()}, torch {torch.__version__}, default tile {fp8cast.TRANSPOSE_TILE}\n")
+    print(f"{gpu_line()}; default tile {fp8cast.TRANSPOSE_TILE}\n")
     bw = copy_bandwidth()
     rows, failures = [], 0
     for name, t, n, k in SHAPES:

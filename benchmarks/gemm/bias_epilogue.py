@@ -16,13 +16,16 @@ after the pointer change and ended without a traceback.)
 
 from __future__ import annotations
 
-import time
+import sys
+from pathlib import Path
 
 import torch
-from triton.testing import do_bench
 
 from twofour.kernels import cusparselt as cs
 from twofour.kernels import ops
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # benchmarks/: common.py
+from common import bench_ms, host_ms  # noqa: E402
 
 DT = torch.bfloat16
 
@@ -65,14 +68,20 @@ def checks() -> None:
         p.matmul(wc, x.t(), raw, b32.view(DT)[:m])
         torch.cuda.synchronize()
         print(f"| {order}, fp32 bias buffer | {rel(dv, ref + b32[:, None]):.2e} | - | {rel(dv, ref):.2e} |")
-    # host cost of changing the pointer: Plan._set_bias is the raw cuSPARSELt call alone
-    # (matmul_desc_set_attribute on BIAS_POINTER); Plan.matmul makes it only inside a GEMM call
-    # and has no public way to change the pointer without running one
+    # host cost of changing the pointer: a GEMM call with the bias it was last given against one
+    # with another bias each time (Plan.matmul resets the pointer only when it changes)
     p = plan(m, k, n, False, True)
-    t0 = time.perf_counter()
-    for i in range(1000):
-        p._set_bias(b1 if i % 2 else b2)
-    print(f"\nhost cost of a bias pointer change: {(time.perf_counter() - t0) * 1e3:.2f} us")
+    raw, _ = out_tensor(m, n, False)
+    flips = [b1, b2]
+
+    def flip() -> None:
+        flips.reverse()
+        p.matmul(wc, x.t(), raw, flips[0])
+
+    same = host_ms(lambda: p.matmul(wc, x.t(), raw, b1), 1000)
+    changed = host_ms(flip, 1000)
+    print(f"\nhost cost of a bias pointer change: {(changed - same) * 1e3:.2f} us a call "
+          f"(GEMM call {same * 1e3:.1f} us with the same bias)")
 
 
 COLS = ["dense mm", "dense addmm", "sparse_dr", "sparse_dr + epilogue bias", "sparse_dr + torch add_",
@@ -85,18 +94,16 @@ def time_shape(t: int, k: int, n: int) -> dict[str, float]:
     wc, wd = ops.compress(w, "hard", dense_out=True, out_dtype=DT)
     x = torch.randn(t, k, device="cuda", dtype=DT)
     bias = torch.randn(n, device="cuda", dtype=DT)
-    res = {"dense mm": do_bench(lambda: x @ wd.t(), return_mode="median"),
-           "dense addmm": do_bench(lambda: torch.addmm(bias, x, wd.t()), return_mode="median")}
+    res = {"dense mm": bench_ms(lambda: x @ wd.t()),
+           "dense addmm": bench_ms(lambda: torch.addmm(bias, x, wd.t()))}
     for d_col in (False, True):
         raw, _ = out_tensor(n, t, d_col)
         pb, p0 = plan(n, k, t, d_col, True), plan(n, k, t, d_col, False)
         tag = "sparse_dc" if d_col else "sparse_dr"
-        res[tag] = do_bench(lambda p0=p0, raw=raw: p0.matmul(wc, x.t(), raw), return_mode="median")
-        res[tag + " + epilogue bias"] = do_bench(lambda pb=pb, raw=raw: pb.matmul(wc, x.t(), raw, bias),
-                                                 return_mode="median")
+        res[tag] = bench_ms(lambda p0=p0, raw=raw: p0.matmul(wc, x.t(), raw))
+        res[tag + " + epilogue bias"] = bench_ms(lambda pb=pb, raw=raw: pb.matmul(wc, x.t(), raw, bias))
         if not d_col:
-            res[tag + " + torch add_"] = do_bench(
-                lambda p0=p0, raw=raw: p0.matmul(wc, x.t(), raw).add_(bias[:, None]), return_mode="median")
+            res[tag + " + torch add_"] = bench_ms(lambda p0=p0, raw=raw: p0.matmul(wc, x.t(), raw).add_(bias[:, None]))
     return res
 
 

@@ -1,38 +1,31 @@
-"""GPU probe 1: the machine's ceilings, and cuSPARSELt's compressed layout, dumped for analysis.
+"""GPU probe: the machine's ceilings, and cuSPARSELt's compressed layout of bf16 2:4 matrices,
+dumped for analysis.
 
-Writes $OUT/layout.pt: for several shapes, dense 2:4 matrices whose kept values carry unique
-bit patterns (so each value's place in the compressed buffer can be found) and random masks
-(so each group's metadata bits can be located), with cuSPARSELt's compression of each.
+    PYTHONPATH=src python benchmarks/gemm/probe_layout.py   # writes $OUT/layout.pt
+
+Prints the copy bandwidth and the dense bf16 GEMM rate; writes, for several shapes, dense 2:4
+matrices whose kept values carry unique bit patterns (so each value's place in the compressed
+buffer can be found) and random masks (so each group's metadata bits can be located), with
+cuSPARSELt's compression of each (``kernels/layout.py`` holds the result, ``tests/test_layout.py``
+checks it against these dumps).
 """
 
 import os
 import sys
+from pathlib import Path
 
 import torch
-from triton.testing import do_bench
 
-sys.path.insert(0, "src")
-from twofour.functional import mask_24  # noqa: E402
-from twofour.kernels import cusparselt as C  # noqa: E402
+from twofour.functional import mask_24
+from twofour.kernels import cusparselt as C
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # benchmarks/: common.py
+from common import copy_bandwidth, gemm_tflops, gpu_line  # noqa: E402
 
 out_dir = os.environ.get("OUT", ".")
 torch.manual_seed(0)
-print("torch", torch.__version__, torch.cuda.get_device_name(), "cusparselt ok:", C.available())
-print("cuSPARSELt version", C.version())
-
-
-def ceilings():
-    """Copy bandwidth (bytes read + written) and dense bf16 GEMM rate, measured here."""
-    x = torch.randn(256 * 2**20, device="cuda", dtype=torch.bfloat16)  # 512 MB
-    y = torch.empty_like(x)
-    t = do_bench(lambda: y.copy_(x), warmup=25, rep=200, return_mode="median")
-    print(f"copy bandwidth {2 * x.numel() * 2 / t / 1e6:.0f} GB/s (read+write)")
-    a = torch.randn(8192, 8192, device="cuda", dtype=torch.bfloat16)
-    t = do_bench(lambda: a @ a, warmup=25, rep=200, return_mode="median")
-    print(f"dense bf16 8192^3: {2 * 8192**3 / t / 1e9:.0f} TFLOP/s")
-
-
-ceilings()
+print(gpu_line())
+print(f"copy bandwidth {copy_bandwidth():.0f} GB/s (read+write); dense bf16 8192^3: {gemm_tflops():.0f} TFLOP/s")
 
 
 def ids_matrix(m, k, mask):

@@ -6,7 +6,7 @@ For each linear of the presets below and each of its three GEMMs (forward D = W 
 dY^T, dW = dY^T x, the 2:4 operand first; no bias), in every order of B and D (``--quick``: B
 column-major, as from a row-major x or dY, with both orders of D for the forward and dX; both
 orders of B with a row-major D for dW): every algorithm configuration cuSPARSELt offers for the
-shape is checked against the dense product, then timed (``triton.testing.do_bench``,
+shape is checked against the dense product, then timed (``common.bench_ms``,
 median). The table gives the library's default configuration, the fastest, and dense cuBLAS on
 the same operands; the summary the geometric mean of default / fastest per GEMM kind, and then
 the dispatch's own pick through ``ops.spmm`` (which measures the configurations once per shape and keeps the fastest).
@@ -16,14 +16,18 @@ from __future__ import annotations
 
 import argparse
 import math
+import sys
+from pathlib import Path
 
 import torch
-from triton.testing import do_bench
 
 from twofour import dispatch
 from twofour.kernels import compress as ck
 from twofour.kernels import cusparselt as cs
 from twofour.kernels import ops
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # benchmarks/: common.py
+from common import bench_ms, gpu_line  # noqa: E402
 
 DT = torch.bfloat16
 #: (name, tokens, in, out) of the linears timed; tokens as `twofour train`'s micro-batches x 1024
@@ -62,9 +66,9 @@ def case(kind: str, m: int, k: int, n: int, b_col: bool, d_col: bool, rep: int) 
         if err > 1e-2 or p.compressed_size != base.compressed_size:
             bad.append(f"#{config} err {err:.1e}")
             continue
-        times[config] = do_bench(lambda p=p: p.matmul(buf, b, out), warmup=5, rep=rep, return_mode="median")
-    dense_ms = do_bench((lambda: torch.mm(b.t(), dense.t())) if d_col else (lambda: torch.mm(dense, b)), warmup=5,
-                        rep=rep, return_mode="median")
+        times[config] = bench_ms(lambda p=p: p.matmul(buf, b, out), warmup=5, rep=rep)
+    dense_ms = bench_ms((lambda: torch.mm(b.t(), dense.t())) if d_col else (lambda: torch.mm(dense, b)), warmup=5,
+                        rep=rep)
     if not times:
         raise RuntimeError(f"no cuSPARSELt configuration ran {m}x{k}x{n} (B {b_col=}, D {d_col=}) correctly: {bad}")
     best = min(times, key=times.get)
@@ -78,7 +82,7 @@ def main() -> None:
     ap.add_argument("--quick", action="store_true", help="fewer operand orders (module doc), fewer repetitions")
     args = ap.parse_args()
     rep = 10 if args.quick else 40
-    print(f"GPU: {torch.cuda.get_device_name()}; torch {torch.__version__}, cuSPARSELt {cs.version()}\n")
+    print(f"{gpu_line()}\n")
     print("| linear | GEMM | M x K x N | B | D | configs | default ms | fastest (id) ms | default / fastest | "
           "dense ms | dense / default | dense / fastest |\n|---|---|---|---|---|---|---|---|---|---|---|---|")
     gains: dict[str, list[float]] = {}

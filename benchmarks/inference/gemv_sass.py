@@ -4,7 +4,7 @@ shared-memory traffic, and the layout conversions Triton put inside the loop ove
 
     PYTHONPATH=src python benchmarks/inference/gemv_sass.py
 
-Compiles through ``sass_count.compile_for_hopper`` (Triton's own ``ptxas``/``cuobjdump``). Each
+Compiles through ``common.compile_for_hopper`` (Triton's own ``ptxas``/``cuobjdump``). Each
 layout conversion in the loop is a round trip through shared memory between barriers; at one
 token (decoding at batch 1) the pair-load kernel should have none. The GPU's tuner, not this
 count, picks the variant per shape; this says why a variant can be slow.
@@ -14,19 +14,22 @@ from __future__ import annotations
 
 import collections
 import re
-
-from sass_count import compile_for_hopper, opcodes  # this folder's neighbour (run as a script)
+import sys
+from pathlib import Path
 
 from twofour.kernels import gemv24 as g
 
-_COMMON = {"x_ptr": "*bf16", "sxt": "i32", "sxk": "i32", "pos_ptr": "*u8", "pos_stride": "i32",
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # benchmarks/: common.py
+from common import compile_for_hopper, opcodes  # noqa: E402
+
+SIG = {"x_ptr": "*bf16", "sxt": "i32", "sxk": "i32", "pos_ptr": "*u8", "pos_stride": "i32",
            "bias_ptr": "*bf16", "y_ptr": "*bf16", "T": "i32", "N": "i32", "K": "i32", "k_per": "i32"}
 
 
 def compile_kernel(pairs: bool, tokens: int, bo: int, bk: int, warps: int) -> tuple[int, collections.Counter, str]:
     """(registers, SASS opcode counts, TTGIR) of one variant for bf16 inputs read row-major."""
-    fn = g._gemv24_pairs_kernel if pairs else g._gemv24_kernel
-    sig = dict(_COMMON, **({"pairs_ptr": "*i32"} if pairs else {"vals_ptr": "*bf16", "pos_width": "i32"}))
+    fn = g.triton_kernels()["pairs" if pairs else "tiles"]
+    sig = dict(SIG, **({"pairs_ptr": "*i32"} if pairs else {"vals_ptr": "*bf16", "pos_width": "i32"}))
     const = {"HAS_BIAS": True, "BT": tokens, "BO": bo, "BK": bk, "SPLIT": 1, "sxk": 1}
     if pairs:
         const.update(VALUE_BITS=16, IS_BF16=True)

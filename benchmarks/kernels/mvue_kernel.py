@@ -1,29 +1,36 @@
-"""Where the time of the MVUE + compression of dY^T goes (GPU): the kernel's outputs and load
-paths, timed against the copy bandwidth of the same run, after a correctness check.
+"""Where the time of the MVUE + compression of dY^T goes (GPU): the kernel's layout variants,
+timed against the copy bandwidth of the same run, after a correctness check.
 
     PYTHONPATH=src python benchmarks/kernels/mvue_kernel.py
 
-The kernel reads dY^T in place from the row-major dY (four loads, one Philox call for rows 2i
-and 2i+1 of a group) and writes cuSPARSELt's compressed layout, groups along tokens; then the
-same with the dense estimate as well (``dense_out``) and alone (``sparse_out=False``), the hard
-top-2 through the same layout, the kernel on a row-major dY^T (dY stored column-major, as fc1's
-gradient is in the FFN's layout plan: the tile-load path, one Philox call for two groups of a
-row), and a sweep of tile widths and warps (``compress_tiled``'s ``tile``). (The "MVUE kernel"
-section of docs/notes/fastpath-experiments.md records these numbers, and the variants measured
-there and since removed: the other Philox counters on each path, a group's values stored as
-one 32-bit word, and tile columns reordered so that a metadata word packs within a warp.)
-Kernel time is CUDA graph replay (no host overhead). ``--profile`` runs one launch of the
-kernel for ``ncu``.
+All read dY^T in place from the row-major dY and write cuSPARSELt's compressed layout, groups
+along tokens. Variants (``compress.VARIANT`` holds the chosen switch, ``compress_tiled``'s
+``pair_rows`` overrides it): ``v10`` (one Philox call for two groups, joined across threads:
+the kernel before ``PAIR_ROWS``) and ``PAIR_ROWS`` (one Philox call for rows 2i and 2i+1 of a
+group: no layout conversion of the random bits); then the chosen kernel with the dense estimate
+as well (``dense_out``) and alone (``sparse_out=False``), the hard top-2 through the same
+layout, the kernel on a row-major dY^T (dY stored column-major, as fc1's gradient is in the
+FFN's layout plan: the tile-load path), and a sweep of tile widths and warps
+(``compress_tiled``'s ``tile``). (The "MVUE kernel" section of
+docs/notes/fastpath-experiments.md records these numbers, and two variants measured there and
+since removed: a group's values stored as one 32-bit word, and tile columns reordered so that a
+metadata word packs within a warp.) Kernel time is CUDA graph replay (no host overhead).
+``--profile`` runs one launch of the chosen kernel for ``ncu``.
 """
 
 from __future__ import annotations
 
-import torch
-from triton.testing import do_bench, do_bench_cudagraph
+import sys
+from pathlib import Path
 
-from twofour.functional import _mvue_24, mvue_inclusion_probability
+import torch
+
+from twofour.functional import mvue_24, mvue_inclusion_probability
 from twofour.kernels import compress as ck
 from twofour.kernels.layout import decompress_reference
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # benchmarks/: common.py
+from common import copy_bandwidth, graph_ms  # noqa: E402
 
 
 def check() -> None:
@@ -35,7 +42,7 @@ def check() -> None:
     x = dy.t()
     u = torch.rand(x.shape[0], x.shape[1] // 2, device="cuda")
     buf, _ = ck.compress(x, "mvue", u=u)
-    ref = _mvue_24(x.contiguous(), u=u)  # the private reference: public mvue_24 draws its own uniforms
+    ref = mvue_24(x.contiguous(), u=u)
     dec = decompress_reference(buf, *x.shape).float()
     same = (dec != 0) == (ref != 0)
     print(f"check: kept sets equal on {same.float().mean().item():.6f} of entries; "
@@ -53,53 +60,47 @@ def check() -> None:
     assert z.max() < 6
 
 
-def _copy_bandwidth() -> float:
-    """GB/s of a 512 MB device-to-device copy, bytes read + written."""
-    x = torch.randn(256 * 2**20, device="cuda", dtype=torch.bfloat16)
-    y = torch.empty_like(x)
-    return 2 * x.numel() * 2 / do_bench(lambda: y.copy_(x), return_mode="median") / 1e6
+VARIANTS = {"v10": False, "PAIR_ROWS": True}  # compress_tiled's pair_rows
 
 
 def main() -> None:
     check()
-    bw = _copy_bandwidth()
+    bw = copy_bandwidth()
     print(f"copy bandwidth {bw:.0f} GB/s")
     seed = torch.tensor([5], device="cuda")
     print("\n| shape (tokens x out) | variant | kernel ms | GB/s | of copy |\n|---|---|---|---|---|")
     for t, n in ((32768, 5120), (32768, 1280), (16384, 11008)):
         dy = torch.randn(t, n, device="cuda", dtype=torch.bfloat16)
         sparse_bytes = t * n * 2 + t * n + t * n // 8  # read bf16, write half the values + 4 bits per group
-        cases = {"dY^T in place": (dict(mode="mvue", seed=seed), sparse_bytes)}
-        cases["in place, + dense estimate"] = (dict(mode="mvue", seed=seed, dense_out=True), sparse_bytes + t * n * 2)
-        cases["in place, dense estimate only"] = (dict(mode="mvue", seed=seed, dense_out=True, sparse_out=False),
+        cases = {name: (dict(mode="mvue", seed=seed, pair_rows=v), sparse_bytes) for name, v in VARIANTS.items()}
+        cases["chosen, + dense estimate"] = (dict(mode="mvue", seed=seed, dense_out=True), sparse_bytes + t * n * 2)
+        cases["chosen, dense estimate only"] = (dict(mode="mvue", seed=seed, dense_out=True, sparse_out=False),
                                                 t * n * 4)
-        cases["in place, hard top-2"] = (dict(mode="hard"), sparse_bytes)
+        cases["chosen, hard top-2"] = (dict(mode="hard"), sparse_bytes)
         dyc = dy.t().contiguous().t()  # dY stored column-major: dY^T row-major, fc1's in the FFN's layout plan
         cases["dY^T row-major (tile path)"] = (dict(mode="mvue", seed=seed, src=dyc), sparse_bytes)
+        cases["dY^T row-major, PAIR_ROWS"] = (dict(mode="mvue", seed=seed, src=dyc, pair_rows=True), sparse_bytes)
         for name, (kw, nbytes) in cases.items():
             kw = dict(kw)
             src = kw.pop("src", dy)
             fn = lambda src=src, kw=kw: ck.compress_tiled(src.t(), **kw)  # noqa: E731
             fn()
-            ms = do_bench_cudagraph(fn)
+            ms = graph_ms(fn, inner=10)
             print(f"| {t} x {n} | {name} | {ms:.3f} | {nbytes / ms / 1e6:.0f} | {nbytes / ms / 1e6 / bw:.0%} |",
                   flush=True)
     t, n = 32768, 5120
     dy = torch.randn(t, n, device="cuda", dtype=torch.bfloat16)
     nbytes = t * n * 2 + t * n + t * n // 8
-    print("\ndY^T in place, 774M fc1 shape, per tile width x warps (kernel ms, % of copy):")
+    print("\nchosen variant, 774M fc1 shape, per tile width x warps (kernel ms, % of copy):")
     for bc, w in ((32, 2), (64, 2), (64, 4), (128, 4), (128, 8), (256, 8)):
         fn = lambda bc=bc, w=w: ck.compress_tiled(dy.t(), "mvue", seed=seed, tile=(bc, w))  # noqa: E731
         fn()
-        ms = do_bench_cudagraph(fn)
+        ms = graph_ms(fn, inner=10)
         print(f"  BC={bc} {w} warps: {ms:.3f} ms ({nbytes / ms / 1e6 / bw:.0%})", flush=True)
-    # compress.py keeps the autotuner's picks in a private table: no public name reports them
-    print("\nautotuned (tile, warps) per (rows, columns, strides):",
-          sorted({(k[:4], v) for k, v in ck._launch.items()}))
 
 
 def profile_once() -> None:
-    """One launch of the kernel at the 774M fc1 shape (MVUE of dY^T in place), for ``ncu``
+    """One launch of the chosen kernel at the 774M fc1 shape (MVUE of dY^T in place), for ``ncu``
     (autotuned first; ``ncu -k regex:_compress_kernel`` with ``-c`` picks launches)."""
     dy = torch.randn(32768, 5120, device="cuda", dtype=torch.bfloat16)
     ck.compress(dy.t(), "mvue", seed=torch.tensor([5], device="cuda"))

@@ -9,26 +9,18 @@ A step whose host time exceeds its GPU time is launch-bound: the GPU waits for P
 from __future__ import annotations
 
 import argparse
-import time
+import sys
+from pathlib import Path
 
 import torch
 from torch import nn
 from torch.profiler import ProfilerActivity, profile
-from triton.testing import do_bench
 
 from twofour.bench import fwd_bwd_step
 from twofour.sparse import SparseLinear
 
-
-def host_ms(fn, n: int = 50) -> float:
-    """Host time to issue one step, measured while the GPU lags behind (no sync inside)."""
-    torch.cuda.synchronize()
-    t0 = time.perf_counter()
-    for _ in range(n):
-        fn()
-    t1 = time.perf_counter()
-    torch.cuda.synchronize()
-    return (t1 - t0) / n * 1e3
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # benchmarks/: common.py
+from common import bench_ms, host_ms  # noqa: E402
 
 
 def host_costs() -> None:
@@ -54,19 +46,18 @@ def host_costs() -> None:
         return layer.compressed.get(layer.weight, layer.pruner, layer.beta, layer.mask, step, torch.bfloat16)
 
     cached()
-    # The two raw launches time Triton's own dispatch, so they call the private kernel objects
-    # (no public name launches them without compress()'s Python around it), with the constants
-    # compress()'s launcher passes for a row-major source in hard mode (ROUNDS at its default).
+    # The raw launch times Triton's own dispatch: the kernel launched with the constants compress()'s
+    # launcher passes for a row-major source in hard mode (the rest at the kernel's defaults).
+    kernel = ck.triton_kernel()
     consts = dict(MODE=0, HAS_U=False, WRITE_DENSE=False, OUT_BF16=True, BIG=False, QUAD_LOADS=False,
-                  WRITE_SPARSE=True)
+                  WRITE_SPARSE=True, PAIR_ROWS=False)
+    consts = {name: v for name, v in consts.items() if name in kernel.arg_names}
     pieces = {
         "ops.compress (direct)": lambda: ops.compress(w, "hard", out_dtype=torch.bfloat16),
         # the registered ops by their public names (what ops' private _compress_op/_spmm_op call)
         "twofour::compress (custom op)": lambda: torch.ops.twofour.compress.default(w, "hard", None, None, None,
                                                                                     False, torch.bfloat16),
-        "Triton autotuned launch": lambda: ck._compress_tuned[(4, 8)](
-            w, w.stride(0), w.stride(1), m, k, buf, buf, seed, buf, vals, meta, vals, k // 32, **consts),
-        "Triton plain launch": lambda: ck._compress_kernel[(4, triton.cdiv(k, 128))](
+        "Triton launch": lambda: kernel[(4, triton.cdiv(k, 128))](
             w, w.stride(0), w.stride(1), m, k, buf, buf, seed, buf, vals, meta, vals, k // 32, **consts, BC=128,
             num_warps=4),
         "ops.spmm (direct)": lambda: ops.spmm(wc, xb.t(), m, False),
@@ -84,14 +75,14 @@ def host_costs() -> None:
 
 
 def time_and_profile(layers: dict[str, nn.Module], x: torch.Tensor, g: torch.Tensor, profiled: tuple[str, ...]) -> None:
-    """A row per layer (step time by do_bench, host time to issue a step), then the profiler's
+    """A row per layer (step time by bench_ms, host time to issue a step), then the profiler's
     kernel table of 5 steps of each of ``profiled``."""
-    print("| layer | step ms (do_bench) | host ms to issue a step |\n|---|---|---|")
+    print("| layer | step ms (bench_ms) | host ms to issue a step |\n|---|---|---|")
     for name, layer in layers.items():
         fn = fwd_bwd_step(layer, x, g)
         for _ in range(3):
             fn()
-        print(f"| {name} | {do_bench(fn, return_mode='median'):.3f} | {host_ms(fn):.3f} |", flush=True)
+        print(f"| {name} | {bench_ms(fn):.3f} | {host_ms(fn):.3f} |", flush=True)
     for name in profiled:
         fn = fwd_bwd_step(layers[name], x, g)
         with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:

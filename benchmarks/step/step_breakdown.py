@@ -4,12 +4,12 @@
         [--vocab-size 256] [--variants dense,s-ste,s-ste-gemm-dense] [--compile [--compile-mode M]]
         [--gaps] [--host]
 
-A variant is a recipe, optionally with options after a ``+`` each (as ``twofour train --opt``, and
-``precision=NAME``): ``dense+precision=fp8`` is dense FP8 with e4m3 gradients.
+A variant is a recipe, optionally with options after a ``+`` each (as ``twofour train --opt``):
+``dense+precision=fp8`` is dense FP8 (e4m3 operands and gradients, one scale per tensor).
 
 For each preset (micro-batch after the colon) and variant: the dispatch's choices, the step's time
 (median of 10 steps, each timed on its own behind a short device-side wait,
-``dispatch.median_ms(calls=1)``; and per step over windows of 4 steps in a row, as the loop runs them,
+``common.steps_ms(lead=True)``; and per step over windows of 4 steps in a row, as the loop runs them,
 the host free to run ahead), the device time
 of its kernels (summed from torch.profiler over 2 steps; below the step time when the GPU waits
 for the host), and the host's time to issue a step. Then
@@ -31,22 +31,25 @@ host's time over five steps (cProfile, by own time).
 from __future__ import annotations
 
 import argparse
+import contextlib
 import cProfile
 import io
 import pstats
 import re
+import sys
 import traceback
+from pathlib import Path
 
 import torch
-from layer_profile import host_ms  # benchmarks/ is the script's folder
 from torch._dynamo.utils import counters
 from torch.autograd import DeviceType
 from torch.profiler import ProfilerActivity, profile
 
 from twofour import dispatch
-from twofour.bench import preset_train_step
-from twofour.cli import _option
 from twofour.sparse import make_recipe
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # benchmarks/: common.py
+from common import host_ms, preset_train_step, steps_ms  # noqa: E402
 
 #: (kind, pattern on the kernel's name), first match wins
 KINDS = [
@@ -140,13 +143,29 @@ def sync_check(step) -> str:
         torch.cuda.synchronize()
 
 
+def option(text: str) -> tuple[str, bool | int | float | str]:
+    """``KEY=VALUE`` as ``twofour train --opt`` reads it: the value a bool (true/false, yes/no,
+    on/off) or a number; ``precision=NAME`` keeps its name."""
+    key, sep, val = text.partition("=")
+    low = val.lower()
+    if not sep or not key:
+        raise ValueError(f"expected KEY=VALUE, got {text!r}")
+    if low in ("true", "yes", "on", "false", "no", "off"):
+        return key.replace("-", "_"), low in ("true", "yes", "on")
+    for kind in (int, float):
+        with contextlib.suppress(ValueError):
+            return key.replace("-", "_"), kind(val)
+    if key == "precision":
+        return key, val
+    raise ValueError(f"option value {val!r} is not a bool or a number")
+
+
 def variant_recipe(variant: str):
-    """The recipe of a ``--variants`` entry: ``NAME[-gemm-dense][+KEY=VALUE...]``, each value as
-    ``twofour train --opt`` reads it (a bool or a number)."""
+    """The recipe of a ``--variants`` entry: ``NAME[-gemm-dense][+KEY=VALUE...]``."""
     name, *opts = variant.split("+")
     try:
-        options = dict(_option(opt) for opt in opts)  # twofour train --opt's parsing
-    except argparse.ArgumentTypeError as e:
+        options = dict(option(opt) for opt in opts)
+    except ValueError as e:
         raise SystemExit(f"step_breakdown.py: variant {variant!r}: {e}") from None
     return make_recipe(name.removesuffix("-gemm-dense"), **options), name.endswith("-gemm-dense")
 
@@ -179,8 +198,8 @@ def main() -> None:
                     breaks = sum(counters["graph_break"].values())
                     print(f"{preset} {variant}: {breaks} graph breaks; "
                           + "; ".join(f"{n}x {r[:90]}" for r, n in counters["graph_break"].most_common(4)))
-                ms, host = dispatch.median_ms(step, 10, calls=1), host_ms(step, 5)
-                in_a_row = dispatch.median_ms(step, 3, calls=4)
+                ms, host = steps_ms(step, 10, lead=True), host_ms(step, 5)
+                in_a_row = steps_ms(step, 3, calls=4, lead=True)
                 kinds, names, gaps = profile_step(step)
                 results[variant] = (ms, in_a_row, host, kinds, names)
                 print(f"{preset} {variant}: dispatch choices\n  "

@@ -11,15 +11,17 @@ pruning, host time) can be read off.
 from __future__ import annotations
 
 import argparse
+import sys
+from pathlib import Path
 
 import torch
-from layer_profile import host_ms  # benchmarks/ is the script's folder
 from torch.profiler import ProfilerActivity, profile
-from triton.testing import do_bench
 
 from twofour import dispatch
-from twofour.bench import preset_train_step
 from twofour.sparse import advance, make_recipe
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # benchmarks/: common.py
+from common import bench_ms, host_ms, preset_train_step  # noqa: E402
 
 
 def main() -> None:
@@ -41,8 +43,8 @@ def main() -> None:
                                          transposed_output=variant != "s-ste-row-out")
             for _ in range(3):
                 step()
-            ms = do_bench(step, warmup=1, rep=1500, return_mode="median")
-            adv = do_bench(lambda m=model: advance(m), return_mode="median") if recipe.sparse else 0.0
+            ms = bench_ms(step, warmup=1, rep=1500)
+            adv = bench_ms(lambda m=model: advance(m)) if recipe.sparse else 0.0
             hm = host_ms(step, 5)
             print(f"| {variant} | {ms:.1f} | {hm:.1f} | {adv:.2f} |", flush=True)
             if variant in ("dense", "s-ste"):

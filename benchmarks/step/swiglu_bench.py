@@ -26,20 +26,24 @@ from __future__ import annotations
 
 import argparse
 import gc
+import sys
 import time
 import traceback
+from pathlib import Path
 
 import torch
 import torch.nn.functional as F
-from triton.testing import do_bench, do_bench_cudagraph
 
 from twofour import dispatch
 from twofour.activations import swiglu_backward_reference, swiglu_reference
-from twofour.bench import fwd_bwd_step, train_step_ms
+from twofour.bench import fwd_bwd_step
 from twofour.kernels import ops
 from twofour.kernels.swiglu import swiglu_backward, swiglu_forward
 from twofour.models import PRESETS, GatedMLP
 from twofour.sparse import make_recipe, sparsify
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # benchmarks/: common.py
+from common import bench_ms, copy_bandwidth, gpu_line, graph_ms, train_step_ms  # noqa: E402
 
 SUMMARY: list[str] = []
 
@@ -67,12 +71,6 @@ def matrix(rows: int, cols: int, col_major: bool, dtype: torch.dtype) -> torch.T
     if col_major:
         return torch.randn(cols, rows, device="cuda").to(dtype).t()
     return torch.randn(rows, cols, device="cuda").to(dtype)
-
-
-def copy_bandwidth() -> float:
-    x = torch.randn(128 * 2**20, device="cuda", dtype=torch.bfloat16)
-    y = torch.empty_like(x)
-    return 2 * x.numel() * 2 / do_bench_cudagraph(lambda: y.copy_(x), rep=100) / 1e6
 
 
 T7 = 16384  # tokens of the 7B rows: seq 1024 x 16
@@ -173,17 +171,17 @@ def activation_times(bw: float, rep: int, compile_ref: bool) -> None:
                               compiled_bwd and (lambda z=z, dh=dh: compiled_bwd(z, dh)))}
         for name, (fn, nbytes, eager, comp) in cases.items():
             fn()  # autotune outside the graph
-            gbs = nbytes / do_bench_cudagraph(fn, rep=rep) / 1e6
+            gbs = nbytes / graph_ms(fn, inner=10) / 1e6
             fracs.append(gbs / bw)
             comp_ms = "n/a"
             if comp is not None:
                 try:
-                    comp_ms = f"{do_bench(comp, rep=rep, return_mode='median'):.3f}"
+                    comp_ms = f"{bench_ms(comp, rep=rep):.3f}"
                 except Exception as e:  # noqa: BLE001
                     comp_ms = f"failed ({type(e).__name__})"
             print(f"| {name} | {'z^T' if col else 'row'} | {gbs:.0f} | {gbs / bw:.0%} | "
-                  f"{do_bench(fn, rep=rep, return_mode='median'):.3f} | "
-                  f"{do_bench(eager, rep=rep, return_mode='median'):.3f} | {comp_ms} |", flush=True)
+                  f"{bench_ms(fn, rep=rep):.3f} | "
+                  f"{bench_ms(eager, rep=rep):.3f} | {comp_ms} |", flush=True)
     SUMMARY.append(f"fused activation: {min(fracs):.0%}-{max(fracs):.0%} of copy bandwidth (target >= 70%)")
 
 
@@ -220,7 +218,7 @@ def block_ms(variant: str, d: int, h: int, x: torch.Tensor, g: torch.Tensor, rep
         sparsify(mlp, variant, include=("gate_up", "down"), transposed_output=("gate_up",))
     step = fwd_bwd_step(mlp, x, g)
     step()  # the dispatch measures its GEMMs, the kernels autotune
-    return do_bench(step, rep=rep, return_mode="median")
+    return bench_ms(step, rep=rep)
 
 
 def block_profile(variants: tuple[str, ...] = ("dense", "s-ste"), top: int = 14) -> None:
@@ -239,10 +237,10 @@ def block_profile(variants: tuple[str, ...] = ("dense", "s-ste"), top: int = 14)
         step = fwd_bwd_step(mlp, x, g)
         for _ in range(3):
             step()
-        ms = do_bench(step, rep=100, return_mode="median")
+        ms = bench_ms(step, rep=100)
         kinds, names, gaps = profile_step(step, 3)
         results[variant] = (ms, kinds, names)
-        print(f"{variant}: {ms:.2f} ms a call (do_bench), kernels {sum(kinds.values()):.2f} ms; {gaps[0]}")
+        print(f"{variant}: {ms:.2f} ms a call (bench_ms), kernels {sum(kinds.values()):.2f} ms; {gaps[0]}")
         del mlp, step
         gc.collect()
         torch.cuda.empty_cache()
@@ -302,13 +300,7 @@ def main() -> None:
         print("\n" + "\n".join(dispatch.choice_lines()))
         return
     rep = 100 if args.quick else 200
-    import triton
-
-    from twofour.kernels import cusparselt
-
-    print(f"GPU: {torch.cuda.get_device_name()}; torch {torch.__version__}, triton {triton.__version__}, "
-          f"cuSPARSELt {cusparselt.version() if cusparselt.available() else 'not available'}; "
-          f"fast path available: {ops.fast_available()}")
+    print(f"{gpu_line()}; fast path available: {ops.fast_available()}")
     bw = copy_bandwidth()
     print(f"copy bandwidth {bw:.0f} GB/s (bytes read + written)")
     run_part("1a. fused SwiGLU kernels against the plain-torch reference", kernels_vs_reference)

@@ -220,16 +220,6 @@ def _cmd_generate(a: argparse.Namespace) -> int:
 
 
 def _cmd_bench(a: argparse.Namespace) -> int:
-    if a.fp8:
-        from .bench_fp8 import run_fp8_bench  # noqa: PLC0415
-
-        run_fp8_bench(a)
-        return 0
-    if a.inference:
-        from .bench_inference import run_inference_bench  # noqa: PLC0415
-
-        run_inference_bench(a)
-        return 0
     from .bench import run_bench  # noqa: PLC0415
 
     run_bench(a)
@@ -300,15 +290,17 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--seed", type=int, default=1337, help="sampling seed (default %(default)s)")
     g.add_argument("--device", default="auto", help="auto, cpu, cuda or cuda:N (default %(default)s)")
     g.set_defaults(func=_cmd_generate)
-    b = sub.add_parser("bench", help="time twofour against dense bf16 on this GPU; print the tables (needs CUDA)")
+    b = sub.add_parser("bench", help="time twofour against dense bf16 on this GPU: layers, FFN blocks and the "
+                       "training loop's tokens/s; print the tables (needs CUDA)")
     b.add_argument("--quick", action="store_true", help="fewer shapes and repetitions")
     what = b.add_mutually_exclusive_group()
     what.add_argument("--inference", action="store_true", help="instead: an exported 2:4 gpt2-774m against its "
-                      "dense twin: weight bytes, prefill and decode tokens/s (CUDA graphs, static KV cache)")
-    what.add_argument("--fp8", action="store_true", help="instead: FP8 GEMMs, quantization, layers and a gpt2-774m "
-                      "step against bf16 and against dense FP8")
-    b.add_argument("--write", default=None, help="also write the markdown tables into this file (e.g. "
-                   "docs/PERFORMANCE.md, between its bench markers; --inference, --fp8: their own markers)")
+                      "dense twin, prefill and decode tokens/s (CUDA graphs, static KV cache)")
+    what.add_argument("--fp8", action="store_true", help="instead: FP8 layers (dense and s-ste) against bf16 and "
+                      "against dense FP8")
+    b.add_argument("--write", default=None, help="also write the markdown report into this file (e.g. "
+                   "docs/bench.md), between its <!-- bench:begin --> and <!-- bench:end --> markers (fp8, inference: "
+                   "their own), appended the first time")
     b.set_defaults(func=_cmd_bench)
     p.commands = {"train": t, "compare": c, "export": e, "generate": g, "bench": b}
     return p

@@ -212,16 +212,20 @@ def _same_device(a: torch.device, b: torch.device) -> bool:
     return (cur if a.index is None else a.index) == (cur if b.index is None else b.index)
 
 
-def mvue_24(x: torch.Tensor, generator: torch.Generator | None = None) -> torch.Tensor:
+def mvue_24(x: torch.Tensor, generator: torch.Generator | None = None, *,
+            u: torch.Tensor | None = None) -> torch.Tensor:
     """An unbiased random 2:4 estimate of ``x`` (E[mvue_24(x)] = x), at most 2 non-zeros per group.
 
     Used on the output gradient dY^T (groups along tokens) so that the weight-gradient GEMM is
-    2:4 sparse too. ``generator`` makes the draw reproducible.
+    2:4 sparse too. ``generator`` makes the draw reproducible; ``u`` (two uniforms in [0, 1) per
+    group of 4) gives the draw instead, to check a kernel that draws its own against this one.
     """
     _check(x, "mvue_24")
     if generator is not None and not _same_device(generator.device, x.device):
         raise ValueError(f"mvue_24: generator is on {generator.device} but the input is on {x.device}")
-    return _mvue_24(x, generator)
+    if u is not None and u.numel() != x.numel() // 2:
+        raise ValueError(f"mvue_24: u needs 2 uniforms per group of 4, {x.numel() // 2}, got {u.numel()}")
+    return _mvue_24(x, generator, u)
 
 
 def mvue_24_padded(x: torch.Tensor, generator: torch.Generator | None = None) -> torch.Tensor:

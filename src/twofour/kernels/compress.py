@@ -245,3 +245,9 @@ def compress_e4m3(q: torch.Tensor) -> torch.Tensor:
     else:
         _compress_e4m3_kernel[(triton.cdiv(m, 64), triton.cdiv(k, BC))](*args, BC=BC)
     return buf
+
+
+def triton_kernel():
+    """The Triton kernel :func:`compress` launches (a ``triton.JITFunction``; None without Triton),
+    for tools that compile or launch it on their own (``benchmarks/kernels/sass_count.py``)."""
+    return _compress_kernel if HAS_TRITON else None

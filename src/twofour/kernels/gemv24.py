@@ -301,3 +301,9 @@ def gemv24(x: torch.Tensor, values: torch.Tensor, positions: torch.Tensor, bias:
                     config = _tuned[key] = _tune(x, values, positions, bias, y)
     _launch(x, values, positions, bias, y, config)
     return y
+
+
+def triton_kernels() -> dict[str, object]:
+    """The Triton kernels :func:`gemv24` launches by variant, ``tiles`` and ``pairs`` (pair loads;
+    empty without Triton), for tools that compile them on their own (``benchmarks/inference/gemv_sass.py``)."""
+    return {"tiles": _gemv24_kernel, "pairs": _gemv24_pairs_kernel} if HAS_TRITON else {}

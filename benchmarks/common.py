@@ -1,0 +1,209 @@
+"""What the benchmark scripts share: the timers, the copy-bandwidth and GEMM-rate probes, markdown
+table lines, a header naming the GPU and the software, a preset's training step to time, and the
+compilation of a Triton kernel for Hopper to count its SASS (the last needs no GPU).
+
+Scripts run as ``PYTHONPATH=src python benchmarks/FOLDER/SCRIPT.py`` from the repository's root and
+import this module after putting its folder on ``sys.path``::
+
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # benchmarks/: common.py
+    from common import bench_ms  # noqa: E402
+
+Only twofour's public names are used here and in the scripts (``tests/test_benchmarks.py``).
+"""
+
+from __future__ import annotations
+
+import collections
+import os
+import platform
+import re
+import statistics
+import subprocess
+import tempfile
+import time
+from collections.abc import Callable
+
+import torch
+from torch import nn
+
+import twofour
+from twofour.models import FFN_IN_PATTERNS, FFN_PATTERNS, PRESETS
+from twofour.sparse import Recipe, attach, sparsify
+from twofour.training.config import CUDA_GRAPH_MODES
+
+LEAD_CYCLES = 150_000  # about 80 us of device time at Hopper's clocks: longer than a call's launch
+
+
+def bench_ms(fn: Callable[[], object], *, warmup: int = 25, rep: int = 100) -> float:
+    """Median ms of ``fn`` by ``triton.testing.do_bench`` (CUDA events, the L2 cache flushed before
+    each call, calls for about ``rep`` ms after ``warmup`` ms of them): a kernel or a step from an
+    idle device, its launch included."""
+    from triton.testing import do_bench
+
+    return do_bench(fn, warmup=warmup, rep=rep, return_mode="median")
+
+
+def graph_ms(fn: Callable[[], object], *, inner: int = 1, reps: int = 20) -> float:
+    """Milliseconds of one call of ``fn`` without the host's launch cost: ``inner`` calls captured
+    back to back in one CUDA graph (after 2 calls on a side stream, where the dispatch measures
+    and the kernels tune), replayed ``reps`` times, each replay timed by CUDA events; median / ``inner``."""
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        for _ in range(2):
+            fn()
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        for _ in range(inner):
+            fn()
+    times = []
+    for _ in range(reps):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        graph.replay()
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end) / inner)
+    return statistics.median(times)
+
+
+def steps_ms(fn: Callable[[], object], n: int = 12, *, calls: int = 1, lead: bool = False) -> float:
+    """Median ms per call over ``n`` windows of ``calls`` back-to-back calls, each window timed by
+    CUDA events: for steps too long for :func:`bench_ms`'s time budget. Without ``lead`` the host
+    runs ahead freely and synchronizes once at the end; with it, each window starts from an idle
+    device behind a short device-side wait, so the host launches while the device waits (a call's
+    host time counts only where it exceeds its device time, as in a loop whose GPU runs behind)."""
+    windows = []
+    for _ in range(n):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        if lead:
+            torch.cuda.synchronize()
+            torch.cuda._sleep(LEAD_CYCLES)
+        start.record()
+        for _ in range(calls):
+            fn()
+        end.record()
+        windows.append((start, end))
+    torch.cuda.synchronize()
+    return statistics.median(start.elapsed_time(end) / calls for start, end in windows)
+
+
+def host_ms(fn: Callable[[], object], n: int = 50) -> float:
+    """Host ms to issue one call of ``fn``, measured while the GPU lags behind (no sync inside)."""
+    torch.cuda.synchronize()
+    t0 = time.perf_counter()
+    for _ in range(n):
+        fn()
+    t1 = time.perf_counter()
+    torch.cuda.synchronize()
+    return (t1 - t0) / n * 1e3
+
+
+def copy_bandwidth() -> float:
+    """The device's copy bandwidth in GB/s (bytes read + written by a 256 MB bf16 copy, CUDA graph
+    replay): the limit of the memory-bound kernels timed against it."""
+    x = torch.randn(128 * 2**20, device="cuda", dtype=torch.bfloat16)
+    y = torch.empty_like(x)
+    return 2 * x.nbytes / graph_ms(lambda: y.copy_(x), inner=5, reps=10) / 1e6
+
+
+def gemm_tflops() -> float:
+    """Dense bf16 TFLOP/s of an 8192^3 GEMM on random data (cuBLAS)."""
+    a = torch.randn(8192, 8192, device="cuda", dtype=torch.bfloat16)
+    return 2 * 8192**3 / bench_ms(lambda: a @ a) / 1e9
+
+
+def md_head(*cols: str) -> str:
+    """A markdown table's header and rule."""
+    return "| " + " | ".join(cols) + " |\n" + "|---" * len(cols) + "|"
+
+
+def md_row(*cells: object) -> str:
+    """A markdown table row."""
+    return "| " + " | ".join(str(c) for c in cells) + " |"
+
+
+def gpu_line() -> str:
+    """The GPU, torch, Triton, cuSPARSELt and twofour versions, for a report's first line."""
+    import triton
+
+    from twofour.kernels import cusparselt
+
+    cslt = cusparselt.version() if cusparselt.available() else "not available"
+    return (f"GPU: {torch.cuda.get_device_name()}; torch {torch.__version__}, triton {triton.__version__}, "
+            f"cuSPARSELt {cslt}, twofour {twofour.__version__}, Python {platform.python_version()}")
+
+
+def preset_train_step(preset: str, batch: int, recipe: Recipe, *, transposed_output: bool = True,
+                      advance: bool = True, vocab_size: int = 50304,
+                      compile: bool | str = False) -> tuple[nn.Module, Callable[[], None]]:
+    """A model ``preset`` (GPT or Llama; vocabulary ``vocab_size``, sequence 1024) on the GPU with
+    ``recipe`` on its FFN linears (dense bf16 left as nn.Linear; the first, fc or gate|up, with
+    ``transposed_output``), fused AdamW and, with ``advance``, ``attach()``; returns the model and
+    a function that runs one training step on a fixed random batch, through ``torch.compile(model)``
+    with ``compile`` (as ``twofour train --compile`` runs it; a string is torch.compile's ``mode``)."""
+    torch.manual_seed(0)
+    with torch.device("cuda"):  # initialized on the GPU: a 1B model's init on the CPU takes a while
+        model = PRESETS[preset].build(block_size=1024, vocab_size=vocab_size)
+    if recipe.sparse or recipe.fp8:
+        sparsify(model, recipe, include=FFN_PATTERNS, transposed_output=FFN_IN_PATTERNS if transposed_output else ())
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-4, fused=True)
+    if advance:
+        attach(model, opt)
+    idx = torch.randint(0, vocab_size, (batch, 1024), device="cuda")
+    mode = compile if isinstance(compile, str) else None
+    fwd = torch.compile(model, mode=mode) if compile else model
+
+    def step() -> None:
+        if mode in CUDA_GRAPH_MODES:  # a new step: the last one's graph outputs may be overwritten
+            torch.compiler.cudagraph_mark_step_begin()
+        with torch.autocast("cuda", dtype=torch.bfloat16):
+            loss = fwd(idx, idx)[1]
+        loss.backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+
+    return model, step
+
+
+def train_step_ms(preset: str, batch: int, recipe: Recipe, vocab_size: int = 50304) -> float:
+    """Median ms of 12 training steps of :func:`preset_train_step` after 3 warm-up steps."""
+    step = preset_train_step(preset, batch, recipe, vocab_size=vocab_size)[1]
+    for _ in range(3):
+        step()
+    return steps_ms(step, 12)
+
+
+def compile_for_hopper(fn, sig: dict[str, str], const: dict, aligned: tuple[str, ...] | list[str],
+                       warps: int) -> tuple[int, int, str, str]:
+    """(registers, spilled bytes, SASS text, TTGIR) of the Triton kernel ``fn`` compiled for sm_90a
+    with the constants ``const`` (named in ``sig`` as constexpr) and the arguments ``aligned``
+    marked divisible by 16, through the ``ptxas``/``cuobjdump`` in Triton's wheel."""
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+
+    sig = {**sig, **{k: "constexpr" for k in const}}
+    src = ASTSource(fn=fn, signature=sig, constexprs={(fn.arg_names.index(k),): v for k, v in const.items()},
+                    attrs={(fn.arg_names.index(k),): [["tt.divisibility", 16]] for k in aligned})
+    kernel = triton.compile(src, target=GPUTarget("cuda", 90, 32), options={"num_warps": warps})
+    bins = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin")
+    ptxas = next(p for p in (os.path.join(bins, "ptxas-blackwell"), os.path.join(bins, "ptxas")) if os.path.exists(p))
+    with tempfile.TemporaryDirectory() as tmp:
+        ptx, cubin = os.path.join(tmp, "k.ptx"), os.path.join(tmp, "k.cubin")
+        with open(ptx, "w") as fh:
+            fh.write(kernel.asm["ptx"])
+        log = subprocess.run([ptxas, "-arch=sm_90a", "-v", ptx, "-o", cubin], capture_output=True, text=True,
+                             check=True).stderr
+        text = subprocess.run([os.path.join(bins, "cuobjdump"), "-sass", cubin], capture_output=True, text=True,
+                              check=True).stdout
+    regs = int(re.search(r"Used (\d+) registers", log).group(1))
+    spill = int(re.search(r"(\d+) bytes spill stores", log).group(1))
+    return regs, spill, text, kernel.asm["ttgir"]
+
+
+def opcodes(text: str) -> collections.Counter:
+    """Instruction count per opcode (without modifiers) of a cuobjdump listing."""
+    ops = re.findall(r"^\s+/\*[0-9a-f]+\*/\s+(?:@!?U?P\w+\s+)?([A-Z0-9_]+)", text, flags=re.M)
+    return collections.Counter(ops)
