@@ -594,3 +594,19 @@ def test_source_digest_names_the_code(tmp_path):
     (pkg / "sub" / "b.py").write_text("y = 2\n")
     (pkg / "sub" / "b.py").rename(pkg / "sub" / "c.py")
     assert source_digest(pkg) != first
+
+
+def test_a_folder_that_is_not_a_run_is_left_alone(tmp_path, corpus, capsys):
+    """A folder holding files a run writes (the user's own config.json, summary.json, curves.png)
+    is refused by name without --overwrite, and its files stay as they were."""
+    out = tmp_path / "mine"
+    out.mkdir()
+    mine = {name: f"my own {name}".encode() for name in ("config.json", "summary.json", "curves.png", "notes.txt")}
+    for name, data in mine.items():
+        (out / name).write_bytes(data)
+    err = error_of(["train", *SMALL, "--data", corpus, "--out", str(out)], capsys)
+    assert "curves.png, summary.json, config.json" in err and "--overwrite" in err
+    assert {p.name: p.read_bytes() for p in out.iterdir()} == mine
+    assert main(["train", *SMALL, "--data", corpus, "--out", str(out), "--overwrite"]) == 0
+    assert (out / "notes.txt").read_bytes() == mine["notes.txt"]  # only what a run writes is replaced
+    assert json.loads((out / "summary.json").read_text())["steps"] == 8

@@ -4,9 +4,11 @@ dense paired by seed) and one plot (per recipe, the mean curve and the seeds' sp
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import json
 import logging
+import os
 from pathlib import Path
 from typing import Any
 
@@ -16,6 +18,7 @@ from ..errors import TrainError
 from ..sparse.recipes import RECIPES, recipe_options
 from .config import LAUNCH_OPTIONS, TrainConfig
 from .data import load_data
+from .lock import RunLock
 from .loop import train
 from .runs import CKPT, METRICS, pyplot, read_config, read_metrics, read_summary
 
@@ -66,9 +69,16 @@ def compare(recipes: list[str], base: TrainConfig, seeds: list[int] | None = Non
     options in the name when it is given any: ``s-ste-mvue=false-s1``); runs already
     finished there (a ``summary.json`` with the same config) are reused, not retrained, and an
     interrupted one (a checkpoint, no summary) is resumed, unless ``base.overwrite``. The table
-    and plot cover every finished run in the folder with the same model and token budget."""
-    seeds = seeds or [base.seed]
+    and plot cover every finished run in the folder with the same model and token budget. The
+    folder is locked meanwhile (rank 0 under torchrun), as each run's folder is while it trains:
+    TrainError if another comparison holds it."""
     root = Path(base.out_dir)
+    with RunLock(root) if int(os.environ.get("RANK", "0")) == 0 else contextlib.nullcontext():
+        return _compare(recipes, base, seeds or [base.seed], root)
+
+
+def _compare(recipes: list[str], base: TrainConfig, seeds: list[int], root: Path) -> list[dict[str, Any]]:
+    """:func:`compare`'s work, in the locked folder ``root``."""
     data = None  # read once, when the first run needs training, and shared by every run
     summaries = []
     for recipe in recipes:

@@ -36,6 +36,7 @@ from ..version import __version__
 from .config import TrainConfig, lr_at, resolve_device
 from .console import Interrupted, Progress, StopRequest
 from .data import TokenData, load_data
+from .lock import RunLock
 from .runs import (
     CKPT,
     MetricsLog,
@@ -113,11 +114,19 @@ def slow_path_warning(device: torch.device, recipe: Recipe) -> str | None:
 
 
 def train(cfg: TrainConfig, data: TokenData | None = None) -> dict[str, Any]:
-    """Train one run as ``cfg`` says; returns the summary it also writes to ``summary.json``."""
-    # ---- set-up: processes, data, run folder, model, optimizer, schedule, resume ----
+    """Train one run as ``cfg`` says; returns the summary it also writes to ``summary.json``.
+    Holds the run folder's lock throughout (rank 0 under torchrun): TrainError if another run
+    holds it."""
     cfg.validate()
-    recipe = cfg.recipe_object()
     rank, world, local_rank = _dist()
+    with RunLock(cfg.out_dir) if rank == 0 else contextlib.nullcontext():
+        return _train(cfg, data, rank, world, local_rank)
+
+
+def _train(cfg: TrainConfig, data: TokenData | None, rank: int, world: int, local_rank: int) -> dict[str, Any]:
+    """:func:`train`'s work, in the locked run folder."""
+    # ---- set-up: data, run folder, model, optimizer, schedule, resume ----
+    recipe = cfg.recipe_object()
     if cfg.cuda_graphs and (world > 1 or cfg.micro_batches(world) > 1):
         raise TrainError(f"--compile-mode {cfg.compile_mode} (CUDA graphs) runs in one process with one micro-batch "
                          f"a step; this run has {world} process(es) and {cfg.micro_batches(world)} micro-batches: "
@@ -125,7 +134,7 @@ def train(cfg: TrainConfig, data: TokenData | None = None) -> dict[str, Any]:
     device = resolve_device(cfg.device, local_rank)
     slow = slow_path_warning(device, recipe)
     if slow and rank == 0:
-        warnings.warn(slow, stacklevel=2)
+        warnings.warn(slow, stacklevel=3)  # at train()'s caller
     if data is None:
         data = load_data(cfg.data, cfg.vocab_size)
     data.check(cfg.seq_len)

@@ -40,25 +40,30 @@ __all__ = ["CKPT", "METRICS", "FIELDS", "WEIGHTS", "MODEL_CONFIG", "prepare_run_
 CKPT = "ckpt.pt"
 METRICS = "metrics.csv"
 FIELDS = ["step", "tokens", "lr", "train_loss", "val_loss", "flip_rate", "tokens_per_s", "elapsed_s"]
-#: ``twofour export``'s files: the weights (``.pt`` without safetensors) and the model's settings.
-#: What a run (and ``twofour export`` of it) leaves in its folder: removed by ``--overwrite``.
+#: What a run (and ``twofour export`` of it, in either weights format) leaves in its folder: a
+#: folder holding any of them is refused without ``--overwrite``, which removes them.
 _OUTPUTS = (CKPT, CKPT + ".tmp", METRICS, "curves.png", "summary.json", "config.json", WEIGHTS,
             str(Path(WEIGHTS).with_suffix(".pt")), MODEL_CONFIG)
 
 
 def prepare_run_dir(cfg: TrainConfig) -> Path:
     """``cfg.out_dir``, created and writable; refuses to touch an existing run unless
-    ``cfg.resume`` (it needs its checkpoint) or ``cfg.overwrite`` (its outputs are removed)."""
+    ``cfg.resume`` (it needs its checkpoint) or ``cfg.overwrite`` (its outputs are removed), and
+    refuses a folder holding files a run writes (a ``config.json`` of one's own, say) unless
+    ``cfg.overwrite``. Call it holding the folder's :class:`~twofour.training.lock.RunLock`."""
     out = Path(cfg.out_dir)
     if out.exists() and not out.is_dir():
         raise TrainError(f"output folder {out} exists and is not a folder")
-    existing = out.exists() and any((out / n).exists() for n in (CKPT, METRICS))
+    present = [n for n in (*_OUTPUTS, "tb") if (out / n).exists()]
     if cfg.resume:
         if not (out / CKPT).exists():
             raise TrainError(f"--resume: no checkpoint {out / CKPT} to resume from")
-    elif existing and not cfg.overwrite:
+    elif {CKPT, METRICS} & set(present) and not cfg.overwrite:
         raise TrainError(f"{out} already holds a run; pass --resume to continue it, --overwrite to replace it, "
                          "or choose another --out")
+    elif present and not cfg.overwrite:
+        raise TrainError(f"{out} holds {', '.join(present)}, which a run writes; pass --overwrite to replace "
+                         "them, or choose another --out")
     try:
         out.mkdir(parents=True, exist_ok=True)
         probe = out / ".write-test"
