@@ -610,3 +610,29 @@ def test_a_folder_that_is_not_a_run_is_left_alone(tmp_path, corpus, capsys):
     assert main(["train", *SMALL, "--data", corpus, "--out", str(out), "--overwrite"]) == 0
     assert (out / "notes.txt").read_bytes() == mine["notes.txt"]  # only what a run writes is replaced
     assert json.loads((out / "summary.json").read_text())["steps"] == 8
+
+
+def test_export_replaces_nothing_without_overwrite(tmp_path, corpus, capsys):
+    """twofour export writes model.safetensors by default, model.pt on request, and refuses to
+    replace an export (in the run's folder or --out) unless --overwrite."""
+    from safetensors.torch import load_file
+
+    run, out = tmp_path / "run", tmp_path / "out"
+    assert main(["train", *SMALL, "--data", corpus, "--out", str(run), "--recipe", "ste"]) == 0
+    assert main(["export", str(run)]) == 0
+    assert sorted(p.name for p in run.glob("model*")) == ["model.safetensors", "model_config.json"]
+    out.mkdir()
+    (out / "model.safetensors").write_bytes(b"someone else's model")
+    capsys.readouterr()
+    err = error_of(["export", str(run), "--out", str(out)], capsys)
+    assert "already holds an export (model.safetensors)" in err and "--overwrite" in err
+    assert (out / "model.safetensors").read_bytes() == b"someone else's model"
+    assert "already holds an export" in error_of(["export", str(run)], capsys)
+    assert main(["export", str(run), "--out", str(out), "--overwrite"]) == 0
+    assert set(load_file(str(out / "model.safetensors"))) == set(load_file(str(run / "model.safetensors")))
+    assert main(["export", str(run), "--out", str(out), "--overwrite", "--weights-format", "pt"]) == 0
+    assert sorted(p.name for p in out.iterdir()) == ["model.pt", "model_config.json"]  # one weights file
+    assert json.loads((out / "model_config.json").read_text())["weights"] == "model.pt"
+    from twofour import load_for_inference
+
+    assert load_for_inference(out, "cpu").vocab_size == 256

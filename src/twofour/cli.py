@@ -165,7 +165,7 @@ def _cmd_compare(a: argparse.Namespace) -> int:
 def _cmd_export(a: argparse.Namespace) -> int:
     from .training.export import export  # noqa: PLC0415
 
-    info = export(a.run, a.out, a.dtype)
+    info = export(a.run, a.out, a.dtype, weights_format=a.weights_format, overwrite=a.overwrite)
     print(json.dumps(info, indent=2))
     if info["dense"]:
         print(f"twofour export: {info['dense_reason']}; wrote {info['out']}", file=sys.stderr)
@@ -270,6 +270,10 @@ def build_parser() -> argparse.ArgumentParser:
     e.add_argument("run", help="run folder or checkpoint file")
     e.add_argument("--out", default=None, help="output folder (default: the run's folder); gets model.safetensors "
                    "and model_config.json")
+    e.add_argument("--weights-format", default="safetensors", choices=["safetensors", "pt"],
+                   help="the weights file: model.safetensors, or model.pt (torch.save; read with weights_only=True) "
+                        "(default %(default)s)")
+    e.add_argument("--overwrite", action="store_true", help="replace an export the folder already holds")
     e.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float16", "float32"],
                    help="dtype of the stored weights (default %(default)s)")
     e.set_defaults(func=_cmd_export)
