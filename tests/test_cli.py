@@ -407,8 +407,10 @@ def test_every_option_is_checked(tmp_path, corpus, capsys):
                              ("--grad-clip", "-1", "--grad-clip"), ("--min-lr-ratio", "-2", "--min-lr-ratio"),
                              ("--weight-decay", "-0.1", "--weight-decay"), ("--log-interval", "0", "--log-interval"),
                              ("--eval-iters", "0", "--eval-iters"), ("--vocab-size", "0", "--vocab-size"),
-                             ("--lr", "nan", "--lr"), ("--stop-at", "99", "--stop-at")]:
+                             ("--lr", "nan", "--lr"), ("--lr", "1e6", "at most 1"), ("--stop-at", "99", "--stop-at"),
+                             ("--steps", "0", "--steps must be"), ("--skip-nonfinite", "-1", "--skip-nonfinite")]:
         assert says in error_of([*base, opt, value], capsys), opt
+    assert "--steps must be" in error_of([*base, "--recipe", "t-sr-ste", "--steps", "0"], capsys)  # not total_steps
     assert "--seeds" in error_of(["compare", *SMALL, "--data", corpus, "--seeds", "1,x"], capsys)
     assert "--resume" in error_of([*base, "--reschedule"], capsys)
     assert "add --compile" in error_of([*base, "--compile-mode", "reduce-overhead"], capsys)
@@ -636,3 +638,44 @@ def test_export_replaces_nothing_without_overwrite(tmp_path, corpus, capsys):
     from twofour import load_for_inference
 
     assert load_for_inference(out, "cpu").vocab_size == 256
+
+
+def _diverging(corpus, out):
+    """A run whose weight decay makes its weights grow ~2.5x a step until the loss is NaN (step 12)."""
+    return ["train", *SMALL[:-3], "--data", corpus, "--out", str(out), "--steps", "200", "--warmup", "0",
+            "--min-lr-ratio", "1", "--lr", "1e-3", "--weight-decay", "3500", "--log-interval", "5",
+            "--ckpt-interval", "5", "--eval-interval", "100", "--no-progress"]
+
+
+def test_a_diverged_run_stops_and_keeps_its_last_good_checkpoint(tmp_path, corpus, capsys):
+    out = tmp_path / "run"
+    err = error_of(_diverging(corpus, out), capsys)
+    bad = int(err.split("not finite at step ")[1].split(";")[0])
+    ck = torch.load(out / "ckpt.pt", weights_only=True)
+    assert 5 <= ck["step"] < bad and f"last good checkpoint (step {ck['step']})" in err and "--skip-nonfinite" in err
+    assert all(torch.isfinite(t).all() for t in ck["model"].values() if t.is_floating_point())
+    assert not (out / "summary.json").exists()  # no summary of a diverged run
+    assert all(math.isfinite(float(r[1])) for r in losses(out))  # the diverged window is not logged
+    assert not (out / ".twofour.lock").exists()
+
+
+def test_skip_nonfinite_skips_steps_up_to_its_limit(tmp_path, corpus, capsys, caplog):
+    """--resume --skip-nonfinite N (an option a resumed run may change) goes on from the last good
+    checkpoint, skipping each step whose loss or gradient norm is not finite with a log line,
+    applying none of them, and stops at the (N+1)-th."""
+    out = tmp_path / "run"
+    assert main(_diverging(corpus, out)) == 2
+    saved = torch.load(out / "ckpt.pt", weights_only=True)["step"]
+    capsys.readouterr()
+    with caplog.at_level("WARNING", logger="twofour"):
+        err = error_of(["train", "--out", str(out), "--resume", "--skip-nonfinite", "3", "--log-interval", "1"],
+                       capsys)
+    skips = [r.getMessage() for r in caplog.records if "skipped" in r.getMessage()]
+    assert len(skips) == 3 and "(3 of at most 3)" in skips[-1]
+    assert "after 3 skipped (--skip-nonfinite)" in err
+    rows = losses(out)
+    skipped = {int(m.split("step ")[1].split(":")[0]) for m in skips}
+    assert rows[-1][0] > saved and not skipped & {r[0] for r in rows if r[1]}  # no loss logged for a skipped step
+    ck = torch.load(out / "ckpt.pt", weights_only=True)
+    assert all(torch.isfinite(t).all() for t in ck["model"].values() if t.is_floating_point())
+    assert json.loads((out / "config.json").read_text())["skip_nonfinite"] == 3

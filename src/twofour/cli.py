@@ -70,6 +70,10 @@ def _run_args(p: argparse.ArgumentParser, default_out: str) -> None:
     g.add_argument("--weight-decay", type=float, default=d.weight_decay, help="AdamW's (default %(default)s)")
     g.add_argument("--grad-clip", type=float, default=d.grad_clip,
                    help="gradient norm clipping; 0 turns it off (default %(default)s)")
+    g.add_argument("--skip-nonfinite", type=int, default=d.skip_nonfinite, metavar="N",
+                   help="skip up to N steps whose loss or gradient norm is not finite (NaN, inf), at one host sync "
+                        "a step; default %(default)s: the first such step stops the run, keeping the last good "
+                        "checkpoint")
     g.add_argument("--no-bf16", dest="bf16", action="store_false", help="no bf16 autocast on the GPU")
     g.add_argument("--compile", action=argparse.BooleanOptionalAction, default=d.compile,
                    help="torch.compile the model (default: off)")
@@ -136,9 +140,9 @@ def _cmd_train(a: argparse.Namespace) -> int:
             print(f"--reschedule: the learning-rate schedule now spans {cfg.steps} steps", file=sys.stderr)
     s = train(cfg)
     if s:
-        val = f"{s['final_val_loss']:.4f}" if s["final_val_loss"] is not None else "n/a"
+        val, loss = (f"{s[k]:.4f}" if s[k] is not None else "n/a" for k in ("final_val_loss", "final_train_loss"))
         print(f"\n{s['recipe']} on {s['model']}: {s['steps']} steps, {s['tokens']:,} tokens\n"
-              f"  final train loss {s['final_train_loss']:.4f}, val loss {val}\n"
+              f"  final train loss {loss}, val loss {val}\n"
               f"  {s['tokens_per_s']:,.0f} tokens/s, "
               f"flip rate {s['final_flip_rate']:.2e} (mean {s['mean_flip_rate']:.2e})\n"
               f"  outputs: {s['out_dir']}/ (metrics.csv, ckpt.pt, summary.json{', curves.png' if s['plot'] else ''})")

@@ -127,7 +127,7 @@ def _same_run(config: dict[str, Any] | None, cfg: TrainConfig) -> bool:
     A setting the saved config lacks (saved before it existed) counts as its default."""
     if config is None:
         return False
-    launch = LAUNCH_OPTIONS | {"log_interval", "eval_interval", "ckpt_interval"}
+    launch = LAUNCH_OPTIONS | {"log_interval", "eval_interval", "ckpt_interval", "skip_nonfinite"}
 
     def compared(c: TrainConfig) -> dict[str, Any]:  # as JSON holds them (tuples and lists alike)
         return {k: v for k, v in json.loads(json.dumps(c.to_dict())).items() if k not in launch}

@@ -7,14 +7,19 @@ Runs on the CPU, one GPU, or several through ``torchrun`` (DDP by default, FSDP2
 bit-identical resume needs on the CPU (model and recipe state, optimizer, scheduler, data
 position and RNG states). Between log lines (every ``log_interval`` steps) the loop never
 waits for the GPU. Ctrl-C or SIGTERM finishes the current step and checkpoints it before
-stopping. The options live in :mod:`twofour.training.config`, the run folder in :mod:`twofour.training.runs`,
-the terminal output and signal handling in :mod:`twofour.training.console`.
+stopping. A step whose loss or gradient norm is not finite stops the run at the next log line,
+before any checkpoint is written from it (with ``skip_nonfinite``, up to that many such steps are
+skipped instead). The run folder is locked meanwhile (:class:`twofour.training.lock.RunLock`).
+The options live in :mod:`twofour.training.config`, the run folder in
+:mod:`twofour.training.runs`, the terminal output and signal handling in
+:mod:`twofour.training.console`.
 """
 
 from __future__ import annotations
 
 import contextlib
 import json
+import logging
 import os
 import time
 import warnings
@@ -24,6 +29,7 @@ from typing import Any
 import numpy as np
 import torch
 import torch.distributed as dist
+from torch.distributed.tensor import DTensor
 
 from .. import dispatch
 from ..errors import TrainError
@@ -52,6 +58,8 @@ from .runs import (
 )
 
 __all__ = ["train", "build_model", "evaluate", "val_windows"]
+
+log = logging.getLogger("twofour")
 
 
 def build_model(cfg: TrainConfig, recipe: Recipe, vocab_size: int) -> torch.nn.Module:
@@ -193,6 +201,10 @@ def _train(cfg: TrainConfig, data: TokenData | None, rank: int, world: int, loca
     t_start = time.perf_counter() - (ckpt.get("elapsed_s", 0.0) if ckpt else 0.0)
     t_window, window_steps = time.perf_counter(), 0
     loss_acc = torch.zeros((), device=device)
+    # the first step whose loss or gradient norm is not finite, kept on the device (0: none yet)
+    # and read at log lines, so a checkpoint is never written from a diverged state
+    first_bad = torch.zeros((), device=device, dtype=torch.long)
+    skipped, window_skipped, saved = 0, 0, (start if ckpt else None)
     # each sparse layer's flip counter (a buffer updated in place by advance()), gathered once
     counters = [layer for _, layer in sparse_layers(raw) if layer.recipe.sparse]
     flips = torch.zeros((), device=device, dtype=torch.long)
@@ -204,6 +216,7 @@ def _train(cfg: TrainConfig, data: TokenData | None, rank: int, world: int, loca
         with stop_request:
             for step in range(start, stop):
                 # micro-batches: gradients add up; DDP syncs them on the last one only
+                step_loss = torch.zeros((), device=device)
                 for micro in range(accum):
                     x, y = data.batch("train", cfg.batch_size, cfg.seq_len, data_gen, device)
                     sync = micro == accum - 1 or not isinstance(model, torch.nn.parallel.DistributedDataParallel)
@@ -212,45 +225,64 @@ def _train(cfg: TrainConfig, data: TokenData | None, rank: int, world: int, loca
                     with (contextlib.nullcontext() if sync else model.no_sync()), autocast:
                         loss = fwd(x, y)[1] / accum
                     loss.backward()
-                    loss_acc += loss.detach()
+                    step_loss += loss.detach()
                 # clip, step (the attach() hook advances the sparse layers here), schedule
-                if cfg.grad_clip:
-                    torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.grad_clip)
+                ok = torch.isfinite(step_loss + _grad_norm(model, cfg.grad_clip))  # NaN or inf in either
                 lr = sched.get_last_lr()[0]
-                opt.step()
+                done, window_steps = step + 1, window_steps + 1
+                if cfg.skip_nonfinite and not _everywhere(ok, world):  # one host sync a step, only when allowed
+                    skipped, window_skipped = skipped + 1, window_skipped + 1
+                    if skipped > cfg.skip_nonfinite:
+                        raise TrainError(_diverged(f"the loss or gradient norm is not finite at step {done}, after "
+                                                   f"{cfg.skip_nonfinite} skipped (--skip-nonfinite)", out, saved))
+                    if rank == 0:
+                        log.warning("twofour: step %d: the loss or gradient norm is not finite; skipped (%d of at "
+                                    "most %d)", done, skipped, cfg.skip_nonfinite)
+                else:
+                    first_bad = torch.where(ok | (first_bad > 0), first_bad, done)
+                    opt.step()
+                    loss_acc += step_loss
+                    if counters:  # summed on the device for the window's mean flip rate: no host sync
+                        flips += torch.stack([layer.flips for layer in counters]).sum()
                 sched.step()
                 opt.zero_grad(set_to_none=True)
-                done, window_steps = step + 1, window_steps + 1
                 progress.update()
                 evaluating = done % cfg.eval_interval == 0 or done == stop
                 saving = done % cfg.ckpt_interval == 0 or done == stop
                 boundary = done % cfg.log_interval == 0 or evaluating or saving
-                if counters:  # summed on the device for the window's mean flip rate: no host sync
-                    flips += torch.stack([layer.flips for layer in counters]).sum()
                 stopping = stop_request.agreed(boundary, world, device) and done < stop  # the last step ends
                 if not (boundary or stopping):
                     continue  # no host sync between log lines: the GPU runs ahead of the Python loop
-                # log: the mean train loss and the throughput since the last log line (one host sync)
                 if world > 1:
+                    dist.all_reduce(first_bad, op=dist.ReduceOp.MAX)
                     dist.all_reduce(loss_acc)
                     loss_acc /= world
-                train_loss = loss_acc.item() / window_steps
+                if first_bad.item():
+                    raise TrainError(_diverged(f"the loss or gradient norm is not finite at step "
+                                               f"{int(first_bad.item())}", out, saved))
+                # log: the mean train loss and the throughput since the last log line (one host sync)
+                applied = window_steps - window_skipped
+                train_loss = loss_acc.item() / applied if applied else None
                 loss_acc.zero_()
                 now = time.perf_counter()
                 row = {"step": done, "tokens": done * tokens_per_step, "lr": lr, "train_loss": train_loss,
                        "val_loss": evaluate(fwd, data, cfg, device, autocast) if evaluating else None,
-                       "flip_rate": flips.item() / window_steps / mask_size,
+                       "flip_rate": flips.item() / max(applied, 1) / mask_size,
                        "tokens_per_s": tokens_per_step * window_steps / max(now - t_window, 1e-9),
                        "elapsed_s": now - t_start}
                 if rank == 0:
                     metrics.log(row)
                     progress.log(row)
                 if saving or stopping:
+                    if not _finite_weights(raw, world, device):
+                        raise TrainError(_diverged(f"the weights are not finite after step {done}", out, saved))
                     _checkpoint(out, cfg, raw, opt, sched, done, data_gen, rank, world, time.perf_counter() - t_start)
+                    saved = done
                 if stopping:
                     raise Interrupted(done, out / CKPT)
                 flips.zero_()
-                t_window, window_steps = time.perf_counter(), 0  # evaluation and checkpoints stay out of it
+                # evaluation and checkpoints stay out of the window's time
+                t_window, window_steps, window_skipped = time.perf_counter(), 0, 0
     finally:
         progress.close()
         if metrics is not None:
@@ -261,6 +293,42 @@ def _train(cfg: TrainConfig, data: TokenData | None, rank: int, world: int, loca
     if world > 1:
         dist.barrier()
     return summary
+
+
+def _grad_norm(model: torch.nn.Module, clip: float) -> torch.Tensor:
+    """The gradients' total norm, a tensor on their device (no host sync); clips them to ``clip``
+    when it is set (not 0)."""
+    params = [p for p in model.parameters() if p.grad is not None]
+    if clip:
+        norm = torch.nn.utils.clip_grad_norm_(params, clip)
+    else:
+        norm = torch.nn.utils.get_total_norm([p.grad for p in params])
+    return norm.full_tensor() if isinstance(norm, DTensor) else norm  # FSDP2: the norm over every shard
+
+
+def _everywhere(flag: torch.Tensor, world: int) -> bool:
+    """Whether ``flag`` (a 0-dim bool tensor) is true on every rank (one host sync)."""
+    flag = flag.to(torch.int32)
+    if world > 1:
+        dist.all_reduce(flag, op=dist.ReduceOp.MIN)
+    return bool(flag.item())
+
+
+def _finite_weights(raw: torch.nn.Module, world: int, device: torch.device) -> bool:
+    """Whether every parameter, on every rank, is finite: checked before each checkpoint."""
+    flags = [torch.isfinite(p.to_local() if isinstance(p, DTensor) else p).all() for p in raw.parameters()]
+    return _everywhere(torch.stack(flags).all() if flags else torch.ones((), dtype=torch.bool, device=device), world)
+
+
+def _diverged(what: str, out: Path, saved: int | None) -> str:
+    """The one line that ends a diverged run (``what``: which values are not finite, at which
+    step), naming the last good checkpoint (step ``saved``) and the ways on."""
+    if saved is None:
+        return (f"training diverged: {what}; no checkpoint was written: start again with a lower --lr, or with "
+                "--skip-nonfinite N to skip up to N such steps")
+    return (f"training diverged: {what}; the last good checkpoint (step {saved}) is kept in {out / CKPT}: "
+            f"`twofour train --out {out} --resume --skip-nonfinite N` goes on from it, skipping up to N such steps, "
+            "or start again with a lower --lr")
 
 
 def _check_resumable(ckpt: dict[str, Any], cfg: TrainConfig, world: int, out: Path) -> None:

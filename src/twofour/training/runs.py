@@ -312,9 +312,9 @@ def write_summary(out: Path, cfg: TrainConfig) -> dict[str, Any]:
     flips = [v for _, v in m["flip_rate"]]
     summary = {
         "recipe": cfg.recipe, "recipe_options": cfg.to_dict()["recipe_options"], "model": cfg.model,
-        "regime": cfg.regime, "seed": cfg.seed, "steps": m["train_loss"][-1][0],
+        "regime": cfg.regime, "seed": cfg.seed, "steps": m["tokens"][-1][0],
         "tokens": int(m["tokens"][-1][1]),
-        "final_train_loss": m["train_loss"][-1][1],
+        "final_train_loss": m["train_loss"][-1][1] if m["train_loss"] else None,  # None: every step skipped
         "final_val_loss": m["val_loss"][-1][1] if m["val_loss"] else None,
         "tokens_per_s": _steady_throughput(m["tokens_per_s"]),
         "mean_flip_rate": float(np.mean(flips)),
