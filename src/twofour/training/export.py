@@ -13,7 +13,7 @@ from ..errors import TrainError
 from ..inference.format import save_inference
 from ..inference.sampling import BYTES, CharCodec, Codec, IdCodec
 from .config import TrainConfig
-from .data import read_meta
+from .data import is_shard_folder, read_meta
 from .loop import build_model
 from .runs import read_checkpoint
 
@@ -25,7 +25,7 @@ def run_codec(cfg: TrainConfig, vocab_size: int) -> Codec:
     characters for token shards whose ``meta.pkl`` has ``itos``, else bare token ids."""
     data = cfg.data
     folder = Path(data) if data and not data.startswith("hf:") else None
-    if folder is not None and folder.is_dir() and any(folder.glob("*.bin")):
+    if folder is not None and is_shard_folder(folder):
         meta = folder / "meta.pkl"
         itos = read_meta(meta).get("itos") if meta.exists() else None
         if isinstance(itos, dict) and sorted(itos) == list(range(vocab_size)):
