@@ -144,6 +144,11 @@ def _all_runs(root: Path, like: dict[str, Any]) -> list[dict[str, Any]]:
         return r["model"], r.get("regime", "ours"), r["tokens"]
 
     runs = [read_summary(p.parent) for p in sorted(root.glob("*/summary.json"))]
+    for r in runs:
+        missing = [k for k in ("recipe", "model", "seed", "steps", "tokens", "final_val_loss") if k not in r]
+        if missing:
+            raise TrainError(f"{r['out_dir']}/summary.json is not a twofour run's summary (no {', '.join(missing)}); "
+                             f"move that folder out of {root}")
     kept: dict[tuple, dict[str, Any]] = {}
     # the run in the folder its label names first
     for r in sorted(runs, key=lambda r: Path(r["out_dir"]).name != _folder(r["recipe"], r.get("recipe_options"),
@@ -154,6 +159,11 @@ def _all_runs(root: Path, like: dict[str, Any]) -> list[dict[str, Any]]:
         if same is not r:
             log.warning("%s repeats the run %s (seed %s) of %s; it is left out of the table", r["out_dir"],
                         summary_label(r), r["seed"], same["out_dir"])
+    for r in kept.values():  # the plot reads their curves
+        if not (Path(r["out_dir"]) / METRICS).is_file():
+            raise TrainError(f"{r['out_dir']} holds a finished run without its {METRICS}: a run is reported from "
+                             f"its summary.json, config.json and {METRICS}; copy that file too, or move the folder "
+                             f"out of {root}")
     return sorted(kept.values(), key=run_order)
 
 

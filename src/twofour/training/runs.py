@@ -20,6 +20,7 @@ import json
 import os
 import pickle
 import random
+import re
 import shutil
 from pathlib import Path
 from typing import Any
@@ -131,13 +132,21 @@ def load_state_dicts(model: torch.nn.Module, opt: torch.optim.Optimizer, model_s
 
 
 def save_checkpoint(path: Path, payload: dict[str, Any]) -> None:
-    """Write ``payload`` atomically: a kill at any moment leaves the previous checkpoint intact."""
+    """Write ``payload`` atomically: a kill at any moment leaves the previous checkpoint intact.
+    TrainError, saying so, when the file can't be written (a full disk, a read-only folder)."""
     tmp = path.with_name(path.name + ".tmp")
-    with tmp.open("wb") as fh:
-        torch.save(payload, fh)
-        fh.flush()
-        os.fsync(fh.fileno())
-    os.replace(tmp, path)
+    try:
+        with tmp.open("wb") as fh:
+            torch.save(payload, fh)
+            fh.flush()
+            os.fsync(fh.fileno())
+        os.replace(tmp, path)
+    except (OSError, RuntimeError) as e:  # torch.save reports a failed write as a RuntimeError
+        with contextlib.suppress(OSError):
+            tmp.unlink(missing_ok=True)
+        why = e.strerror if isinstance(e, OSError) and e.strerror else (str(e).splitlines() or [""])[0][:200]
+        kept = f"; the previous checkpoint {path} is intact" if path.exists() else ""
+        raise TrainError(f"cannot write the checkpoint {tmp}: {why}{kept}") from None
 
 
 def read_checkpoint(path: str | Path) -> dict[str, Any]:
@@ -152,9 +161,10 @@ def read_checkpoint(path: str | Path) -> dict[str, Any]:
         # mmap: tensors are read when used, so reading a large checkpoint's settings is cheap
         ckpt = torch.load(path, map_location="cpu", weights_only=True, mmap=True)
     except pickle.UnpicklingError as e:
-        first = (str(e).strip().splitlines() or [""])[0][:200]
-        raise TrainError(f"{path} is refused: it holds objects other than tensors and plain data, and "
-                         f"unpickling them could run code ({first})") from None
+        found = re.search(r"GLOBAL ([\w.]+)", str(e))
+        names = f" ({found.group(1)})" if found else ""
+        raise TrainError(f"{path} is refused and was not loaded: it holds code{names}, not only tensors and plain "
+                         "data, and unpickling it could run that code") from None
     except Exception as e:
         raise TrainError(f"checkpoint {path} is unreadable or corrupt ({type(e).__name__}); "
                          "start again with --overwrite or another --out") from None
@@ -209,16 +219,20 @@ class MetricsLog:
 
 
 def read_metrics(run: str | Path) -> dict[str, list[tuple[int, float]]]:
-    """Columns of a run's metrics.csv (the folder or the file) as (step, value) lists, skipping blanks."""
+    """Columns of a run's metrics.csv (the folder or the file) as (step, value) lists, skipping
+    blanks; TrainError naming the line of a row that isn't one."""
     path = Path(run)
     if path.is_dir():
         path = path / METRICS
     cols: dict[str, list[tuple[int, float]]] = {k: [] for k in FIELDS[1:]}
     with path.open() as fh:
-        for r in csv.DictReader(fh):
-            for k in cols:
-                if r.get(k):
-                    cols[k].append((int(r["step"]), float(r[k])))
+        for line, r in enumerate(csv.DictReader(fh), 2):
+            try:
+                for k in cols:
+                    if r.get(k):
+                        cols[k].append((int(r["step"]), float(r[k])))
+            except (KeyError, TypeError, ValueError) as e:
+                raise TrainError(f"{path}, line {line}, is corrupt ({type(e).__name__}: {e})") from None
     return cols
 
 
@@ -226,16 +240,28 @@ def read_config(run: str | Path) -> dict[str, Any] | None:
     """A run folder's ``config.json`` as a dict (recipe options as :func:`saved_options` reads
     them), or None if it has none."""
     path = Path(run) / "config.json"
-    return saved_options(json.loads(path.read_text())) if path.exists() else None
+    return saved_options(_read_json(path)) if path.exists() else None
+
+
+def _read_json(path: Path) -> dict[str, Any]:
+    """A run's JSON file as a dict; TrainError naming the file when it is not JSON or not a dict."""
+    try:
+        d = json.loads(path.read_text())
+    except ValueError as e:
+        raise TrainError(f"{path} is corrupt (not JSON: {e}); restore it, or delete the run's folder") from None
+    if not isinstance(d, dict):
+        raise TrainError(f"{path} is not a twofour run's (it holds a {type(d).__name__}, not a dict)")
+    return d
 
 
 def read_summary(run: str | Path) -> dict[str, Any] | None:
     """A finished run's ``summary.json`` as a dict, or None if it hasn't finished. Its paths
-    (``out_dir``, ``plot``) name where the folder is now: it may have been moved or copied."""
+    (``out_dir``, ``plot``) name where the folder is now: it may have been moved or copied.
+    TrainError naming the file when it is corrupt or not a run's summary."""
     path = Path(run) / "summary.json"
     if not path.exists():
         return None
-    summary = saved_options(json.loads(path.read_text()))
+    summary = saved_options(_read_json(path))
     summary["out_dir"] = str(Path(run))
     if summary.get("plot"):
         summary["plot"] = str(Path(run) / Path(summary["plot"]).name)
