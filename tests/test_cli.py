@@ -307,7 +307,8 @@ def test_checkpoints_load_safely(tmp_path, corpus, capsys):
     ck["rng"][0]["python"] = boom
     torch.save(ck, out / "ckpt.pt")
     err = error_of([*args, "--resume"], capsys)
-    assert "refused" in err and "could run code" in err
+    assert "refused and was not loaded" in err and "holds code (posix.system)" in err
+    assert "weights_only" not in err and "Re-running" not in err  # torch's text reads as advice to load it anyway
     assert "refused" in error_of(["export", str(out)], capsys)
     assert not marker.exists()
 
@@ -455,8 +456,10 @@ def test_every_option_is_checked(tmp_path, corpus, capsys):
                              ("--grad-clip", "-1", "--grad-clip"), ("--min-lr-ratio", "-2", "--min-lr-ratio"),
                              ("--weight-decay", "-0.1", "--weight-decay"), ("--log-interval", "0", "--log-interval"),
                              ("--eval-iters", "0", "--eval-iters"), ("--vocab-size", "0", "--vocab-size"),
-                             ("--lr", "nan", "--lr"), ("--stop-at", "99", "--stop-at")]:
+                             ("--lr", "nan", "--lr"), ("--lr", "1e6", "at most 1"), ("--stop-at", "99", "--stop-at"),
+                             ("--steps", "0", "--steps must be"), ("--skip-nonfinite", "-1", "--skip-nonfinite")]:
         assert says in error_of([*base, opt, value], capsys), opt
+    assert "--steps must be" in error_of([*base, "--recipe", "t-sr-ste", "--steps", "0"], capsys)  # not total_steps
     assert "--seeds" in error_of(["compare", *SMALL, "--data", corpus, "--seeds", "1,x"], capsys)
     assert "--resume" in error_of([*base, "--reschedule"], capsys)
     assert "add --compile" in error_of([*base, "--compile-mode", "reduce-overhead"], capsys)
@@ -645,3 +648,149 @@ def test_source_digest_names_the_code(tmp_path):
     (pkg / "sub" / "b.py").write_text("y = 2\n")
     (pkg / "sub" / "b.py").rename(pkg / "sub" / "c.py")
     assert source_digest(pkg) != first
+
+
+def test_version(capsys):
+    from twofour.version import __version__
+
+    with pytest.raises(SystemExit) as info:
+        main(["--version"])
+    assert info.value.code == 0 and capsys.readouterr().out.strip() == f"twofour {__version__}"
+
+
+def test_a_folder_that_is_not_a_run_is_left_alone(tmp_path, corpus, capsys):
+    """A folder holding files a run writes (the user's own config.json, summary.json, curves.png)
+    is refused by name without --overwrite, and its files stay as they were."""
+    out = tmp_path / "mine"
+    out.mkdir()
+    mine = {name: f"my own {name}".encode() for name in ("config.json", "summary.json", "curves.png", "notes.txt")}
+    for name, data in mine.items():
+        (out / name).write_bytes(data)
+    err = error_of(["train", *SMALL, "--data", corpus, "--out", str(out)], capsys)
+    assert "curves.png, summary.json, config.json" in err and "--overwrite" in err
+    assert {p.name: p.read_bytes() for p in out.iterdir()} == mine
+    assert main(["train", *SMALL, "--data", corpus, "--out", str(out), "--overwrite"]) == 0
+    assert (out / "notes.txt").read_bytes() == mine["notes.txt"]  # only what a run writes is replaced
+    assert json.loads((out / "summary.json").read_text())["steps"] == 8
+
+
+def test_export_replaces_nothing_without_overwrite(tmp_path, corpus, capsys):
+    """twofour export writes model.safetensors by default, model.pt on request, and refuses to
+    replace an export (in the run's folder or --out) unless --overwrite."""
+    from safetensors.torch import load_file
+
+    run, out = tmp_path / "run", tmp_path / "out"
+    assert main(["train", *SMALL, "--data", corpus, "--out", str(run), "--recipe", "ste"]) == 0
+    assert main(["export", str(run)]) == 0
+    assert sorted(p.name for p in run.glob("model*")) == ["model.safetensors", "model_config.json"]
+    out.mkdir()
+    (out / "model.safetensors").write_bytes(b"someone else's model")
+    capsys.readouterr()
+    err = error_of(["export", str(run), "--out", str(out)], capsys)
+    assert "already holds an export (model.safetensors)" in err and "--overwrite" in err
+    assert (out / "model.safetensors").read_bytes() == b"someone else's model"
+    assert "already holds an export" in error_of(["export", str(run)], capsys)
+    assert main(["export", str(run), "--out", str(out), "--overwrite"]) == 0
+    assert set(load_file(str(out / "model.safetensors"))) == set(load_file(str(run / "model.safetensors")))
+    assert main(["export", str(run), "--out", str(out), "--overwrite", "--weights-format", "pt"]) == 0
+    assert sorted(p.name for p in out.iterdir()) == ["model.pt", "model_config.json"]  # one weights file
+    assert json.loads((out / "model_config.json").read_text())["weights"] == "model.pt"
+    from twofour import load_for_inference
+
+    assert load_for_inference(out, "cpu").vocab_size == 256
+
+
+def _diverging(corpus, out):
+    """A run whose weight decay makes its weights grow ~2.5x a step until the loss is NaN (step 12)."""
+    return ["train", *SMALL[:-3], "--data", corpus, "--out", str(out), "--steps", "200", "--warmup", "0",
+            "--min-lr-ratio", "1", "--lr", "1e-3", "--weight-decay", "3500", "--log-interval", "5",
+            "--ckpt-interval", "5", "--eval-interval", "100", "--no-progress"]
+
+
+def test_a_diverged_run_stops_and_keeps_its_last_good_checkpoint(tmp_path, corpus, capsys):
+    out = tmp_path / "run"
+    err = error_of(_diverging(corpus, out), capsys)
+    bad = int(err.split("not finite at step ")[1].split(";")[0])
+    ck = torch.load(out / "ckpt.pt", weights_only=True)
+    assert 5 <= ck["step"] < bad and f"last good checkpoint (step {ck['step']})" in err and "--skip-nonfinite" in err
+    assert all(torch.isfinite(t).all() for t in ck["model"].values() if t.is_floating_point())
+    assert not (out / "summary.json").exists()  # no summary of a diverged run
+    assert all(math.isfinite(float(r[1])) for r in losses(out))  # the diverged window is not logged
+    assert not (out / ".twofour.lock").exists()
+
+
+def test_skip_nonfinite_skips_steps_up_to_its_limit(tmp_path, corpus, capsys, caplog):
+    """--resume --skip-nonfinite N (an option a resumed run may change) goes on from the last good
+    checkpoint, skipping each step whose loss or gradient norm is not finite with a log line,
+    applying none of them, and stops at the (N+1)-th."""
+    out = tmp_path / "run"
+    assert main(_diverging(corpus, out)) == 2
+    saved = torch.load(out / "ckpt.pt", weights_only=True)["step"]
+    capsys.readouterr()
+    with caplog.at_level("WARNING", logger="twofour"):
+        err = error_of(["train", "--out", str(out), "--resume", "--skip-nonfinite", "3", "--log-interval", "1"],
+                       capsys)
+    skips = [r.getMessage() for r in caplog.records if "skipped" in r.getMessage()]
+    assert len(skips) == 3 and "(3 of at most 3)" in skips[-1]
+    assert "after 3 skipped (--skip-nonfinite)" in err
+    rows = losses(out)
+    skipped = {int(m.split("step ")[1].split(":")[0]) for m in skips}
+    assert rows[-1][0] > saved and not skipped & {r[0] for r in rows if r[1]}  # no loss logged for a skipped step
+    ck = torch.load(out / "ckpt.pt", weights_only=True)
+    assert all(torch.isfinite(t).all() for t in ck["model"].values() if t.is_floating_point())
+    assert json.loads((out / "config.json").read_text())["skip_nonfinite"] == 3
+
+
+@pytest.mark.parametrize("how", ["read-only", "in-the-way"])
+def test_unwritable_outputs_end_in_one_line(tmp_path, corpus, capsys, how):
+    """An export into a folder that can't be written, and a run whose folder becomes unwritable
+    mid-run: one line and exit 2, the previous checkpoint intact. (Root writes into read-only
+    folders, so the second way puts a folder where the file goes: the write fails for anyone.)"""
+    if how == "read-only" and os.geteuid() == 0:
+        pytest.skip("root writes into read-only folders")
+    out = tmp_path / "run"
+    assert main(["train", *SMALL, "--data", corpus, "--out", str(out), "--recipe", "ste", "--stop-at", "4"]) == 0
+    before = (out / "ckpt.pt").read_bytes()
+    if how == "read-only":
+        out.chmod(0o555)
+    else:
+        (out / "model.safetensors.tmp").mkdir()
+        (out / "ckpt.pt.tmp").mkdir()
+    try:
+        capsys.readouterr()
+        assert "cannot write" in error_of(["export", str(out)], capsys)
+        err = error_of(["train", "--out", str(out), "--resume", "--no-progress"], capsys)
+        assert "cannot write" in err and ("intact" in err or how == "read-only")  # read-only: refused at the start
+    finally:
+        out.chmod(0o755)
+    assert (out / "ckpt.pt").read_bytes() == before
+
+
+def test_compare_names_what_a_copied_in_run_lacks(tmp_path, corpus, capsys):
+    out = tmp_path / "cmp"
+    args = ["compare", *SMALL, "--steps", "2", "--eval-interval", "2", "--data", corpus, "--out", str(out),
+            "--recipes", "dense"]
+    assert main(args) == 0
+    copied = out / "ste-s1337"  # a finished run copied in from elsewhere, without its metrics.csv
+    shutil.copytree(out / "dense-s1337", copied)
+    summary = json.loads((copied / "summary.json").read_text())
+    (copied / "summary.json").write_text(json.dumps({**summary, "recipe": "ste"}))
+    (copied / "metrics.csv").unlink()
+    capsys.readouterr()
+    err = error_of(args, capsys)
+    assert str(copied) in err and "without its metrics.csv" in err
+    (copied / "summary.json").write_text('{"recipe": "ste", ')  # torn
+    assert f"{copied / 'summary.json'} is corrupt" in error_of(args, capsys)
+
+
+def test_out_of_memory_is_one_line(tmp_path, capsys):
+    """A model too large for memory (a vocabulary of 2^40 token ids) ends in one line that
+    suggests a smaller batch, not a traceback."""
+    np = pytest.importorskip("numpy")
+    rng = np.random.default_rng(0)
+    rng.integers(0, 100, 5000, dtype=np.uint16).tofile(tmp_path / "train.bin")
+    rng.integers(0, 100, 500, dtype=np.uint16).tofile(tmp_path / "val.bin")
+    err = error_of(["train", *SMALL, "--data", str(tmp_path), "--vocab-size", str(2 ** 40), "--device", "cpu",
+                    "--out", str(tmp_path / "run")], capsys)
+    assert "out of memory" in err and "--batch-size" in err
+    assert not (tmp_path / "run").exists()

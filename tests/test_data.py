@@ -212,3 +212,26 @@ def test_make_corpus_keeps_one_copy_of_each_source(tmp_path):
     res = subprocess.run([sys.executable, str(script), str(tmp_path / "c"), "--roots", str(a), "--min-bytes", "1e6"],
                          capture_output=True, text=True)
     assert res.returncode == 1 and "fewer than" in res.stderr
+
+
+def test_a_stray_bin_file_does_not_make_a_shard_folder(tmp_path):
+    """A text folder with some other .bin file in it is read as text (the .bin skipped as binary);
+    a folder is one of token shards when it holds train*.bin or val*.bin."""
+    contents = _corpus(tmp_path)
+    (tmp_path / "weights.bin").write_bytes(bytes(range(256)) * 4)
+    with pytest.warns(UserWarning, match=r"skipped 1 binary file.*weights\.bin"):
+        data = load_data(str(tmp_path))
+    assert data.vocab_size == 256
+    _assert_split_by_file(data, contents)
+    np.arange(100, dtype=np.uint16).tofile(tmp_path / "train.bin")
+    with pytest.raises(DataError, match="val\\*.bin"):  # a shard folder now, missing its val shard
+        load_data(str(tmp_path), vocab_size=100)
+
+
+def test_an_odd_sized_shard_is_named(tmp_path, capsys):
+    np.arange(1000, dtype=np.uint16).tofile(tmp_path / "train.bin")
+    (tmp_path / "val.bin").write_bytes(np.arange(100, dtype=np.uint16).tobytes() + b"\x01")  # cut mid-token
+    with pytest.raises(DataError, match=r"val\.bin: 201 bytes is not a whole number of uint16 tokens"):
+        load_data(str(tmp_path), vocab_size=1000)
+    assert main([*SMALL, "--data", str(tmp_path), "--vocab-size", "1000", "--out", str(tmp_path / "run")]) == 2
+    assert "val.bin" in capsys.readouterr().err

@@ -78,3 +78,61 @@ def test_interrupted_compare_resumes(tmp_path, corpus):
     steps = [int(r["step"]) for r in rows(root / "s-ste-s1337" / "metrics.csv")]
     assert steps == list(range(1, 301))  # went on from `stopped`, no step twice
     assert "| s-ste |" in (root / "compare.md").read_text()
+
+
+def test_a_run_folder_takes_one_run_at_a_time(tmp_path, corpus, capsys):
+    """While a run trains, a second `twofour train` on its --out (plain, --overwrite or --resume)
+    is refused with one line and changes nothing; the lock goes when the run ends on SIGTERM."""
+    out = tmp_path / "run"
+    proc = start(["train", *RUN, "--steps", "400", "--ckpt-interval", "2", "--data", corpus, "--out", str(out)],
+                 tmp_path)
+    try:
+        wait_for(lambda: (out / "ckpt.pt").exists() and len(rows(out / "metrics.csv")) >= 2, proc)
+        for extra in ([], ["--overwrite"], ["--resume"]):
+            assert main(["train", *RUN, "--steps", "400", "--ckpt-interval", "2", "--data", corpus, "--out", str(out),
+                         *extra]) == 2
+            err = capsys.readouterr().err.strip()
+            assert len(err.splitlines()) == 1 and f"process {proc.pid}" in err and "in use" in err, err
+        assert (out / "metrics.csv").exists() and len(rows(out / "metrics.csv")) >= 2  # nothing removed
+        proc.send_signal(signal.SIGTERM)
+        _, err = proc.communicate(timeout=120)
+        assert proc.returncode == 130, err[-2000:]
+    finally:
+        proc.kill()
+    assert not (out / ".twofour.lock").exists()
+    steps = [int(r["step"]) for r in rows(out / "metrics.csv")]
+    assert steps == list(range(1, steps[-1] + 1))  # one run's rows, none twice
+
+
+def test_a_crashed_runs_lock_does_not_block_its_resume(tmp_path, corpus, caplog):
+    """A run killed outright (SIGKILL: no cleanup) leaves its lock behind; --resume takes it over
+    with one log line, since its process is gone."""
+    out = tmp_path / "run"
+    proc = start(["train", *RUN, "--steps", "400", "--ckpt-interval", "2", "--data", corpus, "--out", str(out)],
+                 tmp_path)
+    wait_for(lambda: (out / "ckpt.pt").exists() and len(rows(out / "metrics.csv")) >= 3, proc)
+    proc.kill()
+    proc.communicate(timeout=60)
+    assert json.loads((out / ".twofour.lock").read_text())["pid"] == proc.pid
+    with caplog.at_level("WARNING", logger="twofour"):
+        assert main(["train", "--out", str(out), "--resume", "--stop-at", "300", "--no-progress"]) == 0
+    assert f"left by process {proc.pid}, which is no longer running" in caplog.text
+    assert not (out / ".twofour.lock").exists() and int(rows(out / "metrics.csv")[-1]["step"]) == 300
+
+
+def test_a_comparison_folder_takes_one_comparison_at_a_time(tmp_path, corpus, capsys):
+    root = tmp_path / "cmp"
+    args = ["compare", *RUN, "--recipes", "dense", "--steps", "300", "--data", corpus, "--out", str(root)]
+    proc = start(args, tmp_path)
+    try:
+        wait_for(lambda: len(rows(root / "dense-s1337" / "metrics.csv")) >= 2, proc)
+        assert main([*args, "--no-progress"]) == 2
+        err = capsys.readouterr().err.strip()
+        assert f"{root} is in use" in err and f"process {proc.pid}" in err, err
+        # a plain run into the comparison's run folder is refused too
+        assert main(["train", *RUN, "--steps", "300", "--data", corpus, "--out", str(root / "dense-s1337"),
+                     "--overwrite"]) == 2
+        assert "dense-s1337 is in use" in capsys.readouterr().err
+    finally:
+        proc.kill()
+        proc.communicate(timeout=60)

@@ -46,8 +46,8 @@ def test_recipe_lowers_the_loss(recipe, device):
     if recipe in ("ste", "sr-ste", "s-ste"):
         assert max(flips) > 0  # masks really move during training
     if recipe != "dense":
-        for _, layer in twofour.sparse_layers(model):
-            assert layer._step == STEPS
+        layers = [layer for _, layer in twofour.sparse_layers(model)]
+        assert len(layers) == 8 and all(layer._step == STEPS for layer in layers)  # 2 blocks x 4 linears
 
 
 @pytest.mark.parametrize("recipe", twofour.RECIPES)
@@ -86,14 +86,17 @@ def test_gpu_llama_trains_with_every_recipe_on_the_fast_path(recipe):
                                 transposed_output=FFN_IN_PATTERNS, **opts)
     first, last = sum(losses[:5]) / 5, sum(losses[-5:]) / 5
     assert last < 0.6 * first, (recipe, first, last)
-    for _, layer in twofour.sparse_layers(model):
+    layers = [layer for _, layer in twofour.sparse_layers(model)]
+    assert len(layers) == 4  # 2 blocks x (fused gate|up, down)
+    for layer in layers:
         if recipe != "dense":
             assert ((layer.effective_weight().reshape(-1, 4) != 0).sum(1) <= 2).all()
 
 
 def test_step_counters_advance_once_per_optimizer_step_under_accumulation():
     model, _, _, _ = train("t-sr-ste", steps=8, accum=4, mask_interval=2)
-    assert all(layer._step == 8 for _, layer in twofour.sparse_layers(model))
+    layers = [layer for _, layer in twofour.sparse_layers(model)]
+    assert len(layers) == 8 and all(layer._step == 8 for layer in layers)
 
 
 def test_step_recipe_switches_from_dense_to_sparse():

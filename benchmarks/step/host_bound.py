@@ -53,7 +53,7 @@ def _step_fn(preset: str, recipe: str, batch: int, seq: int, graphed: bool = Fal
         return loss
 
     def clip():
-        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0, foreach=True)
+        return torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0, foreach=True)
 
     graphs = StepGraphs(model, micro, clip) if graphed else None
 
@@ -112,12 +112,13 @@ def check(preset: str, recipe: str, batch: int, seq: int, steps: int = 12) -> st
             return loss
 
         def clip(model=model):
-            torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0, foreach=True)
+            return torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0, foreach=True)
 
         graphs = StepGraphs(model, micro, clip) if graphed else None
         losses = []
         for x, y in data:
-            loss = graphs.step([(x, y)]) if graphs else None
+            out = graphs.step([(x, y)]) if graphs else None
+            loss = out[0] if out is not None else None
             if loss is None:
                 if graphs:
                     graphs.zero_grad()

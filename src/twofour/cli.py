@@ -6,6 +6,7 @@ import argparse
 import dataclasses
 import json
 import os
+import re
 import sys
 from pathlib import Path
 from typing import Any
@@ -82,6 +83,10 @@ def _run_args(p: argparse.ArgumentParser, default_out: str) -> None:
     g.add_argument("--weight-decay", type=float, default=d.weight_decay, help="AdamW's (default %(default)s)")
     g.add_argument("--grad-clip", type=float, default=d.grad_clip,
                    help="gradient norm clipping; 0 turns it off (default %(default)s)")
+    g.add_argument("--skip-nonfinite", type=int, default=d.skip_nonfinite, metavar="N",
+                   help="skip up to N steps whose loss or gradient norm is not finite (NaN, inf), at one host sync "
+                        "a step; default %(default)s: the first such step stops the run, keeping the last good "
+                        "checkpoint")
     g.add_argument("--no-bf16", dest="bf16", action="store_false", help="no bf16 autocast on the GPU")
     g.add_argument("--compile", action=argparse.BooleanOptionalAction, default=d.compile,
                    help="torch.compile the model (default: off)")
@@ -151,9 +156,9 @@ def _cmd_train(a: argparse.Namespace) -> int:
             print(f"--reschedule: the learning-rate schedule now spans {cfg.steps} steps", file=sys.stderr)
     s = train(cfg)
     if s:
-        val = f"{s['final_val_loss']:.4f}" if s["final_val_loss"] is not None else "n/a"
+        val, loss = (f"{s[k]:.4f}" if s[k] is not None else "n/a" for k in ("final_val_loss", "final_train_loss"))
         print(f"\n{s['recipe']} on {s['model']}: {s['steps']} steps, {s['tokens']:,} tokens\n"
-              f"  final train loss {s['final_train_loss']:.4f}, val loss {val}\n"
+              f"  final train loss {loss}, val loss {val}\n"
               f"  {s['tokens_per_s']:,.0f} tokens/s, "
               f"flip rate {s['final_flip_rate']:.2e} (mean {s['mean_flip_rate']:.2e})\n"
               f"  outputs: {s['out_dir']}/ (metrics.csv, ckpt.pt, summary.json{', curves.png' if s['plot'] else ''})")
@@ -180,7 +185,7 @@ def _cmd_compare(a: argparse.Namespace) -> int:
 def _cmd_export(a: argparse.Namespace) -> int:
     from .training.export import export  # noqa: PLC0415
 
-    info = export(a.run, a.out, a.dtype)
+    info = export(a.run, a.out, a.dtype, weights_format=a.weights_format, overwrite=a.overwrite)
     print(json.dumps(info, indent=2))
     if info["dense"]:
         print(f"twofour export: {info['dense_reason']}; wrote {info['out']}", file=sys.stderr)
@@ -247,8 +252,11 @@ regimes (--regime) give the defaults of the options marked 'regime'; an option g
 
 def build_parser() -> argparse.ArgumentParser:
     """The ``twofour`` parser; ``parser.commands`` maps each command to its subparser."""
+    from .version import __version__  # noqa: PLC0415
+
     p = argparse.ArgumentParser(prog="twofour", description="Pre-train transformers with 2:4 sparse weights.",
                                 allow_abbrev=False)
+    p.add_argument("--version", action="version", version=f"%(prog)s {__version__}")
     sub = p.add_subparsers(dest="command", required=True)
     t = sub.add_parser("train", help="train a GPT or Llama-style model with a recipe (default: tiny, s-ste, "
                        "Python stdlib corpus)",
@@ -275,6 +283,10 @@ def build_parser() -> argparse.ArgumentParser:
     e.add_argument("run", help="run folder or checkpoint file")
     e.add_argument("--out", default=None, help="output folder (default: the run's folder); gets model.safetensors "
                    "and model_config.json")
+    e.add_argument("--weights-format", default="safetensors", choices=["safetensors", "pt"],
+                   help="the weights file: model.safetensors, or model.pt (torch.save; read with weights_only=True) "
+                        "(default %(default)s)")
+    e.add_argument("--overwrite", action="store_true", help="replace an export the folder already holds")
     e.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float16", "float32"],
                    help="dtype of the stored weights (default %(default)s)")
     e.set_defaults(func=_cmd_export)
@@ -331,21 +343,53 @@ def _interrupted(args: argparse.Namespace, e: KeyboardInterrupt) -> str:
     return "interrupted before a checkpoint was written"
 
 
+def _out_of_memory(e: BaseException) -> str | None:
+    """The one line for an out-of-memory error (torch's on the GPU or the CPU, or Python's), else None."""
+    import torch  # noqa: PLC0415
+
+    text = str(e)
+    if not (isinstance(e, (MemoryError, torch.OutOfMemoryError)) or "can't allocate memory" in text):
+        return None
+    asked = re.search(r"(?i)(?:tried to|unable to) allocate ([\d.]+ \w+)", text)
+    size = f" (it asked for {_bytes(asked.group(1))} more)" if asked else ""
+    return f"out of memory{size}: try a smaller --batch-size (or --seq-len, or a smaller --model)"
+
+
+def _bytes(amount: str) -> str:
+    """``"140737488355328 bytes"`` as ``"128.0 TiB"``; other units (torch's ``"20.00 MiB"``) as they are."""
+    number, unit = amount.split()
+    if unit != "bytes":
+        return amount
+    value = float(number)
+    for bigger in ("KiB", "MiB", "GiB", "TiB"):
+        if value < 1024:
+            break
+        value, unit = value / 1024, bigger
+    return f"{value:.1f} {unit}"
+
+
 def main(argv: list[str] | None = None) -> int:
     """Entry point; bad input ends with one line on stderr and exit status 2."""
     parser = build_parser()
     argv = sys.argv[1:] if argv is None else list(argv)
     args = parser.parse_args(argv)
     args.given = _explicit(parser.commands[args.command], argv)
-    from .errors import (
-        DataError,  # noqa: PLC0415
-        TrainError,  # noqa: PLC0415
-    )
+    from .errors import TwofourError  # noqa: PLC0415
 
     try:
         return args.func(args)
-    except (DataError, TrainError, ValueError, TypeError) as e:
+    except (TwofourError, ValueError, TypeError) as e:
         print(f"twofour {args.command}: error: {e}", file=sys.stderr)
+        return 2
+    except OSError as e:  # a file or folder that can't be read or written
+        where = f": {e.filename}" if e.filename else ""
+        print(f"twofour {args.command}: error: {e.strerror or e}{where}", file=sys.stderr)
+        return 2
+    except (MemoryError, RuntimeError) as e:  # torch.OutOfMemoryError is a RuntimeError
+        line = _out_of_memory(e)
+        if line is None:
+            raise
+        print(f"twofour {args.command}: error: {line}", file=sys.stderr)
         return 2
     except KeyboardInterrupt as e:
         if int(os.environ.get("RANK", "0")) == 0:  # under torchrun, one message

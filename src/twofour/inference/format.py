@@ -3,14 +3,18 @@
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import json
 import os
+import pickle
 import stat
 from pathlib import Path
 from typing import Any
 
 import torch
+from safetensors import SafetensorError
+from safetensors.torch import load_file, save_file
 from torch import nn
 
 from ..errors import FormatError
@@ -22,8 +26,10 @@ from .convert import _replace, to_inference
 from .layer import _DTYPES, FORMAT, FORMAT_VERSION, SparseInferenceLinear
 from .packed import check_positions
 
-#: The export folder's files.
+#: The export folder's files: the weights (``model.pt`` instead when asked for) and the config.
 WEIGHTS, MODEL_CONFIG = "model.safetensors", "model_config.json"
+#: The weights file of each format ``save_inference`` writes.
+WEIGHTS_FILES = {"safetensors": WEIGHTS, "pt": "model.pt"}
 #: A training run's checkpoint (``twofour.training.runs.CKPT``), named here for a one-line hint:
 #: inference never imports training.
 _RUN_CHECKPOINT = "ckpt.pt"
@@ -44,7 +50,8 @@ def _write_atomically(path: Path, write) -> None:
         write(tmp)
         os.replace(tmp, path)
     except BaseException:
-        tmp.unlink(missing_ok=True)
+        with contextlib.suppress(OSError):  # (a folder in its way stays, and the first error is the one raised)
+            tmp.unlink(missing_ok=True)
         raise
 
 
@@ -60,21 +67,31 @@ def _build(cfg: dict[str, Any]) -> nn.Module:
 
 @torch.no_grad()
 def save_inference(model: GPT | Llama, out: str | Path, *, dtype: torch.dtype | str = torch.bfloat16,
-                   meta: dict[str, Any] | None = None) -> dict[str, Any]:
+                   meta: dict[str, Any] | None = None, weights_format: str = "safetensors",
+                   overwrite: bool = False) -> dict[str, Any]:
     """Write twofour's GPT or Llama ``model`` to the folder ``out`` for inference (docs/export-format.md):
-    ``model.safetensors`` (``model.pt`` without safetensors) with every 2:4 layer as values +
+    ``model.safetensors`` (``model.pt`` with ``weights_format="pt"``) with every 2:4 layer as values +
     positions and everything else dense, in ``dtype``, weights tied to another stored once; and
     ``model_config.json`` (the model's shape, the 2:4 layers, sizes, plus ``meta``). Converts
-    ``model`` in place (:func:`to_inference`). Returns the config written."""
+    ``model`` in place (:func:`to_inference`). Returns the config written.
+
+    A folder that already holds an export is refused (FormatError) unless ``overwrite``: its files
+    are then replaced, the other format's weights file removed."""
     arch = next((name for name, (cls, _) in _ARCHITECTURES.items() if type(model) is cls), None)
     if arch is None:
         raise TypeError(f"save_inference writes twofour's GPT or Llama; got {type(model).__name__} (for a Hugging "
                         "Face model use twofour.to_inference and save_pretrained)")
     dtype = _DTYPES[dtype] if isinstance(dtype, str) and dtype in _DTYPES else dtype
     name = _dtype_name(dtype)
+    if weights_format not in WEIGHTS_FILES:
+        raise ValueError(f"weights_format must be one of {', '.join(WEIGHTS_FILES)}, got {weights_format!r}")
     out = Path(out)
     if out.exists() and not out.is_dir():
         raise FormatError(f"--out {out} exists and is not a folder")
+    held = [n for n in (*WEIGHTS_FILES.values(), MODEL_CONFIG) if (out / n).exists()]
+    if held and not overwrite:
+        raise FormatError(f"{out} already holds an export ({', '.join(held)}); pass --overwrite to replace it, or "
+                          "choose another --out")
     try:
         out.mkdir(parents=True, exist_ok=True)
     except OSError as e:
@@ -92,14 +109,15 @@ def save_inference(model: GPT | Llama, out: str | Path, *, dtype: torch.dtype | 
         reason = (f"the run ended in a dense phase of its recipe ({', '.join(sorted(recipes))}: {len(dense_phase)} "
                   "layers train dense at the end, e.g. t-sr-ste's dense fine-tune), so it is exported dense"
                   if dense_phase else "the model has no 2:4 layer, so it is exported dense")
-    weights = out / WEIGHTS
+    weights = out / WEIGHTS_FILES[weights_format]
     try:
-        from safetensors.torch import save_file  # noqa: PLC0415
-
-        _write_atomically(weights, lambda p: save_file(tensors, str(p)))
-    except ImportError:
-        weights = weights.with_suffix(".pt")
-        _write_atomically(weights, lambda p: torch.save(tensors, p))
+        if weights_format == "pt":
+            _write_atomically(weights, lambda p: torch.save(tensors, p))
+        else:
+            _write_atomically(weights, lambda p: save_file(tensors, str(p)))
+    except (OSError, RuntimeError, SafetensorError) as e:  # a read-only folder, a full disk
+        why = e.strerror if isinstance(e, OSError) and e.strerror else (str(e).splitlines() or [""])[0][:200]
+        raise FormatError(f"cannot write {weights}: {why}") from None
     config = {"format": FORMAT, "format_version": FORMAT_VERSION, "architecture": arch,
               "model": dataclasses.asdict(model.cfg),
               "dtype": name, "weights": weights.name, "weights_bytes": weights.stat().st_size,
@@ -109,6 +127,9 @@ def save_inference(model: GPT | Llama, out: str | Path, *, dtype: torch.dtype | 
     path = out / MODEL_CONFIG
     _write_atomically(path, lambda p: p.write_text(json.dumps(config, indent=2)))
     weights.chmod(stat.S_IMODE(path.stat().st_mode))  # safetensors creates its file private (0600)
+    for name in WEIGHTS_FILES.values():  # an export replaced in the other format leaves one weights file
+        if name != weights.name:
+            (out / name).unlink(missing_ok=True)
     return config
 
 
@@ -163,11 +184,10 @@ def _read_tensors(path: Path) -> dict[str, torch.Tensor]:
         if path.suffix == ".pt":
             tensors = torch.load(path, map_location="cpu", weights_only=True)
         else:
-            from safetensors.torch import load_file  # noqa: PLC0415
-
             tensors = load_file(str(path))
-    except ImportError:
-        raise FormatError(f"reading {path} needs safetensors: pip install 'twofour[export]'") from None
+    except pickle.UnpicklingError:  # torch's refusal reads as advice to load it anyway: say what it is
+        raise FormatError(f"{path} is refused and was not loaded: it holds code, not only tensors, and unpickling "
+                          "it could run that code") from None
     except Exception as e:
         raise FormatError(f"{path} is unreadable or corrupt ({type(e).__name__}: {str(e)[:200]})") from None
     if not isinstance(tensors, dict) or not all(isinstance(v, torch.Tensor) for v in tensors.values()):

@@ -4,9 +4,11 @@ dense paired by seed) and one plot (per recipe, the mean curve and the seeds' sp
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import json
 import logging
+import os
 from pathlib import Path
 from typing import Any
 
@@ -16,6 +18,7 @@ from ..errors import TrainError
 from ..sparse.recipes import RECIPES, recipe_options
 from .config import LAUNCH_OPTIONS, TrainConfig
 from .data import load_data
+from .lock import RunLock
 from .loop import train
 from .runs import CKPT, METRICS, pyplot, read_config, read_metrics, read_summary
 
@@ -71,9 +74,16 @@ def compare(recipes: list[str], base: TrainConfig, seeds: list[int] | None = Non
     and the recipe's options in the name when it is given any: ``s-ste-mvue=false-s1``); runs already
     finished there (a ``summary.json`` with the same config) are reused, not retrained, and an
     interrupted one (a checkpoint, no summary) is resumed, unless ``base.overwrite``. The table
-    and plot cover every finished run in the folder with the same model and token budget."""
-    seeds = seeds or [base.seed]
+    and plot cover every finished run in the folder with the same model and token budget. The
+    folder is locked meanwhile (rank 0 under torchrun), as each run's folder is while it trains:
+    TrainError if another comparison holds it."""
     root = Path(base.out_dir)
+    with RunLock(root) if int(os.environ.get("RANK", "0")) == 0 else contextlib.nullcontext():
+        return _compare(recipes, base, seeds or [base.seed], root)
+
+
+def _compare(recipes: list[str], base: TrainConfig, seeds: list[int], root: Path) -> list[dict[str, Any]]:
+    """:func:`compare`'s work, in the locked folder ``root``."""
     data = None  # read once, when the first run needs training, and shared by every run
     summaries = []
     for recipe in recipes:
@@ -122,7 +132,7 @@ def _same_run(config: dict[str, Any] | None, cfg: TrainConfig) -> bool:
     A setting the saved config lacks (saved before it existed) counts as its default."""
     if config is None:
         return False
-    launch = LAUNCH_OPTIONS | {"log_interval", "eval_interval", "ckpt_interval"}
+    launch = LAUNCH_OPTIONS | {"log_interval", "eval_interval", "ckpt_interval", "skip_nonfinite"}
 
     def compared(c: TrainConfig) -> dict[str, Any]:  # as JSON holds them (tuples and lists alike)
         return {k: v for k, v in json.loads(json.dumps(c.to_dict())).items() if k not in launch}
@@ -139,6 +149,11 @@ def _all_runs(root: Path, like: dict[str, Any]) -> list[dict[str, Any]]:
         return r["model"], r.get("regime", "ours"), r["tokens"]
 
     runs = [read_summary(p.parent) for p in sorted(root.glob("*/summary.json"))]
+    for r in runs:
+        missing = [k for k in ("recipe", "model", "seed", "steps", "tokens", "final_val_loss") if k not in r]
+        if missing:
+            raise TrainError(f"{r['out_dir']}/summary.json is not a twofour run's summary (no {', '.join(missing)}); "
+                             f"move that folder out of {root}")
     kept: dict[tuple, dict[str, Any]] = {}
     # the run in the folder its label names first
     for r in sorted(runs, key=lambda r: Path(r["out_dir"]).name != _folder(r["recipe"], r.get("recipe_options"),
@@ -149,6 +164,11 @@ def _all_runs(root: Path, like: dict[str, Any]) -> list[dict[str, Any]]:
         if same is not r:
             log.warning("%s repeats the run %s (seed %s) of %s; it is left out of the table", r["out_dir"],
                         summary_label(r), r["seed"], same["out_dir"])
+    for r in kept.values():  # the plot reads their curves
+        if not (Path(r["out_dir"]) / METRICS).is_file():
+            raise TrainError(f"{r['out_dir']} holds a finished run without its {METRICS}: a run is reported from "
+                             f"its summary.json, config.json and {METRICS}; copy that file too, or move the folder "
+                             f"out of {root}")
     return sorted(kept.values(), key=run_order)
 
 

@@ -85,6 +85,7 @@ class TrainConfig:
     weight_decay: float = 0.1
     betas: tuple[float, float] = (0.9, 0.95)
     grad_clip: float = 1.0
+    skip_nonfinite: int = 0  # steps with a non-finite loss or gradient norm skipped, not applied; one more stops
     bf16: bool = True  # bf16 autocast on the GPU (the CPU always runs float32)
     compile: bool = False
     compile_mode: str = "default"  # torch.compile's mode (COMPILE_MODES) with `compile`
@@ -138,15 +139,17 @@ class TrainConfig:
             raise TrainError(f"unknown regime {self.regime!r}; valid regimes: {', '.join(REGIMES)}")
         if self.precision not in PRECISIONS:
             raise TrainError(f"unknown --precision {self.precision!r}; valid precisions: {', '.join(PRECISIONS)}")
-        self.recipe_object()
         for name in ("steps", "batch_size", "seq_len", "grad_accum", "eval_interval", "eval_iters", "ckpt_interval",
                      "log_interval", "vocab_size"):
             value = getattr(self, name)
             if (value is not None or name not in ("grad_accum", "vocab_size")) and (
                     not isinstance(value, int) or isinstance(value, bool) or value < 1):
                 raise TrainError(f"{option_name(name)} must be a positive integer, got {value!r}")
-        if self.warmup is not None and (not isinstance(self.warmup, int) or self.warmup < 0):
-            raise TrainError(f"--warmup must be a whole number of steps >= 0, got {self.warmup!r}")
+        self.recipe_object()  # after the integers: a bad --steps is named, not the recipe's total_steps
+        for name in ("warmup", "skip_nonfinite"):
+            value = getattr(self, name)
+            if value is not None and (not isinstance(value, int) or isinstance(value, bool) or value < 0):
+                raise TrainError(f"{option_name(name)} must be a whole number of steps >= 0, got {value!r}")
         for name in ("weight_decay", "grad_clip"):
             value = getattr(self, name)
             if not (isinstance(value, (int, float)) and math.isfinite(value) and value >= 0):
@@ -155,8 +158,9 @@ class TrainConfig:
             raise TrainError(f"--min-lr-ratio must be between 0 and 1, got {self.min_lr_ratio}")
         if self.stop_at is not None and not 1 <= self.stop_at <= self.steps:
             raise TrainError(f"--stop-at must be between 1 and --steps ({self.steps}), got {self.stop_at}")
-        if self.lr is not None and not (math.isfinite(self.lr) and self.lr > 0):
-            raise TrainError(f"--lr must be > 0, got {self.lr}")
+        if self.lr is not None and not (math.isfinite(self.lr) and 0 < self.lr <= 1):
+            raise TrainError(f"--lr must be > 0 and at most 1 (AdamW's peak learning rate; the presets' are "
+                             f"2e-4 to 1e-3), got {self.lr}")
         if not (len(self.betas) == 2 and all(0 <= b < 1 for b in self.betas)):
             raise TrainError(f"betas must be two numbers in [0, 1), got {self.betas!r}")
         if self.compile_mode not in COMPILE_MODES:
@@ -233,7 +237,7 @@ LAUNCH_OPTIONS = frozenset({"out_dir", "resume", "reschedule", "overwrite", "sto
 #: How a run executes and reports, not what it trains: a resumed run keeps its checkpoint's value
 #: unless one is given.
 ADJUSTABLE_OPTIONS = frozenset({"log_interval", "eval_interval", "ckpt_interval", "device", "compile", "compile_mode",
-                                "fsdp", "step_graphs"})
+                                "fsdp", "step_graphs", "skip_nonfinite"})
 _OPTION_NAMES = {"out_dir": "--out", "recipe_options": "--opt", "bf16": "--no-bf16", "progress": "--no-progress"}
 
 

@@ -30,12 +30,17 @@ class Interrupted(KeyboardInterrupt):
 
 
 def format_row(row: dict[str, Any], total: int) -> str:
-    """One log line: ``step 100/300 | loss 2.3456 | val 2.4012 | lr 6.00e-04 | 51,234 tok/s | flip 1.2e-03``."""
-    parts = [f"step {row['step']}/{total}", f"loss {row['train_loss']:.4f}"]
+    """One log line: ``step 100/300 | loss 2.3456 | val 2.4012 | lr 6.00e-04 | 51,234 tok/s | flip 1.2e-03``
+    (``loss n/a`` when every step since the last line was skipped)."""
+    parts = [f"step {row['step']}/{total}", f"loss {_loss(row['train_loss'])}"]
     if row.get("val_loss") is not None:
         parts.append(f"val {row['val_loss']:.4f}")
     parts += [f"lr {row['lr']:.2e}", f"{row['tokens_per_s']:,.0f} tok/s", f"flip {row['flip_rate']:.1e}"]
     return " | ".join(parts)
+
+
+def _loss(value: float | None, digits: int = 4) -> str:
+    return "n/a" if value is None else f"{value:.{digits}f}"
 
 
 class Progress:
@@ -64,7 +69,7 @@ class Progress:
         if self.bar is None:
             print(format_row(row, self.total), flush=True)
             return
-        self.bar.set_postfix(loss=f"{row['train_loss']:.3f}", tok_s=f"{row['tokens_per_s']:,.0f}",
+        self.bar.set_postfix(loss=_loss(row["train_loss"], 3), tok_s=f"{row['tokens_per_s']:,.0f}",
                              flip=f"{row['flip_rate']:.1e}", refresh=False)
         if row.get("val_loss") is not None:
             self.bar.write(format_row(row, self.total))

@@ -22,7 +22,7 @@ import torch
 
 from ..errors import DataError
 
-__all__ = ["TokenData", "load_data", "DataError", "stdlib_files"]
+__all__ = ["TokenData", "load_data", "DataError", "stdlib_files", "is_shard_folder"]
 
 VAL_FRACTION = 0.05
 
@@ -163,6 +163,12 @@ def read_meta(meta: Path) -> dict:
     return {**obj, "vocab_size": vocab_size}
 
 
+def is_shard_folder(path: Path) -> bool:
+    """Whether ``path`` is a folder of nanoGPT-style token shards: it holds a ``train*.bin`` or
+    ``val*.bin`` file (a text folder with some other stray ``.bin`` file is not one)."""
+    return path.is_dir() and any(p.is_file() for pattern in ("*train*.bin", "*val*.bin") for p in path.glob(pattern))
+
+
 def _bin_shards(folder: Path, vocab_size: int | None) -> TokenData:
     train = sorted(folder.glob("*train*.bin"))
     val = sorted(folder.glob("*val*.bin"))
@@ -176,6 +182,10 @@ def _bin_shards(folder: Path, vocab_size: int | None) -> TokenData:
         vocab_size = read_meta(meta)["vocab_size"]
 
     def load(paths: list[Path]) -> np.ndarray:
+        for p in paths:
+            if p.stat().st_size % 2:
+                raise DataError(f"{p}: {p.stat().st_size} bytes is not a whole number of uint16 tokens (2 bytes "
+                                "each): the shard is truncated or not a token shard")
         arrs = [np.memmap(p, dtype=np.uint16, mode="r") for p in paths if p.stat().st_size >= 2]
         if not arrs:
             raise DataError(f"{folder}: the shards {', '.join(p.name for p in paths)} are empty")
@@ -253,6 +263,6 @@ def load_data(spec: str | None = None, vocab_size: int | None = None) -> TokenDa
             raise DataError(f"{spec}: the file looks binary (a NUL byte or not UTF-8 in its first 8 KiB); "
                             "pass a text file, or a folder of .bin token shards")
         return _position_split(path.read_bytes(), str(path))
-    if any(path.glob("*.bin")):
+    if is_shard_folder(path):
         return _bin_shards(path, vocab_size)
     return _split_files(_text_files(path, spec), path, str(path))

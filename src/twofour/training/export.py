@@ -13,7 +13,7 @@ from ..errors import TrainError
 from ..inference.format import save_inference
 from ..inference.sampling import BYTES, CharCodec, Codec, IdCodec
 from .config import TrainConfig
-from .data import read_meta
+from .data import is_shard_folder, read_meta
 from .loop import build_model
 from .runs import read_checkpoint
 
@@ -25,7 +25,7 @@ def run_codec(cfg: TrainConfig, vocab_size: int) -> Codec:
     characters for token shards whose ``meta.pkl`` has ``itos``, else bare token ids."""
     data = cfg.data
     folder = Path(data) if data and not data.startswith("hf:") else None
-    if folder is not None and folder.is_dir() and any(folder.glob("*.bin")):
+    if folder is not None and is_shard_folder(folder):
         meta = folder / "meta.pkl"
         itos = read_meta(meta).get("itos") if meta.exists() else None
         if isinstance(itos, dict) and sorted(itos) == list(range(vocab_size)):
@@ -36,9 +36,11 @@ def run_codec(cfg: TrainConfig, vocab_size: int) -> Codec:
     return BYTES if vocab_size == 256 else IdCodec(vocab_size)
 
 
-def export(run: str | Path, out: str | Path | None = None, dtype: str = "bfloat16") -> dict[str, Any]:
+def export(run: str | Path, out: str | Path | None = None, dtype: str = "bfloat16", *,
+           weights_format: str = "safetensors", overwrite: bool = False) -> dict[str, Any]:
     """Write the run's model for inference into the folder ``out`` (default: the run's folder):
-    ``model.safetensors`` (``model.pt`` without safetensors) and ``model_config.json``.
+    ``model.safetensors`` (``model.pt`` with ``weights_format="pt"``) and ``model_config.json``;
+    an export already there is refused unless ``overwrite``.
 
     A run that ended in a dense phase (t-sr-ste's dense fine-tune) is exported dense, and the
     returned config says so (``dense``, ``dense_reason``). Returns the config written."""
@@ -59,4 +61,5 @@ def export(run: str | Path, out: str | Path | None = None, dtype: str = "bfloat1
         codec = IdCodec(model.vocab_size)
     meta = {"preset": cfg.model, "recipe": cfg.recipe, "step": ckpt["step"], "tokenizer": codec.to_dict()}
     with torch.no_grad():
-        return {"out": str(out), **save_inference(model, out, dtype=dtype, meta=meta)}
+        return {"out": str(out), **save_inference(model, out, dtype=dtype, meta=meta, weights_format=weights_format,
+                                                  overwrite=overwrite)}

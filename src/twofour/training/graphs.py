@@ -39,20 +39,21 @@ class StepGraphs:
 
     ``micro_step(x, y, last)`` runs one micro-batch's forward and backward eagerly and returns
     its loss (already divided by the number of micro-batches; ``last``: the micro-batch on which
-    DDP reduces the gradients); ``clip()`` clips the gradients. :meth:`step` runs both for a
-    step's batches, replaying a graph where one is captured for the current signature, and
-    returns the summed loss, or None where this step must run eagerly (the caller then runs it
-    as it would without graphs, with :meth:`zero_grad` instead of ``optimizer.zero_grad``).
+    DDP reduces the gradients); ``clip()`` clips the gradients and returns their norm. :meth:`step`
+    runs both for a step's batches, replaying a graph where one is captured for the current
+    signature, and returns the summed loss and the norm, or None where this step must run eagerly
+    (the caller then runs it as it would without graphs, with :meth:`zero_grad` instead of
+    ``optimizer.zero_grad``).
     ``warmup``: eager steps of a signature before its capture.
     """
 
     def __init__(self, model: torch.nn.Module, micro_step: Callable[[torch.Tensor, torch.Tensor, bool], torch.Tensor],
-                 clip: Callable[[], object], warmup: int = WARMUP_STEPS) -> None:
+                 clip: Callable[[], torch.Tensor], warmup: int = WARMUP_STEPS) -> None:
         self.model = model
         self.micro_step, self.clip, self.warmup = micro_step, clip, warmup
         self.layers = [m for m in model.modules() if isinstance(m, SparseLinear)]
         self.params = [p for p in model.parameters() if p.requires_grad]
-        self.graphs: dict[tuple, tuple[torch.cuda.CUDAGraph, list, torch.Tensor]] = {}
+        self.graphs: dict[tuple, tuple[torch.cuda.CUDAGraph, list, tuple[torch.Tensor, torch.Tensor]]] = {}
         self.seen: dict[tuple, int] = {}
         self.pool = None
         self.disabled = False
@@ -72,8 +73,9 @@ class StepGraphs:
         if grads:
             torch._foreach_zero_(grads)
 
-    def step(self, batches: Sequence[tuple[torch.Tensor, torch.Tensor]]) -> torch.Tensor | None:
-        """The step's forward and backward passes and clip, from a graph where possible (see the class)."""
+    def step(self, batches: Sequence[tuple[torch.Tensor, torch.Tensor]]) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """The step's forward and backward passes and clip, from a graph where possible: (loss,
+        gradient norm), tensors the next replay overwrites; None for an eager step (see the class)."""
         if self.disabled:
             return None
         sig = self.signature() + (tuple((tuple(x.shape), tuple(y.shape)) for x, y in batches),)
@@ -85,12 +87,12 @@ class StepGraphs:
             entry = self._capture(sig, batches)
             if entry is None:
                 return None
-        graph, inputs, loss = entry
+        graph, inputs, outputs = entry
         for (sx, sy), (x, y) in zip(inputs, batches):
             sx.copy_(x, non_blocking=True)
             sy.copy_(y, non_blocking=True)
         graph.replay()
-        return loss
+        return outputs
 
     def _capture(self, sig: tuple, batches) -> tuple | None:
         inputs = [(x.clone(), y.clone()) for x, y in batches]
@@ -104,7 +106,7 @@ class StepGraphs:
                 loss = torch.zeros((), device=grads[0].device)
                 for i, (x, y) in enumerate(inputs):
                     loss += self.micro_step(x, y, i == len(inputs) - 1).detach()
-                self.clip()
+                norm = self.clip()
         except Exception as e:  # noqa: BLE001 - any capture failure: the step stays eager from now on
             self.disabled = True
             log.warning("twofour: the training step could not be captured as a CUDA graph (%s: %s); it runs "
@@ -113,5 +115,5 @@ class StepGraphs:
             self.zero_grad()
             return None
         self.pool = graph.pool()
-        self.graphs[sig] = (graph, inputs, loss)
+        self.graphs[sig] = (graph, inputs, (loss, norm))
         return self.graphs[sig]

@@ -7,14 +7,19 @@ Runs on the CPU, one GPU, or several through ``torchrun`` (DDP by default, FSDP2
 bit-identical resume needs on the CPU (model and recipe state, optimizer, scheduler, data
 position and RNG states). Between log lines (every ``log_interval`` steps) the loop never
 waits for the GPU. Ctrl-C or SIGTERM finishes the current step and checkpoints it before
-stopping. The options live in :mod:`twofour.training.config`, the run folder in :mod:`twofour.training.runs`,
-the terminal output and signal handling in :mod:`twofour.training.console`.
+stopping. A step whose loss or gradient norm is not finite stops the run at the next log line,
+before any checkpoint is written from it (with ``skip_nonfinite``, up to that many such steps are
+skipped instead). The run folder is locked meanwhile (:class:`twofour.training.lock.RunLock`).
+The options live in :mod:`twofour.training.config`, the run folder in
+:mod:`twofour.training.runs`, the terminal output and signal handling in
+:mod:`twofour.training.console`.
 """
 
 from __future__ import annotations
 
 import contextlib
 import json
+import logging
 import os
 import time
 import warnings
@@ -24,6 +29,7 @@ from typing import Any
 import numpy as np
 import torch
 import torch.distributed as dist
+from torch.distributed.tensor import DTensor
 
 from .. import dispatch
 from ..errors import TrainError
@@ -37,6 +43,7 @@ from .config import TrainConfig, lr_at, resolve_device
 from .console import Interrupted, Progress, StopRequest
 from .data import TokenData, load_data
 from .graphs import StepGraphs
+from .lock import RunLock
 from .runs import (
     CKPT,
     MetricsLog,
@@ -52,6 +59,8 @@ from .runs import (
 )
 
 __all__ = ["train", "build_model", "evaluate", "val_windows"]
+
+log = logging.getLogger("twofour")
 
 
 def build_model(cfg: TrainConfig, recipe: Recipe, vocab_size: int) -> torch.nn.Module:
@@ -114,11 +123,19 @@ def slow_path_warning(device: torch.device, recipe: Recipe) -> str | None:
 
 
 def train(cfg: TrainConfig, data: TokenData | None = None) -> dict[str, Any]:
-    """Train one run as ``cfg`` says; returns the summary it also writes to ``summary.json``."""
-    # ---- set-up: processes, data, run folder, model, optimizer, schedule, resume ----
+    """Train one run as ``cfg`` says; returns the summary it also writes to ``summary.json``.
+    Holds the run folder's lock throughout (rank 0 under torchrun): TrainError if another run
+    holds it."""
     cfg.validate()
-    recipe = cfg.recipe_object()
     rank, world, local_rank = _dist()
+    with RunLock(cfg.out_dir) if rank == 0 else contextlib.nullcontext():
+        return _train(cfg, data, rank, world, local_rank)
+
+
+def _train(cfg: TrainConfig, data: TokenData | None, rank: int, world: int, local_rank: int) -> dict[str, Any]:
+    """:func:`train`'s work, in the locked run folder."""
+    # ---- set-up: data, run folder, model, optimizer, schedule, resume ----
+    recipe = cfg.recipe_object()
     if cfg.cuda_graphs and (world > 1 or cfg.micro_batches(world) > 1):
         raise TrainError(f"--compile-mode {cfg.compile_mode} (CUDA graphs) runs in one process with one micro-batch "
                          f"a step; this run has {world} process(es) and {cfg.micro_batches(world)} micro-batches: "
@@ -126,7 +143,7 @@ def train(cfg: TrainConfig, data: TokenData | None = None) -> dict[str, Any]:
     device = resolve_device(cfg.device, local_rank)
     slow = slow_path_warning(device, recipe)
     if slow and rank == 0:
-        warnings.warn(slow, stacklevel=2)
+        warnings.warn(slow, stacklevel=3)  # at train()'s caller
     if data is None:
         data = load_data(cfg.data, cfg.vocab_size)
     data.check(cfg.seq_len)
@@ -185,9 +202,8 @@ def train(cfg: TrainConfig, data: TokenData | None = None) -> dict[str, Any]:
         loss.backward()
         return loss.detach()
 
-    def clip() -> None:
-        if cfg.grad_clip:
-            torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.grad_clip)
+    def clip() -> torch.Tensor:
+        return _grad_norm(model, cfg.grad_clip)
 
     # one process only: under DDP a captured step measured slower than the eager one (docs/PERFORMANCE.md)
     graphs = None
@@ -204,6 +220,10 @@ def train(cfg: TrainConfig, data: TokenData | None = None) -> dict[str, Any]:
     t_start = time.perf_counter() - (ckpt.get("elapsed_s", 0.0) if ckpt else 0.0)
     t_window, window_steps = time.perf_counter(), 0
     loss_acc = torch.zeros((), device=device)
+    # the first step whose loss or gradient norm is not finite, kept on the device (0: none yet)
+    # and read at log lines, so a checkpoint is never written from a diverged state
+    first_bad = torch.zeros((), device=device, dtype=torch.long)
+    skipped, window_skipped, saved = 0, 0, (start if ckpt else None)
     # each sparse layer's flip counter (a buffer updated in place by advance()), gathered once
     counters = [layer for _, layer in sparse_layers(raw) if layer.recipe.sparse]
     flips = torch.zeros((), device=device, dtype=torch.long)
@@ -216,50 +236,72 @@ def train(cfg: TrainConfig, data: TokenData | None = None) -> dict[str, Any]:
             for step in range(start, stop):
                 # micro-batches (gradients add up) and clip: replayed as a CUDA graph where one is captured
                 batches = [data.batch("train", cfg.batch_size, cfg.seq_len, data_gen, device) for _ in range(accum)]
-                loss = graphs.step(batches) if graphs is not None else None
-                if loss is None:
+                replayed = graphs.step(batches) if graphs is not None else None
+                if replayed is not None:
+                    step_loss, norm = replayed
+                else:
                     if graphs is not None:
                         graphs.zero_grad()  # in place: a captured graph keeps the gradients' addresses
-                    loss = sum(micro_step(x, y, i == accum - 1) for i, (x, y) in enumerate(batches))
-                    clip()
-                loss_acc += loss
+                    step_loss = sum(micro_step(x, y, i == accum - 1) for i, (x, y) in enumerate(batches))
+                    norm = clip()
                 # step (the attach() hook advances the sparse layers here), schedule
+                ok = torch.isfinite(step_loss + norm)  # NaN or inf in either
                 lr = sched.get_last_lr()[0]
-                opt.step()
+                done, window_steps = step + 1, window_steps + 1
+                if cfg.skip_nonfinite and not _everywhere(ok, world):  # one host sync a step, only when allowed
+                    skipped, window_skipped = skipped + 1, window_skipped + 1
+                    if skipped > cfg.skip_nonfinite:
+                        raise TrainError(_diverged(f"the loss or gradient norm is not finite at step {done}, after "
+                                                   f"{cfg.skip_nonfinite} skipped (--skip-nonfinite)", out, saved))
+                    if rank == 0:
+                        log.warning("twofour: step %d: the loss or gradient norm is not finite; skipped (%d of at "
+                                    "most %d)", done, skipped, cfg.skip_nonfinite)
+                else:
+                    first_bad = torch.where(ok | (first_bad > 0), first_bad, done)
+                    opt.step()
+                    loss_acc += step_loss
+                    if counters:  # summed on the device for the window's mean flip rate: no host sync
+                        flips += torch.stack([layer.flips for layer in counters]).sum()
                 sched.step()
                 if graphs is None:
                     opt.zero_grad(set_to_none=True)
-                done, window_steps = step + 1, window_steps + 1
                 progress.update()
                 evaluating = done % cfg.eval_interval == 0 or done == stop
                 saving = done % cfg.ckpt_interval == 0 or done == stop
                 boundary = done % cfg.log_interval == 0 or evaluating or saving
-                if counters:  # summed on the device for the window's mean flip rate: no host sync
-                    flips += torch.stack([layer.flips for layer in counters]).sum()
                 stopping = stop_request.agreed(boundary, world, device) and done < stop  # the last step ends
                 if not (boundary or stopping):
                     continue  # no host sync between log lines: the GPU runs ahead of the Python loop
-                # log: the mean train loss and the throughput since the last log line (one host sync)
                 if world > 1:
+                    dist.all_reduce(first_bad, op=dist.ReduceOp.MAX)
                     dist.all_reduce(loss_acc)
                     loss_acc /= world
-                train_loss = loss_acc.item() / window_steps
+                if first_bad.item():
+                    raise TrainError(_diverged(f"the loss or gradient norm is not finite at step "
+                                               f"{int(first_bad.item())}", out, saved))
+                # log: the mean train loss and the throughput since the last log line (one host sync)
+                applied = window_steps - window_skipped
+                train_loss = loss_acc.item() / applied if applied else None
                 loss_acc.zero_()
                 now = time.perf_counter()
                 row = {"step": done, "tokens": done * tokens_per_step, "lr": lr, "train_loss": train_loss,
                        "val_loss": evaluate(fwd, data, cfg, device, autocast) if evaluating else None,
-                       "flip_rate": flips.item() / window_steps / mask_size,
+                       "flip_rate": flips.item() / max(applied, 1) / mask_size,
                        "tokens_per_s": tokens_per_step * window_steps / max(now - t_window, 1e-9),
                        "elapsed_s": now - t_start}
                 if rank == 0:
                     metrics.log(row)
                     progress.log(row)
                 if saving or stopping:
+                    if not _finite_weights(raw, world, device):
+                        raise TrainError(_diverged(f"the weights are not finite after step {done}", out, saved))
                     _checkpoint(out, cfg, raw, opt, sched, done, data_gen, rank, world, time.perf_counter() - t_start)
+                    saved = done
                 if stopping:
                     raise Interrupted(done, out / CKPT)
                 flips.zero_()
-                t_window, window_steps = time.perf_counter(), 0  # evaluation and checkpoints stay out of it
+                # evaluation and checkpoints stay out of the window's time
+                t_window, window_steps, window_skipped = time.perf_counter(), 0, 0
     finally:
         progress.close()
         if metrics is not None:
@@ -270,6 +312,42 @@ def train(cfg: TrainConfig, data: TokenData | None = None) -> dict[str, Any]:
     if world > 1:
         dist.barrier()
     return summary
+
+
+def _grad_norm(model: torch.nn.Module, clip: float) -> torch.Tensor:
+    """The gradients' total norm, a tensor on their device (no host sync); clips them to ``clip``
+    when it is set (not 0)."""
+    params = [p for p in model.parameters() if p.grad is not None]
+    if clip:
+        norm = torch.nn.utils.clip_grad_norm_(params, clip)
+    else:
+        norm = torch.nn.utils.get_total_norm([p.grad for p in params])
+    return norm.full_tensor() if isinstance(norm, DTensor) else norm  # FSDP2: the norm over every shard
+
+
+def _everywhere(flag: torch.Tensor, world: int) -> bool:
+    """Whether ``flag`` (a 0-dim bool tensor) is true on every rank (one host sync)."""
+    flag = flag.to(torch.int32)
+    if world > 1:
+        dist.all_reduce(flag, op=dist.ReduceOp.MIN)
+    return bool(flag.item())
+
+
+def _finite_weights(raw: torch.nn.Module, world: int, device: torch.device) -> bool:
+    """Whether every parameter, on every rank, is finite: checked before each checkpoint."""
+    flags = [torch.isfinite(p.to_local() if isinstance(p, DTensor) else p).all() for p in raw.parameters()]
+    return _everywhere(torch.stack(flags).all() if flags else torch.ones((), dtype=torch.bool, device=device), world)
+
+
+def _diverged(what: str, out: Path, saved: int | None) -> str:
+    """The one line that ends a diverged run (``what``: which values are not finite, at which
+    step), naming the last good checkpoint (step ``saved``) and the ways on."""
+    if saved is None:
+        return (f"training diverged: {what}; no checkpoint was written: start again with a lower --lr, or with "
+                "--skip-nonfinite N to skip up to N such steps")
+    return (f"training diverged: {what}; the last good checkpoint (step {saved}) is kept in {out / CKPT}: "
+            f"`twofour train --out {out} --resume --skip-nonfinite N` goes on from it, skipping up to N such steps, "
+            "or start again with a lower --lr")
 
 
 def _check_resumable(ckpt: dict[str, Any], cfg: TrainConfig, world: int, out: Path) -> None:

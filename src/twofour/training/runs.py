@@ -20,6 +20,7 @@ import json
 import os
 import pickle
 import random
+import re
 import shutil
 from pathlib import Path
 from typing import Any
@@ -40,25 +41,30 @@ __all__ = ["CKPT", "METRICS", "FIELDS", "WEIGHTS", "MODEL_CONFIG", "prepare_run_
 CKPT = "ckpt.pt"
 METRICS = "metrics.csv"
 FIELDS = ["step", "tokens", "lr", "train_loss", "val_loss", "flip_rate", "tokens_per_s", "elapsed_s"]
-#: ``twofour export``'s files: the weights (``.pt`` without safetensors) and the model's settings.
-#: What a run (and ``twofour export`` of it) leaves in its folder: removed by ``--overwrite``.
+#: What a run (and ``twofour export`` of it, in either weights format) leaves in its folder: a
+#: folder holding any of them is refused without ``--overwrite``, which removes them.
 _OUTPUTS = (CKPT, CKPT + ".tmp", METRICS, "curves.png", "summary.json", "config.json", WEIGHTS,
             str(Path(WEIGHTS).with_suffix(".pt")), MODEL_CONFIG)
 
 
 def prepare_run_dir(cfg: TrainConfig) -> Path:
     """``cfg.out_dir``, created and writable; refuses to touch an existing run unless
-    ``cfg.resume`` (it needs its checkpoint) or ``cfg.overwrite`` (its outputs are removed)."""
+    ``cfg.resume`` (it needs its checkpoint) or ``cfg.overwrite`` (its outputs are removed), and
+    refuses a folder holding files a run writes (a ``config.json`` of one's own, say) unless
+    ``cfg.overwrite``. Call it holding the folder's :class:`~twofour.training.lock.RunLock`."""
     out = Path(cfg.out_dir)
     if out.exists() and not out.is_dir():
         raise TrainError(f"output folder {out} exists and is not a folder")
-    existing = out.exists() and any((out / n).exists() for n in (CKPT, METRICS))
+    present = [n for n in (*_OUTPUTS, "tb") if (out / n).exists()]
     if cfg.resume:
         if not (out / CKPT).exists():
             raise TrainError(f"--resume: no checkpoint {out / CKPT} to resume from")
-    elif existing and not cfg.overwrite:
+    elif {CKPT, METRICS} & set(present) and not cfg.overwrite:
         raise TrainError(f"{out} already holds a run; pass --resume to continue it, --overwrite to replace it, "
                          "or choose another --out")
+    elif present and not cfg.overwrite:
+        raise TrainError(f"{out} holds {', '.join(present)}, which a run writes; pass --overwrite to replace "
+                         "them, or choose another --out")
     try:
         out.mkdir(parents=True, exist_ok=True)
         probe = out / ".write-test"
@@ -126,13 +132,21 @@ def load_state_dicts(model: torch.nn.Module, opt: torch.optim.Optimizer, model_s
 
 
 def save_checkpoint(path: Path, payload: dict[str, Any]) -> None:
-    """Write ``payload`` atomically: a kill at any moment leaves the previous checkpoint intact."""
+    """Write ``payload`` atomically: a kill at any moment leaves the previous checkpoint intact.
+    TrainError, saying so, when the file can't be written (a full disk, a read-only folder)."""
     tmp = path.with_name(path.name + ".tmp")
-    with tmp.open("wb") as fh:
-        torch.save(payload, fh)
-        fh.flush()
-        os.fsync(fh.fileno())
-    os.replace(tmp, path)
+    try:
+        with tmp.open("wb") as fh:
+            torch.save(payload, fh)
+            fh.flush()
+            os.fsync(fh.fileno())
+        os.replace(tmp, path)
+    except (OSError, RuntimeError) as e:  # torch.save reports a failed write as a RuntimeError
+        with contextlib.suppress(OSError):
+            tmp.unlink(missing_ok=True)
+        why = e.strerror if isinstance(e, OSError) and e.strerror else (str(e).splitlines() or [""])[0][:200]
+        kept = f"; the previous checkpoint {path} is intact" if path.exists() else ""
+        raise TrainError(f"cannot write the checkpoint {tmp}: {why}{kept}") from None
 
 
 def read_checkpoint(path: str | Path) -> dict[str, Any]:
@@ -147,9 +161,10 @@ def read_checkpoint(path: str | Path) -> dict[str, Any]:
         # mmap: tensors are read when used, so reading a large checkpoint's settings is cheap
         ckpt = torch.load(path, map_location="cpu", weights_only=True, mmap=True)
     except pickle.UnpicklingError as e:
-        first = (str(e).strip().splitlines() or [""])[0][:200]
-        raise TrainError(f"{path} is refused: it holds objects other than tensors and plain data, and "
-                         f"unpickling them could run code ({first})") from None
+        found = re.search(r"GLOBAL ([\w.]+)", str(e))
+        names = f" ({found.group(1)})" if found else ""
+        raise TrainError(f"{path} is refused and was not loaded: it holds code{names}, not only tensors and plain "
+                         "data, and unpickling it could run that code") from None
     except Exception as e:
         raise TrainError(f"checkpoint {path} is unreadable or corrupt ({type(e).__name__}); "
                          "start again with --overwrite or another --out") from None
@@ -204,16 +219,20 @@ class MetricsLog:
 
 
 def read_metrics(run: str | Path) -> dict[str, list[tuple[int, float]]]:
-    """Columns of a run's metrics.csv (the folder or the file) as (step, value) lists, skipping blanks."""
+    """Columns of a run's metrics.csv (the folder or the file) as (step, value) lists, skipping
+    blanks; TrainError naming the line of a row that isn't one."""
     path = Path(run)
     if path.is_dir():
         path = path / METRICS
     cols: dict[str, list[tuple[int, float]]] = {k: [] for k in FIELDS[1:]}
     with path.open() as fh:
-        for r in csv.DictReader(fh):
-            for k in cols:
-                if r.get(k):
-                    cols[k].append((int(r["step"]), float(r[k])))
+        for line, r in enumerate(csv.DictReader(fh), 2):
+            try:
+                for k in cols:
+                    if r.get(k):
+                        cols[k].append((int(r["step"]), float(r[k])))
+            except (KeyError, TypeError, ValueError) as e:
+                raise TrainError(f"{path}, line {line}, is corrupt ({type(e).__name__}: {e})") from None
     return cols
 
 
@@ -221,16 +240,28 @@ def read_config(run: str | Path) -> dict[str, Any] | None:
     """A run folder's ``config.json`` as a dict (recipe options as :func:`saved_options` reads
     them), or None if it has none."""
     path = Path(run) / "config.json"
-    return saved_options(json.loads(path.read_text())) if path.exists() else None
+    return saved_options(_read_json(path)) if path.exists() else None
+
+
+def _read_json(path: Path) -> dict[str, Any]:
+    """A run's JSON file as a dict; TrainError naming the file when it is not JSON or not a dict."""
+    try:
+        d = json.loads(path.read_text())
+    except ValueError as e:
+        raise TrainError(f"{path} is corrupt (not JSON: {e}); restore it, or delete the run's folder") from None
+    if not isinstance(d, dict):
+        raise TrainError(f"{path} is not a twofour run's (it holds a {type(d).__name__}, not a dict)")
+    return d
 
 
 def read_summary(run: str | Path) -> dict[str, Any] | None:
     """A finished run's ``summary.json`` as a dict, or None if it hasn't finished. Its paths
-    (``out_dir``, ``plot``) name where the folder is now: it may have been moved or copied."""
+    (``out_dir``, ``plot``) name where the folder is now: it may have been moved or copied.
+    TrainError naming the file when it is corrupt or not a run's summary."""
     path = Path(run) / "summary.json"
     if not path.exists():
         return None
-    summary = saved_options(json.loads(path.read_text()))
+    summary = saved_options(_read_json(path))
     summary["out_dir"] = str(Path(run))
     if summary.get("plot"):
         summary["plot"] = str(Path(run) / Path(summary["plot"]).name)
@@ -307,9 +338,9 @@ def write_summary(out: Path, cfg: TrainConfig) -> dict[str, Any]:
     flips = [v for _, v in m["flip_rate"]]
     summary = {
         "recipe": cfg.recipe, "recipe_options": cfg.recipe_options, "precision": cfg.precision, "model": cfg.model,
-        "regime": cfg.regime, "seed": cfg.seed, "steps": m["train_loss"][-1][0],
+        "regime": cfg.regime, "seed": cfg.seed, "steps": m["tokens"][-1][0],
         "tokens": int(m["tokens"][-1][1]),
-        "final_train_loss": m["train_loss"][-1][1],
+        "final_train_loss": m["train_loss"][-1][1] if m["train_loss"] else None,  # None: every step skipped
         "final_val_loss": m["val_loss"][-1][1] if m["val_loss"] else None,
         "tokens_per_s": _steady_throughput(m["tokens_per_s"]),
         "mean_flip_rate": float(np.mean(flips)),
