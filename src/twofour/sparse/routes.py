@@ -126,7 +126,8 @@ ROUTES: tuple[Route, ...] = (
     Route("fp8", lambda layer, x, act: layer._fp8, _fp8_run),
     Route("dense", lambda layer, x, act: not layer.recipe.sparse and not layer._fp8, _dense_run),
     Route("fast path eager", lambda layer, x, act: (_sparse_phase(layer) and not torch.compiler.is_compiling()
-                                                    and _fast(layer, x)), _eager_run),
+                                                    and _fast(layer, x) and not _fused_applies(layer, x, act)),
+          _eager_run),
     Route("fast path compiled", lambda layer, x, act: (_sparse_phase(layer) and torch.compiler.is_compiling()
                                                        and _fast(layer, x)), _compiled_run),
     Route("reference", lambda layer, x, act: True, _reference_run),
