@@ -6,7 +6,6 @@ import argparse
 import dataclasses
 import json
 import os
-import re
 import sys
 from pathlib import Path
 from typing import Any
@@ -343,38 +342,13 @@ def _interrupted(args: argparse.Namespace, e: KeyboardInterrupt) -> str:
     return "interrupted before a checkpoint was written"
 
 
-def _out_of_memory(e: BaseException) -> str | None:
-    """The one line for an out-of-memory error (torch's on the GPU or the CPU, or Python's), else None."""
-    import torch  # noqa: PLC0415
-
-    text = str(e)
-    if not (isinstance(e, (MemoryError, torch.OutOfMemoryError)) or "can't allocate memory" in text):
-        return None
-    asked = re.search(r"(?i)(?:tried to|unable to) allocate ([\d.]+ \w+)", text)
-    size = f" (it asked for {_bytes(asked.group(1))} more)" if asked else ""
-    return f"out of memory{size}: try a smaller --batch-size (or --seq-len, or a smaller --model)"
-
-
-def _bytes(amount: str) -> str:
-    """``"140737488355328 bytes"`` as ``"128.0 TiB"``; other units (torch's ``"20.00 MiB"``) as they are."""
-    number, unit = amount.split()
-    if unit != "bytes":
-        return amount
-    value = float(number)
-    for bigger in ("KiB", "MiB", "GiB", "TiB"):
-        if value < 1024:
-            break
-        value, unit = value / 1024, bigger
-    return f"{value:.1f} {unit}"
-
-
 def main(argv: list[str] | None = None) -> int:
     """Entry point; bad input ends with one line on stderr and exit status 2."""
     parser = build_parser()
     argv = sys.argv[1:] if argv is None else list(argv)
     args = parser.parse_args(argv)
     args.given = _explicit(parser.commands[args.command], argv)
-    from .errors import TwofourError  # noqa: PLC0415
+    from .errors import TwofourError, out_of_memory_message  # noqa: PLC0415
 
     try:
         return args.func(args)
@@ -386,7 +360,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"twofour {args.command}: error: {e.strerror or e}{where}", file=sys.stderr)
         return 2
     except (MemoryError, RuntimeError) as e:  # torch.OutOfMemoryError is a RuntimeError
-        line = _out_of_memory(e)
+        line = out_of_memory_message(e)
         if line is None:
             raise
         print(f"twofour {args.command}: error: {line}", file=sys.stderr)

@@ -5,7 +5,9 @@ Each is a ``ValueError`` too, so code that caught ``ValueError`` before keeps wo
 
 from __future__ import annotations
 
-__all__ = ["TwofourError", "TrainError", "DataError", "FormatError"]
+import re
+
+__all__ = ["TwofourError", "TrainError", "DataError", "FormatError", "out_of_memory_message"]
 
 
 class TwofourError(ValueError):
@@ -23,3 +25,28 @@ class DataError(TwofourError):
 class FormatError(TrainError):
     """A file or folder that is not what twofour writes: an export folder, a checkpoint, a run.
     (A :class:`TrainError` too, which ``twofour export`` and ``generate`` raised before.)"""
+
+
+def out_of_memory_message(e: BaseException) -> str | None:
+    """The one line for an out-of-memory error (torch's on the GPU or the CPU, or Python's), else None."""
+    import torch  # noqa: PLC0415
+
+    text = str(e)
+    if not (isinstance(e, (MemoryError, torch.OutOfMemoryError)) or "can't allocate memory" in text):
+        return None
+    asked = re.search(r"(?i)(?:tried to|unable to) allocate ([\d.]+ \w+)", text)
+    size = f" (it asked for {_binary_units(asked.group(1))} more)" if asked else ""
+    return f"out of memory{size}: try a smaller --batch-size (or --seq-len, or a smaller --model)"
+
+
+def _binary_units(amount: str) -> str:
+    """``"140737488355328 bytes"`` as ``"128.0 TiB"``; other units (torch's ``"20.00 MiB"``) as they are."""
+    number, unit = amount.split()
+    if unit != "bytes":
+        return amount
+    value = float(number)
+    for bigger in ("KiB", "MiB", "GiB", "TiB"):
+        if value < 1024:
+            break
+        value, unit = value / 1024, bigger
+    return f"{value:.1f} {unit}"

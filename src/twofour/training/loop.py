@@ -202,11 +202,9 @@ def _train(cfg: TrainConfig, data: TokenData | None, rank: int, world: int, loca
         loss.backward()
         return loss.detach()
 
-    def clip() -> torch.Tensor:
+    def clip() -> torch.Tensor:  # the gradients clipped, their norm returned
         return _grad_norm(model, cfg.grad_clip)
-
-    # one process only: under DDP a captured step measured slower than the eager one (docs/PERFORMANCE.md)
-    graphs = None
+    graphs = None  # one process only: under DDP a captured step measured slower (docs/PERFORMANCE.md)
     if cfg.step_graphs and device.type == "cuda" and world == 1 and not cfg.compile and not recipe.starts_dense:
         graphs = StepGraphs(model, micro_step, clip)
 
