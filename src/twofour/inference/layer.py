@@ -176,7 +176,3 @@ class SparseInferenceLinear(nn.Module):
                 f"2:4 {'values+positions' if self.packed_state else 'dense-layout'} state"
                 + (", transposed_output=True" if self.transposed_output else ""))
 
-
-# --------------------------------------------------------------------------------------------
-# converting models
-# --------------------------------------------------------------------------------------------
