@@ -42,8 +42,9 @@ from ..version import __version__
 from .config import TrainConfig, lr_at, resolve_device
 from .console import Interrupted, Progress, StopRequest
 from .data import TokenData, load_data
-from .graphs import StepGraphs
+from .graphs import GradAllReduce, StepGraphs
 from .lock import RunLock
+from .parallel import checkpoint_blocks, fsdp_policy, shard
 from .runs import (
     CKPT,
     MetricsLog,
@@ -66,7 +67,7 @@ log = logging.getLogger("twofour")
 def build_model(cfg: TrainConfig, recipe: Recipe, vocab_size: int) -> torch.nn.Module:
     """``cfg``'s preset model with ``recipe`` applied (:func:`twofour.models.build_model`)."""
     return _build_model(cfg.model, recipe, vocab_size=vocab_size, block_size=cfg.seq_len,
-                        sparse_attention=cfg.sparse_attention)
+                        sparse_attention=cfg.sparse_attention, n_layer=cfg.n_layer)
 
 
 def _dist() -> tuple[int, int, int]:
@@ -159,13 +160,11 @@ def _train(cfg: TrainConfig, data: TokenData | None, rank: int, world: int, loca
     torch.manual_seed(cfg.seed)
     model = build_model(cfg, recipe, data.vocab_size).to(device)
     raw = model  # the unwrapped model: state dicts, recipe state, flip rates
-    fsdp = world > 1 and cfg.fsdp
+    if cfg.activation_checkpointing:
+        checkpoint_blocks(model)
+    fsdp = world > 1 and cfg.fsdp is not None
     if fsdp:
-        from torch.distributed.fsdp import fully_shard  # noqa: PLC0415
-
-        for unit in model.fsdp_units():
-            fully_shard(unit)
-        fully_shard(model)
+        shard(model, fsdp_policy(cfg.fsdp))
     decay = [p for p in model.parameters() if p.dim() >= 2]
     no_decay = [p for p in model.parameters() if p.dim() < 2]
     groups = [{"params": decay, "weight_decay": cfg.weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
@@ -184,7 +183,7 @@ def _train(cfg: TrainConfig, data: TokenData | None, rank: int, world: int, loca
         sched.step()  # this step's lr from cfg's schedule (a new one under --reschedule)
         set_rng_state(ckpt["rng"][rank], data_gen)
     attach(raw, opt)  # masks, refreshes and phases advance once per optimizer step
-    ddp = world > 1 and not cfg.fsdp
+    ddp = world > 1 and not fsdp
     if ddp:  # the recipes' buffers (masks, scales) follow from the weights, equal on every rank: not broadcast
         ids = [local_rank] if device.type == "cuda" else None
         model = torch.nn.parallel.DistributedDataParallel(model, device_ids=ids, broadcast_buffers=False)
@@ -204,9 +203,10 @@ def _train(cfg: TrainConfig, data: TokenData | None, rank: int, world: int, loca
 
     def clip() -> torch.Tensor:  # the gradients clipped, their norm returned
         return _grad_norm(model, cfg.grad_clip)
-    graphs = None  # one process only: under DDP a captured step measured slower (docs/PERFORMANCE.md)
-    if cfg.step_graphs and device.type == "cuda" and world == 1 and not cfg.compile and not recipe.starts_dense:
-        graphs = StepGraphs(model, micro_step, clip)
+    graphs = None  # under DDP the graph holds the local passes, the gradients' average runs after it
+    if cfg.step_graphs and device.type == "cuda" and not fsdp and not cfg.compile and not recipe.starts_dense:
+        reduce = GradAllReduce(list(raw.parameters()), world) if ddp else None
+        graphs = StepGraphs(raw, micro_step, clip, reduce=reduce)
 
     metrics = MetricsLog(out, start if ckpt else None) if rank == 0 else None
     if rank == 0:
@@ -387,7 +387,7 @@ def _checkpoint(out: Path, cfg: TrainConfig, raw, opt, sched, step: int, data_ge
     """Every rank takes part (replica check, FSDP gathers, RNG states); rank 0 writes."""
     if world > 1:
         _check_replicas(raw, world)
-    model_sd, opt_sd = full_state_dicts(raw, opt, world > 1 and cfg.fsdp)
+    model_sd, opt_sd = full_state_dicts(raw, opt, world > 1 and cfg.fsdp is not None)
     rng = [rng_state(data_gen)]
     if world > 1:  # every rank's data position and RNG states, kept by rank 0
         rng = [None] * world
