@@ -16,7 +16,7 @@ from twofour.functional import mask_24
 from twofour.models import build_model
 from twofour.sparse import sparse_layers
 from twofour.training import TrainConfig
-from twofour.training.parallel import DEFAULT_FSDP, FSDP_POLICIES, checkpoint_blocks, fsdp_policy, shard
+from twofour.training.parallel import DEFAULT_FSDP, FSDP_POLICIES, checkpoint_blocks, fsdp_policy, grad_norm, shard
 
 
 def _train_args(*extra):
@@ -35,7 +35,7 @@ def test_fsdp_takes_a_policy_by_name():
     with pytest.raises(TrainError, match="unknown FSDP policy"):
         fsdp_policy("fp64")
     assert fsdp_policy("bf16").param_dtype == torch.bfloat16 and fsdp_policy("fp32").param_dtype is None
-    assert set(FSDP_POLICIES) >= {"bf16", "bf16-keep", "fp32"}
+    assert set(FSDP_POLICIES) >= {"bf16", "bf16-keep", "fp32", "bf16-flat"}
 
 
 def test_an_old_config_with_fsdp_on_reads_as_the_fp32_policy():
@@ -116,8 +116,28 @@ def test_fsdp2_masks_follow_the_weights_they_multiply(policy):
             flips += sum(int(layer.flips) for layer in layers)
         sd = model.state_dict()  # settles the refresh the last step left for the next forward
         dt = fsdp_policy(policy).param_dtype or torch.float32
-        for name, layer in sparse_layers(model):
+        for name, _ in sparse_layers(model):
             w = sd[name + ".weight"]
             w = (w.full_tensor() if hasattr(w, "full_tensor") else w).to(dt)
             assert torch.equal(sd[name + ".mask"], mask_24(w)), name
         assert flips > 0  # the large learning rate moves weights across the threshold
+
+
+@pytest.mark.parametrize("policy", ["bf16", "bf16-flat"])
+def test_fsdp2_gradient_norm_and_clip_match_torchs(policy):
+    """grad_norm's sharded path gives clip_grad_norm_'s norm and clipped gradients."""
+    with _one_process_group():
+        torch.manual_seed(0)
+        model = build_model("tiny", "s-ste", vocab_size=64, block_size=32)
+        shard(model, fsdp_policy(policy))
+        x = torch.randint(0, 64, (4, 33), generator=torch.Generator().manual_seed(2))
+        model(x[:, :-1], x[:, 1:])[1].backward()
+        grads = [p.grad for p in model.parameters()]
+        want = torch.nn.utils.get_total_norm(grads).full_tensor()
+        torch.testing.assert_close(grad_norm(model, 0.0), want)
+        before = [g.full_tensor().clone() for g in grads]
+        torch.testing.assert_close(grad_norm(model, 0.5), want)  # the norm before clipping, as torch returns
+        scale = 0.5 / (want + 1e-6)
+        for g, b in zip(grads, before):
+            torch.testing.assert_close(g.full_tensor(), b * scale)
+        torch.testing.assert_close(grad_norm(model, 0.0), torch.tensor(0.5), atol=1e-5, rtol=1e-4)

@@ -44,7 +44,7 @@ from .console import Interrupted, Progress, StopRequest
 from .data import TokenData, load_data
 from .graphs import GradAllReduce, StepGraphs
 from .lock import RunLock
-from .parallel import checkpoint_blocks, fsdp_policy, shard
+from .parallel import checkpoint_blocks, fsdp_policy, grad_norm, shard
 from .runs import (
     CKPT,
     MetricsLog,
@@ -158,11 +158,13 @@ def _train(cfg: TrainConfig, data: TokenData | None, rank: int, world: int, loca
         _check_resumable(ckpt, cfg, world, out)
 
     torch.manual_seed(cfg.seed)
-    model = build_model(cfg, recipe, data.vocab_size).to(device)
+    fsdp = world > 1 and cfg.fsdp is not None
+    # an FSDP2 run's model is built on its GPU (a large model's init on the CPU takes minutes)
+    with torch.device(device) if fsdp else contextlib.nullcontext():
+        model = build_model(cfg, recipe, data.vocab_size).to(device)
     raw = model  # the unwrapped model: state dicts, recipe state, flip rates
     if cfg.activation_checkpointing:
         checkpoint_blocks(model)
-    fsdp = world > 1 and cfg.fsdp is not None
     if fsdp:
         shard(model, fsdp_policy(cfg.fsdp))
     decay = [p for p in model.parameters() if p.dim() >= 2]
@@ -202,7 +204,7 @@ def _train(cfg: TrainConfig, data: TokenData | None, rank: int, world: int, loca
         return loss.detach()
 
     def clip() -> torch.Tensor:  # the gradients clipped, their norm returned
-        return _grad_norm(model, cfg.grad_clip)
+        return grad_norm(model, cfg.grad_clip)
     graphs = None  # under DDP the graph holds the local passes, the gradients' average runs after it
     if cfg.step_graphs and device.type == "cuda" and not fsdp and not cfg.compile and not recipe.starts_dense:
         reduce = GradAllReduce(list(raw.parameters()), world) if ddp else None
@@ -310,17 +312,6 @@ def _train(cfg: TrainConfig, data: TokenData | None, rank: int, world: int, loca
     if world > 1:
         dist.barrier()
     return summary
-
-
-def _grad_norm(model: torch.nn.Module, clip: float) -> torch.Tensor:
-    """The gradients' total norm, a tensor on their device (no host sync); clips them to ``clip``
-    when it is set (not 0)."""
-    params = [p for p in model.parameters() if p.grad is not None]
-    if clip:
-        norm = torch.nn.utils.clip_grad_norm_(params, clip)
-    else:
-        norm = torch.nn.utils.get_total_norm([p.grad for p in params])
-    return norm.full_tensor() if isinstance(norm, DTensor) else norm  # FSDP2: the norm over every shard
 
 
 def _everywhere(flag: torch.Tensor, world: int) -> bool:
