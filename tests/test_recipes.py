@@ -13,6 +13,7 @@ def test_names_and_defaults():
     assert make_recipe() == make_recipe("s-ste")
     s = make_recipe("s-ste")
     assert s.pruning is SOFT and s.mvue and s.precision == BF16 and not s.precision.fp8 and s.decay == 0
+    assert s.beta_interval == 0 and make_recipe("s-ste", beta_interval=100).beta_interval == 100
     sr = make_recipe("sr-ste")
     assert sr.pruning is HARD and sr.decay == 2e-4 and not sr.mvue
     t = make_recipe("t-sr-ste")
@@ -39,7 +40,8 @@ def test_unknown_name_lists_valid():
         make_recipe("sste")
 
 
-@pytest.mark.parametrize("name,opt", [("ste", "decay"), ("s-ste", "mask_interval"), ("dense", "mvue")])
+@pytest.mark.parametrize("name,opt", [("ste", "decay"), ("s-ste", "mask_interval"), ("dense", "mvue"),
+                                      ("ste", "beta_interval")])
 def test_unknown_option_lists_valid(name, opt):
     with pytest.raises(ValueError, match=f"no option {opt}; valid options"):
         make_recipe(name, **{opt: 1})
@@ -68,6 +70,12 @@ def test_bad_option_values(opts, says):
     with pytest.raises((ValueError, TypeError), match=f"^recipe 't-sr-ste'.*{says}") as e:
         make_recipe("t-sr-ste", **opts)
     assert "\n" not in str(e.value)
+
+
+@pytest.mark.parametrize("value", [-1, 1.5, True])
+def test_bad_beta_interval(value):
+    with pytest.raises(ValueError, match=f"^recipe 's-ste': beta_interval must be an int >= 0, got {value}$"):
+        make_recipe("s-ste", beta_interval=value)
 
 
 def test_precision_presets():
