@@ -76,14 +76,13 @@ def runs_table(runs: list[dict], base: str = "dense") -> str:
     return "\n".join(lines)
 
 
-def summary_table(runs: list[dict], base: str = "dense", versus: str | None = None) -> str:
+def summary_table(runs: list[dict], base: str = "dense", versus: tuple[str, ...] = ()) -> str:
     """One row per run label: seeds, final val loss (mean ± std), the relative gap to the base
-    paired by seed, and with ``versus`` the paired gap to that label's run of the same seed."""
+    paired by seed, and the paired gap to each label of ``versus`` (its run of the same seed)."""
     gaps = _gaps(runs, base)
-    vs = _gaps(runs, versus) if versus else {}
-    head = f"| run | seeds | final val loss | against {base}, paired by seed |"
-    lines = [head + (f" against {versus}, paired by seed |" if versus else ""),
-             "|---|---|---|---|" + ("---|" if versus else "")]
+    vs = {v: _gaps(runs, v) for v in versus}
+    lines = [f"| run | seeds | final val loss | against {base}, paired by seed |"
+             + "".join(f" against {v}, paired |" for v in versus), "|---|---|---|---|" + "---|" * len(versus)]
     for label in dict.fromkeys(s["label"] for s in runs):
         if label == base:
             continue
@@ -92,9 +91,9 @@ def summary_table(runs: list[dict], base: str = "dense", versus: str | None = No
         g = list(gaps.get(label, {}).values())
         row = (f"| {label} | {', '.join(map(str, seeds))} | {mean_std(loss, '', 4).lstrip('+')} "
                f"| {mean_std(g) if g else 'no baseline'} |")
-        if versus:
-            v = list(vs.get(label, {}).values())
-            row += f" {'-' if label == versus else (mean_std(v) if v else 'no run')} |"
+        for v in versus:
+            d = list(vs[v].get(label, {}).values())
+            row += f" {'-' if label == v else (mean_std(d) if d else 'no run')} |"
         lines.append(row)
     return "\n".join(lines)
 
@@ -119,15 +118,15 @@ def claim_table(folders: dict[str, Path]) -> str:
     return "\n".join(lines)
 
 
-def _folder_tables(folder: Path, base: str = "dense", versus: str | None = None, by_folder: bool = False,
+def _folder_tables(folder: Path, base: str = "dense", versus: tuple[str, ...] = (), by_folder: bool = False,
                    keep: Callable[[str], bool] = lambda label: True) -> str:
     """A folder's three tables: every run, each label over its seeds, and (unless ``by_folder``)
     the gap at each evaluation; only the labels ``keep`` accepts, besides the baselines."""
-    runs = [s for s in load_runs(folder, by_folder) if s["label"] in (base, versus) or keep(s["label"])]
+    runs = [s for s in load_runs(folder, by_folder) if s["label"] in (base, *versus) or keep(s["label"])]
     parts = [runs_table(runs, base), "", summary_table(runs, base, versus)]
     if not by_folder:
         steps, series = gap_series(folder, base)
-        series = {k: v for k, v in series.items() if k == versus or keep(k)}
+        series = {k: v for k, v in series.items() if k in versus or keep(k)}
         parts += ["", f"The relative gap to {base} at each evaluation, mean over seeds:", "",
                   gap_table(steps, series)]
     return "\n".join(parts)
@@ -137,7 +136,7 @@ def _ablation() -> str:
     folder = RESULTS / ABLATION
     if not folder.is_dir():
         return f"No run files in docs/results/{ABLATION}/ yet: `scripts/s_ste_ablation.py` has not been run."
-    return _folder_tables(folder, "dense", "ste")
+    return _folder_tables(folder, "dense", ("s-ste", "ste"))
 
 
 def _claims() -> str:
@@ -177,10 +176,10 @@ def main() -> int:
     ap.add_argument("--check", type=Path, help="exit 1 if a marked table of this file differs from its run files")
     ap.add_argument("--folder", type=Path, help="print the tables of one folder of runs instead")
     ap.add_argument("--base", default="dense", help="with --folder: the baseline's label (default %(default)s)")
-    ap.add_argument("--versus", default=None, help="with --folder: a second label to pair gaps with (e.g. ste)")
+    ap.add_argument("--versus", nargs="*", default=[], help="with --folder: more labels to pair gaps with (s-ste ste)")
     args = ap.parse_args()
     if args.folder:
-        print(_folder_tables(args.folder, args.base, args.versus))
+        print(_folder_tables(args.folder, args.base, tuple(args.versus)))
     elif args.write or args.check:
         path = args.write or args.check
         old = path.read_text()

@@ -139,14 +139,14 @@ def dw_routes(summary: dict) -> str:
 
 
 def report(runs: Path) -> str:
-    """The ablation's tables (results_tables' three, against dense and paired with STE) and each
-    run's dW route and code digest."""
+    """The ablation's tables (results_tables' three: against dense, and paired with S-STE and STE
+    of the same seed) and each run's dW route and code digest."""
     lines = ["| run | seed | dW route of MVUE (per shape) | code digest |", "|---|---|---|---|"]
     for s in load_runs(runs):
         on = (s.get("recipe_options") or {}).get("mvue", s["recipe"] in ("s-ste", "t-sr-ste"))
         route = dw_routes(s) if on else "-" if s["recipe"] == "dense" else "exact (MVUE off)"
         lines.append(f"| {s['label']} | {s['seed']} | {route} | {digest(s)} |")
-    return _folder_tables(runs, "dense", "ste") + "\n\n" + "\n".join(lines) + "\n"
+    return _folder_tables(runs, "dense", ("s-ste", "ste")) + "\n\n" + "\n".join(lines) + "\n"
 
 
 def main() -> int:

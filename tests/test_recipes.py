@@ -22,6 +22,20 @@ def test_names_and_defaults():
     assert not make_recipe("dense").sparse and make_recipe("ste").sparse
 
 
+def test_one_constant_is_every_default():
+    """``twofour train``, TrainConfig and SparseLinear default to DEFAULT_RECIPE: switching the
+    default recipe is one line in recipes.py."""
+    import inspect  # noqa: PLC0415
+
+    from twofour.cli import build_parser  # noqa: PLC0415
+    from twofour.sparse import DEFAULT_RECIPE, SparseLinear  # noqa: PLC0415
+    from twofour.training.config import TrainConfig  # noqa: PLC0415
+
+    assert TrainConfig().recipe == DEFAULT_RECIPE == make_recipe().name
+    assert inspect.signature(SparseLinear).parameters["recipe"].default == DEFAULT_RECIPE
+    assert build_parser().parse_args(["train"]).recipe == DEFAULT_RECIPE
+
+
 def test_options_apply_and_round_trip():
     r = make_recipe("sr-ste", decay=6e-5, mvue=True)
     assert r.decay == 6e-5 and r.mvue
