@@ -202,6 +202,13 @@ class SparseLinear(nn.Linear):
     def _refresh_due(self) -> bool:
         return not self._dense and self.pruner.refresh_due(self._step, self.recipe.mask_interval)
 
+    def _refit_beta(self) -> None:
+        """Refit the scale beta to the current weight every ``beta_interval`` steps (S-STE with
+        that option; the default 0 keeps the beta fitted when the layer was made sparse)."""
+        n = self.recipe.beta_interval
+        if n and not self._dense and self._step % n == 0 and self.beta is not None:
+            self.beta.copy_(self.pruner.scale(self.weight.detach()))
+
     def _fused_refresh_ok(self) -> bool:
         """The mask refresh can run as the fused GPU kernel: a plain contiguous CUDA weight with
         Triton present (not an FSDP2 shard), a recipe whose mask is a top-2 of |W|."""
@@ -320,3 +327,5 @@ def advance_layers(layers: Iterable[SparseLinear], sparse_phase: bool | None = N
             layer._refresh_pending = True
         else:
             layer._refresh_mask_torch()
+    for layer in moved:
+        layer._refit_beta()
