@@ -170,3 +170,17 @@ def test_gpu_graph_decoding_gives_the_eager_tokens(which, tmp_path):
     with torch.cuda.graph(graph):
         step()
     assert all(torch.equal(a, b) for a, b in zip(eager, decode(graph.replay)))
+
+
+@pytest.mark.parametrize("bad", [["--model", "gpt5"], ["--layers", "0"]])
+def test_bench_inference_refuses_an_unknown_preset_or_no_layers(bad, capsys):
+    assert main(["bench", "--inference", *bad]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "--model must be one of" in err
+
+
+def test_exported_pair_takes_fewer_layers(tmp_path):
+    """``twofour bench --inference --layers N``: the preset built with N blocks."""
+    sparse, _, cfg = exported_pair("llama-tiny", tmp_path, vocab_size=128, context=32, device="cpu", n_layer=1)
+    assert cfg["model"]["n_layer"] == 1 and cfg["architecture"] == "Llama"
+    assert cfg["sparse_layers"] == ["h.0.mlp.gate_up", "h.0.mlp.down"]
