@@ -67,8 +67,9 @@ class Config(NamedTuple):
 
 _SPLITS = (1, 2, 4, 8)
 #: What the GPU measures per shape: ``quad`` (CUDA cores) tiles for one token, ``quad_dot``
-#: (tensor cores) tiles for 1 to 16, each at every split of :data:`_SPLITS`; ``pairs`` only where
-#: the quad kernels can't read the weight (float32, inputs not a multiple of 8).
+#: (tensor cores) tiles for 1 to 16, each at every split of :data:`_SPLITS`; ``pairs`` wherever
+#: they fit (the only ones where the quad kernels can't read the weight: float32, inputs not a
+#: multiple of 8).
 CONFIGS = tuple(
     [Config("quad", r, i, w, s) for r, i, w in ((8, 256, 2), (16, 256, 4), (16, 512, 4), (32, 256, 4),
                                                 (32, 512, 8)) for s in _SPLITS]
@@ -88,13 +89,14 @@ def _quad_ok(values: torch.Tensor, k: int) -> bool:
 
 
 def configs_for(tokens: int, quad: bool = True) -> list[Config]:
-    """The configurations the GPU measures for ``tokens`` rows of x (``quad``: the weight is one
-    the quad kernels read, :func:`_quad_ok`)."""
+    """The configurations the GPU measures for ``tokens`` rows of x: the ``pairs`` ones that fit
+    (at most 32 float32 accumulators a thread), and with ``quad`` (the weight is one the quad
+    kernels read, :func:`_quad_ok`) the quad kernels' for that many tokens."""
     bt = _block_tokens(tokens)
+    pairs = [c for c in CONFIGS if c.kernel == "pairs" and bt * c.rows * (c.inputs // 4) <= 32 * 32 * c.warps]
     if not quad:
-        return [c for c in CONFIGS if c.kernel == "pairs"
-                and bt * c.rows * (c.inputs // 4) <= 32 * 32 * c.warps] or [CONFIGS[-1]]
-    return [c for c in CONFIGS if (c.kernel == "quad" and tokens == 1) or c.kernel == "quad_dot"]
+        return pairs or [CONFIGS[-1]]
+    return [c for c in CONFIGS if (c.kernel == "quad" and tokens == 1) or c.kernel == "quad_dot"] + pairs
 
 
 _INTERPRETER_CONFIG = Config("pairs", 16, 128, 4)
