@@ -143,6 +143,16 @@ def test_gpu_inference_report_rows():
 
 
 @pytest.mark.gpu
+def test_gpu_inference_report_of_a_llama_with_fewer_blocks():
+    """``--model llama-... --layers N``: Llama's vocabulary by default, the blocks built said in the report."""
+    lines = list(inference_report(False, "llama-tiny", context=128, prefill_batches=(1,), decode_batches=(1, 16),
+                                  prompt_len=16, decode_steps=16, n_layer=2))
+    assert lines[0].startswith("llama-tiny, 2 of its 4 blocks (--layers), vocabulary 32000")
+    assert [r.split(" | ")[:2] for r in _gpu_rows(lines)] == [["| prefill", "1"], ["| decode", "1"],
+                                                              ["| decode", "16"]]
+
+
+@pytest.mark.gpu
 @pytest.mark.parametrize("which", ["2:4", "dense twin"])
 @torch.no_grad()
 def test_gpu_graph_decoding_gives_the_eager_tokens(which, tmp_path):

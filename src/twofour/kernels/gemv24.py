@@ -65,7 +65,7 @@ class Config(NamedTuple):
         return f"{self.kernel} {self.rows}x{self.inputs} w{self.warps} s{self.split} p{self.stages}"
 
 
-_SPLITS = (1, 2, 4, 8)
+_SPLITS = (1, 2, 3, 4, 6, 8)  # 3 and 6: fewer partial waves where the bands are not a multiple of the SMs
 #: What the GPU measures per shape: ``quad`` (CUDA cores) tiles for one token, ``quad_dot``
 #: (tensor cores) tiles for 1 to 16, each at every split of :data:`_SPLITS`; ``pairs`` wherever
 #: they fit (the only ones where the quad kernels can't read the weight: float32, inputs not a
