@@ -35,16 +35,16 @@ VARIANTS = [("quad", 1, 16, 256, 4), ("quad", 1, 32, 512, 8), ("quad", 1, 8, 256
 def compile_kernel(kernel: str, tokens: int, bo: int, bk: int, warps: int) -> tuple[int, int, collections.Counter,
                                                                                      str, str]:
     """(registers, spilled bytes, SASS opcode counts, SASS text, TTGIR) of one variant for bf16
-    inputs read row-major, every row and input in range."""
+    inputs read row-major (the quad kernels' x as int64 words), every row and input in range."""
     fn = g.triton_kernels()[kernel]
     sig = {k: v for k, v in SIG.items() if k in fn.arg_names}
-    if kernel == "quad":  # x as int64 words of four inputs
+    if kernel != "pairs":  # x as int64 words of four inputs
         sig["x_ptr"] = "*i64"
     const = {"HAS_BIAS": False, "BT": tokens, "BO": bo, "PARTIAL": False, "sxk": 1, "IS_BF16": True}
     if kernel == "pairs":
         const.update(BK=bk, VALUE_BITS=16)
     else:
-        const.update(BQ=bk // 8, EVEN=True)
+        const.update(BQ=bk // 8, EVEN=True, **({"X_WORDS": True} if kernel == "quad_dot" else {}))
     aligned = [k for k in ("x_ptr", "pairs_ptr", "q_ptr", "pos_ptr", "p_ptr", "y_ptr", "K", "N", "Q", "sxt",
                            "pos_stride", "k_per", "q_per") if k in fn.arg_names]
     regs, spill, text, ttgir = compile_for_hopper(fn, sig, const, aligned, warps)

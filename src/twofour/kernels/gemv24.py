@@ -213,12 +213,15 @@ def launch(x: torch.Tensor, values: torch.Tensor, positions: torch.Tensor, bias:
     if quad:
         even = n % cfg.rows == 0 and units % step == 0
         bt = _DOT_TOKENS if cfg.kernel == "quad_dot" else 1
-        xin = x
-        if cfg.kernel == "quad":  # one token's x as int64 words of 4 inputs: contiguous, 8-byte aligned
-            xin = x[0] if x.stride(1) == 1 and x.data_ptr() % 8 == 0 else x[0].clone()
-            xin = xin.view(torch.int64)
-        quad_kernels()[cfg.kernel][grid](xin, x.stride(0), x.stride(1), values.view(torch.int64), positions, b, out,
-                                         t, n, units, per, BT=bt, BQ=step, EVEN=even,
+        # x as int64 words of 4 inputs where its rows allow (always for the one-token kernel)
+        aligned = x.stride(1) == 1 and x.data_ptr() % 8 == 0
+        if cfg.kernel == "quad":
+            xin = (x[0] if aligned else x[0].clone()).view(torch.int64)
+        else:
+            common["X_WORDS"] = aligned and x.stride(0) % 4 == 0
+            xin = x.view(torch.int64) if common["X_WORDS"] else x
+        quad_kernels()[cfg.kernel][grid](xin, xin.stride(0), x.stride(1), values.view(torch.int64), positions, b,
+                                         out, t, n, units, per, BT=bt, BQ=step, EVEN=even,
                                          IS_BF16=values.dtype == torch.bfloat16, **common)
     else:  # each group's two values as one word: (N, K/4) of twice the value's width
         words = values.view(torch.int64 if values.element_size() == 4 else torch.int32)

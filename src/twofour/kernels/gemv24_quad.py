@@ -12,14 +12,15 @@ ones), so the sum over the inputs runs in an order other than the columns', whic
 * :func:`_quad_fma_kernel` (CUDA cores, one token): each kept value is multiplied by the entry
   of x its position selects, x read from L1 as int64 words of a group's four inputs and the
   entry taken by a shift of 16 x its position, so a group costs two multiply-adds rather than
-  the dense four. (With more tokens, a (tokens, rows, quads)
-  accumulator needs layout conversions in the loop; those go to the next kernel.)
+  the dense four. (With more tokens, a (tokens, rows, quads) accumulator needs layout
+  conversions in the loop; those go to the next kernel.)
 * :func:`_quad_dot_kernel` (tensor cores, tokens padded to 16): each group's four weight entries
   are placed in four (rows, quads) planes, one per position in the group, each multiplied with
   the matching (quads, tokens) columns of x by ``tl.dot``; the work per weight byte does not grow
-  with the tokens. On Hopper the weight tiles stream into shared memory by ``cp.async`` (16-byte,
-  software-pipelined), are decoded in the tensor cores' register layout, and feed ``wgmma``
-  from registers (``benchmarks/inference/gemv_sass.py``).
+  with the tokens. x is read as int64 words of a group's four inputs where its rows allow. On
+  Hopper the weight tiles stream into shared memory by ``cp.async`` (16-byte, software-pipelined),
+  are decoded in the tensor cores' register layout, and feed ``wgmma`` from registers
+  (``benchmarks/inference/gemv_sass.py``).
 
 Both split the inputs over several programs per band of rows where asked (float32 partials,
 summed by :func:`_sum_splits`), so that a layer with few output rows still fills the GPU.
@@ -138,33 +139,50 @@ def _quad_fma_kernel(x_ptr, sxt, sxk, q_ptr, p_ptr, bias_ptr, y_ptr, T, N, Q, q_
 
 
 @jit
-def _plane_dot(acc, e, x_ptr, sxt, sxk, t, tm, c, qm):
-    """acc (BO, BT) += the weight plane ``e`` (BO, BQ) times x's columns ``c`` (BQ, BT)."""
-    xs = tl.load(x_ptr + c[:, None] * sxk + t[None, :] * sxt, mask=qm[:, None] & tm[None, :], other=0.0)
-    return tl.dot(e.to(xs.dtype), xs, acc)
+def _plane(v0, v1, i0, i1, E: tl.constexpr):
+    """Entry ``E`` of each group: v0 where it is the first kept position, v1 the second, else 0."""
+    if E == 0:
+        return tl.where(i0 == 0, v0, 0.0)
+    elif E == 3:
+        return tl.where(i1 == 3, v1, 0.0)
+    else:
+        return tl.where(i0 == E, v0, tl.where(i1 == E, v1, 0.0))
+
+
+@jit
+def _x_entry(xw, E: tl.constexpr, IS_BF16: tl.constexpr):
+    """Entry ``E`` of int64 words of four 16-bit inputs, in their dtype (shift and bit cast)."""
+    bits = (xw >> (16 * E)).to(tl.int32).to(tl.uint16)
+    if IS_BF16:
+        return bits.to(tl.bfloat16, bitcast=True)
+    else:
+        return bits.to(tl.float16, bitcast=True)
 
 
 @jit
 def _quad_dot_kernel(x_ptr, sxt, sxk, q_ptr, p_ptr, bias_ptr, y_ptr, T, N, Q, q_per, HAS_BIAS: tl.constexpr,
                      BT: tl.constexpr, BO: tl.constexpr, BQ: tl.constexpr, PARTIAL: tl.constexpr,
-                     EVEN: tl.constexpr, IS_BF16: tl.constexpr):
-    """Rows ``BO`` of y over quads [s q_per, (s + 1) q_per) for split s, on tensor cores (BT >= 16)."""
+                     EVEN: tl.constexpr, IS_BF16: tl.constexpr, X_WORDS: tl.constexpr):
+    """Rows ``BO`` of y over quads [s q_per, (s + 1) q_per) for split s, on tensor cores (BT >= 16).
+    With ``X_WORDS`` x is given as int64 words of four inputs (``sxt`` in words): one (quads,
+    tokens) load a group position instead of four."""
     o, q_lo, t, om, tm = _program(T, N, q_per, BT, BO)
     acc = tl.zeros((BO, BT), dtype=tl.float32)
     for q0 in range(q_lo, tl.minimum(Q, q_lo + q_per), BQ):
         q = q0 + tl.arange(0, BQ)
-        qm = q < Q
+        xm = (q < Q)[:, None] & tm[None, :]
         w, p = _load_quads(q_ptr, p_ptr, o, om, q, Q, EVEN)
         for s in tl.static_range(2):
             word, i0, i1 = _half(w, p, s)
             v0, v1 = _pair_f32(word, IS_BF16)  # exact; each plane is rounded back to 16 bits losslessly
-            c = 8 * q + 4 * s
-            acc = _plane_dot(acc, tl.where(i0 == 0, v0, 0.0), x_ptr, sxt, sxk, t, tm, c, qm)
-            acc = _plane_dot(acc, tl.where(i0 == 1, v0, tl.where(i1 == 1, v1, 0.0)), x_ptr, sxt, sxk, t, tm,
-                             c + 1, qm)
-            acc = _plane_dot(acc, tl.where(i0 == 2, v0, tl.where(i1 == 2, v1, 0.0)), x_ptr, sxt, sxk, t, tm,
-                             c + 2, qm)
-            acc = _plane_dot(acc, tl.where(i1 == 3, v1, 0.0), x_ptr, sxt, sxk, t, tm, c + 3, qm)
+            if X_WORDS:
+                xw = tl.load(x_ptr + (2 * q + s)[:, None] + t[None, :] * sxt, mask=xm, other=0)
+            for e in tl.static_range(4):
+                if X_WORDS:
+                    xs = _x_entry(xw, e, IS_BF16)
+                else:
+                    xs = tl.load(x_ptr + (8 * q + 4 * s + e)[:, None] * sxk + t[None, :] * sxt, mask=xm, other=0.0)
+                acc = tl.dot(_plane(v0, v1, i0, i1, e).to(xs.dtype), xs, acc)
     _store_rows(tl.trans(acc), y_ptr, bias_ptr, t, o, tm, om, T, N, HAS_BIAS, PARTIAL)
 
 
