@@ -151,11 +151,12 @@ if HAS_TRITON:
     def _gemv24_pairs_kernel(x_ptr, sxt, sxk, pairs_ptr, pos_ptr, pos_stride, bias_ptr, y_ptr, T, N, K, k_per,
                              HAS_BIAS: tl.constexpr, BT: tl.constexpr, BO: tl.constexpr, BK: tl.constexpr,
                              PARTIAL: tl.constexpr, VALUE_BITS: tl.constexpr, IS_BF16: tl.constexpr):
-        """:func:`_gemv24_kernel` with every operand loaded straight into the layout the products
-        use, no splits or joins (each a round trip through shared memory between barriers): a
-        group's two values as one word (two 16-bit halves, or two 32-bit ones for float32), its
-        4-bit code from the position byte by a shift, and x as four loads, one per group entry.
-        One token (decoding at batch 1) accumulates in two dimensions, in the weights' layout."""
+        """Rows ``BO`` of y over inputs [s k_per, (s + 1) k_per) for split s, any float dtype,
+        every operand loaded straight into the layout the products use, no splits or joins (each a
+        round trip through shared memory between barriers): a group's two values as one word (two
+        16-bit halves, or two 32-bit ones for float32), its 4-bit code from the position byte by a
+        shift, and x as four loads, one per group entry. One token (decoding at batch 1)
+        accumulates in two dimensions, in the weights' layout."""
         G: tl.constexpr = BK // 4
         o = tl.program_id(0) * BO + tl.arange(0, BO)
         k_lo = tl.program_id(1) * k_per
@@ -187,6 +188,7 @@ if HAS_TRITON:
                                    tl.load(xp + 3 * sxk, mask=xm, other=0.0).to(tl.float32))
             y = tl.sum(acc3, axis=2)  # (BT, BO)
         _store_rows(y, y_ptr, bias_ptr, t, o, tm, om, T, N, HAS_BIAS, PARTIAL)
+
 
 def reference(x: torch.Tensor, values: torch.Tensor, positions: torch.Tensor,
               bias: torch.Tensor | None = None) -> torch.Tensor:
