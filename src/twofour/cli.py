@@ -315,10 +315,14 @@ def build_parser() -> argparse.ArgumentParser:
                        "training loop's tokens/s; print the tables (needs CUDA)")
     b.add_argument("--quick", action="store_true", help="fewer shapes and repetitions")
     what = b.add_mutually_exclusive_group()
-    what.add_argument("--inference", action="store_true", help="instead: an exported 2:4 gpt2-774m against its "
-                      "dense twin, prefill and decode tokens/s (CUDA graphs, static KV cache)")
+    what.add_argument("--inference", action="store_true", help="instead: an exported 2:4 model (--model) against "
+                      "its dense twin, prefill and decode tokens/s (CUDA graphs, static KV cache)")
     what.add_argument("--fp8", action="store_true", help="instead: FP8 layers (dense and s-ste) against bf16 and "
                       "against dense FP8")
+    b.add_argument("--model", default="gpt2-774m", help="--inference: the preset, random weights (default "
+                   "%(default)s; e.g. llama-7b)")
+    b.add_argument("--layers", type=int, default=None, help="--inference: build the preset with this many blocks "
+                   "instead of its own (less memory and time; the report says so)")
     b.add_argument("--write", default=None, help="also write the markdown report into this file (e.g. "
                    "docs/bench.md), between its <!-- bench:begin --> and <!-- bench:end --> markers (fp8, inference: "
                    "their own), appended the first time")
