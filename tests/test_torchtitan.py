@@ -1,0 +1,211 @@
+"""twofour's torchtitan converter on torchtitan's Llama 3 debug model, on the CPU.
+
+torchtitan's trainer picks CUDA unconditionally, so these tests drive its pieces the way its
+trainer does (config parsing with the custom config module, the model on the meta device, the
+converters, ``to_empty`` + ``init_weights``, its optimizers container with the post-step hook, its
+checkpoint's ``ModelWrapper`` through torch.distributed.checkpoint). The GPU run:
+benchmarks/step/torchtitan_run.sh.
+"""
+
+from pathlib import Path
+
+import pytest
+import torch
+from torch import nn
+
+import twofour
+from twofour.errors import TrainError
+
+titan = pytest.importorskip("torchtitan", reason="torchtitan is not installed (pip install \"twofour[torchtitan]\")")
+
+from torchtitan.components.checkpoint import ModelWrapper  # noqa: E402
+from torchtitan.components.optimizer import build_optimizers  # noqa: E402
+from torchtitan.components.quantization.utils import module_filter_fn  # noqa: E402
+from torchtitan.config import ConfigManager  # noqa: E402
+from torchtitan.distributed import ParallelDims  # noqa: E402
+from torchtitan.models.llama3 import Transformer, llama3_args  # noqa: E402
+from torchtitan.protocols.model_converter import build_model_converters  # noqa: E402
+
+from twofour.integrations import torchtitan as tt  # noqa: E402
+
+MODULE = "twofour.integrations.torchtitan"
+FFN = ("w1", "w2", "w3")
+
+
+def job(*args: str):
+    """A torchtitan JobConfig parsed as its launcher does, with the twofour section merged in."""
+    return ConfigManager().parse_args([f"--job.custom_config_module={MODULE}", "--training.steps=10", *args])
+
+
+def dims() -> ParallelDims:
+    return ParallelDims(dp_replicate=1, dp_shard=1, cp=1, tp=1, pp=1, ep=1, etp=1, world_size=1)
+
+
+def build(jc, seed: int = 0):
+    """The debug model as torchtitan's trainer builds it: meta device, converters, to_empty, init."""
+    args = llama3_args["debugmodel"]
+    args.update_from_config(jc)
+    with torch.device("meta"):
+        model = Transformer(args)
+    converters = build_model_converters(jc, dims())
+    converters.convert(model)
+    model.to_empty(device="cpu")
+    torch.manual_seed(seed)
+    with torch.no_grad():
+        model.init_weights()
+    return model, converters
+
+
+def ffn_layers(model):
+    return [model.layers[str(i)].feed_forward for i in range(len(model.layers))]
+
+
+def train_steps(model, converters, jc, n: int, seed: int = 1):
+    """``n`` steps of forward/backward/clip/step with torchtitan's optimizers and post-step hook."""
+    opt = build_optimizers([model], jc.optimizer, dims())
+    opt.register_step_post_hook(lambda *a, **k: converters.post_optimizer_hook([model]))
+    gen = torch.Generator().manual_seed(seed)
+    for _ in range(n):
+        tokens = torch.randint(0, model.vocab_size, (2, 33), generator=gen)
+        logits = model(tokens[:, :-1])
+        loss = nn.functional.cross_entropy(logits.flatten(0, 1).float(), tokens[:, 1:].flatten())
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        opt.step()
+        opt.zero_grad()
+    return opt
+
+
+def test_converter_makes_the_ffn_linears_2to4_with_the_recipe():
+    jc = job("--model.converters=twofour", "--twofour.recipe=sr-ste", "--twofour.decay=1e-4")
+    model, converters = build(jc)
+    for ffn in ffn_layers(model):
+        for name in FFN:
+            layer = getattr(ffn, name)
+            assert isinstance(layer, twofour.SparseLinear)
+            assert layer.recipe.name == "sr-ste" and layer.recipe.decay == 1e-4 and layer.recipe.total_steps == 10
+            # the buffers were recomputed after init_weights: the mask of the initialised weight
+            assert torch.equal(layer.mask, layer.pruner.mask(layer.weight.detach()))
+            assert int(layer.step) == 0
+    attn = model.layers["0"].attention
+    assert type(attn.wq) is nn.Linear and type(model.output) is nn.Linear
+    converters.converters[0].close()
+
+
+def test_attention_by_pattern_and_fp8_precision():
+    jc = job("--model.converters=twofour", "--twofour.precision=fp8",
+             "--twofour.include=" + ",".join(tt.FFN_LINEARS + tt.ATTENTION_LINEARS))
+    model, _ = build(jc)
+    attn = model.layers["0"].attention
+    assert all(isinstance(getattr(attn, n), twofour.SparseLinear) for n in ("wq", "wk", "wv", "wo"))
+    assert attn.wq.recipe.name == "s-ste" and attn.wq.recipe.precision.fp8
+
+
+def test_float8_listed_after_twofour_skips_the_sparse_layers():
+    jc = job("--model.converters=twofour,float8")
+    args = llama3_args["debugmodel"]
+    args.update_from_config(jc)
+    with torch.device("meta"):
+        model = Transformer(args)
+    tt.TwoFourConverter(jc, dims()).convert(model)  # float8's own converter needs torchao and an SM89 GPU
+    skip = jc.quantize.linear.float8.filter_fqns
+    for i, ffn in enumerate(ffn_layers(model)):
+        for name in FFN:
+            assert not module_filter_fn(getattr(ffn, name), f"layers.{i}.feed_forward.{name}", skip)
+    assert module_filter_fn(model.layers["0"].attention.wq, "layers.0.attention.wq", skip)
+
+
+@pytest.mark.parametrize("bad, message", [
+    (["--model.converters=float8,twofour"], "list 'twofour' first"),
+    (["--model.converters=twofour", "--twofour.recipe=step"], "STEPAdamW"),
+    (["--model.converters=twofour", "--twofour.recipe=dense", "--twofour.decay=0.1"], "takes no option decay"),
+])
+def test_refusals_are_one_line(bad, message):
+    with pytest.raises(TrainError, match=message) as e:
+        tt.TwoFourConverter(job(*bad), dims())
+    assert "\n" not in str(e.value)
+
+
+def test_post_optimizer_hook_advances_the_masks_and_sr_ste_decays_once_a_step():
+    jc = job("--model.converters=twofour", "--twofour.recipe=sr-ste")
+    model, converters = build(jc)
+    layer = model.layers["0"].feed_forward.w1
+    w0 = layer.weight.detach().clone()
+    opt = train_steps(model, converters, jc, 3)
+    assert int(layer.step) == 3 and layer._step == 3
+    assert not torch.equal(layer.weight, w0)
+    assert torch.equal(layer.mask, layer.pruner.mask(layer.weight.detach()))  # refreshed after the last step
+    # the masked decay: added to the gradient right before the container's step, once
+    for p in model.parameters():
+        p.grad = torch.zeros_like(p)
+    seen = {}
+    inner = opt.optimizers[0]
+
+    def look(optimizer, args, kwargs):
+        seen["g"] = layer.weight.grad.clone()
+
+    handle = inner.register_step_pre_hook(look)
+    mask, w = layer.mask.clone(), layer.weight.detach().clone()
+    opt.step()
+    handle.remove()
+    expected = layer.recipe.decay * w.masked_fill(mask, 0)
+    torch.testing.assert_close(seen["g"], expected)
+    converters.converters[0].close()
+
+
+def test_checkpoint_round_trip_restores_masks_scales_and_steps(tmp_path):
+    import torch.distributed.checkpoint as dcp
+
+    jc = job("--model.converters=twofour", "--twofour.recipe=s-ste")
+    model, converters = build(jc, seed=0)
+    train_steps(model, converters, jc, 2)
+    saved = ModelWrapper(model)
+    keys = saved.state_dict().keys()
+    assert {"layers.0.feed_forward.w1.mask", "layers.0.feed_forward.w1.beta", "layers.0.feed_forward.w1.step"} <= keys
+    dcp.save({"model": saved}, checkpoint_id=str(tmp_path / "step-2"))
+
+    fresh, _ = build(jc, seed=123)
+    dcp.load({"model": ModelWrapper(fresh)}, checkpoint_id=str(tmp_path / "step-2"))
+    for a, b in zip(ffn_layers(model), ffn_layers(fresh)):
+        for name in FFN:
+            la, lb = getattr(a, name), getattr(b, name)
+            for buf in ("mask", "beta", "step", "weight"):
+                assert torch.equal(getattr(la, buf), getattr(lb, buf)), (name, buf)
+            assert lb._step == 2
+    tokens = torch.randint(0, model.vocab_size, (1, 16))
+    torch.testing.assert_close(fresh(tokens), model(tokens), rtol=0, atol=0)
+
+
+def test_a_compiled_block_has_no_graph_break():
+    """torchtitan compiles each block with fullgraph=True: the 2:4 FFN must trace in one graph."""
+    jc = job("--model.converters=twofour")
+    model, _ = build(jc)
+    block = model.layers["0"]
+    compiled = torch.compile(block, fullgraph=True, backend="eager")
+    x = torch.randn(1, 16, 256, requires_grad=True)
+    freqs = model.freqs_cis[:16]
+    torch.testing.assert_close(compiled(x, freqs, None), block(x, freqs, None))
+    compiled(x, freqs, None).sum().backward()
+    assert x.grad is not None
+
+
+@pytest.mark.parametrize("toml", sorted((Path(__file__).parents[1] / "examples" / "torchtitan").glob("*.toml")),
+                         ids=lambda p: p.name)
+def test_example_configs_parse_and_convert(toml):
+    """Each example job config parses in torchtitan's launcher and its model converts (on meta)."""
+    jc = ConfigManager().parse_args([f"--job.config_file={toml}"])
+    assert jc.model.converters[0] == tt.NAME and jc.job.custom_config_module == MODULE
+    args = llama3_args[jc.model.flavor]
+    args.update_from_config(jc)
+    with torch.device("meta"):
+        model = Transformer(args)
+    build_model_converters(jc, dims()).convert(model)
+    w1 = model.layers["0"].feed_forward.w1
+    assert isinstance(w1, twofour.SparseLinear) and w1.recipe.name == jc.twofour.recipe
+
+
+def test_flavors_have_the_llama3_shapes():
+    for flavor, (hidden, dim) in {"1B": (8192, 2048), "8B_4layers": (14336, 4096), "8B": (14336, 4096)}.items():
+        with torch.device("meta"):
+            model = Transformer(llama3_args[flavor])
+        assert model.layers["0"].feed_forward.w1.weight.shape == (hidden, dim), flavor
