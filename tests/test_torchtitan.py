@@ -7,6 +7,10 @@ checkpoint's ``ModelWrapper`` through torch.distributed.checkpoint). The GPU run
 benchmarks/step/torchtitan_run.sh.
 """
 
+import os
+import socket
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -41,14 +45,21 @@ def dims() -> ParallelDims:
     return ParallelDims(dp_replicate=1, dp_shard=1, cp=1, tp=1, pp=1, ep=1, etp=1, world_size=1)
 
 
-def build(jc, seed: int = 0):
-    """The debug model as torchtitan's trainer builds it: meta device, converters, to_empty, init."""
+def build(jc, seed: int = 0, mesh=None):
+    """The debug model as torchtitan's trainer builds it: meta device, converters, (FSDP2 over
+    ``mesh``), to_empty, init_weights."""
     args = llama3_args["debugmodel"]
     args.update_from_config(jc)
     with torch.device("meta"):
         model = Transformer(args)
     converters = build_model_converters(jc, dims())
     converters.convert(model)
+    if mesh is not None:
+        from torch.distributed.fsdp import fully_shard
+
+        for block in model.layers.values():
+            fully_shard(block, mesh=mesh)
+        fully_shard(model, mesh=mesh)
     model.to_empty(device="cpu")
     torch.manual_seed(seed)
     with torch.no_grad():
@@ -209,3 +220,53 @@ def test_flavors_have_the_llama3_shapes():
         with torch.device("meta"):
             model = Transformer(llama3_args[flavor])
         assert model.layers["0"].feed_forward.w1.weight.shape == (hidden, dim), flavor
+
+
+def fsdp_worker(folder: str) -> None:
+    """One of 2 gloo processes: FSDP2 as torchtitan applies it, 3 SR-STE steps, a DCP save and a load
+    into a fresh sharded model (run by the test below through torch.distributed.run)."""
+    import torch.distributed as dist
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.device_mesh import init_device_mesh
+
+    dist.init_process_group("gloo")
+    mesh = init_device_mesh("cpu", (dist.get_world_size(),))
+    jc = job("--model.converters=twofour", "--twofour.recipe=sr-ste")
+    model, converters = build(jc, seed=dist.get_rank(), mesh=mesh)  # each rank inits its own shard
+    layers = [getattr(f, n) for f in ffn_layers(model) for n in FFN]
+    for layer in layers:  # the masks of the whole (gathered) initial weight
+        assert torch.equal(layer.mask, layer.pruner.mask(layer.weight.detach().full_tensor()))
+    train_steps(model, converters, jc, 3)
+    for layer in layers:
+        assert int(layer.step) == 3 and torch.equal(layer.mask, layer.pruner.mask(layer.weight.detach().full_tensor()))
+        masks = [torch.empty_like(layer.mask) for _ in range(dist.get_world_size())]
+        dist.all_gather(masks, layer.mask.contiguous())
+        assert all(torch.equal(m, masks[0]) for m in masks)  # every rank holds the same mask
+    dcp.save({"model": ModelWrapper(model)}, checkpoint_id=folder)
+    fresh, _ = build(jc, seed=100 + dist.get_rank(), mesh=mesh)
+    dcp.load({"model": ModelWrapper(fresh)}, checkpoint_id=folder)
+    for a, b in zip(layers, [getattr(f, n) for f in ffn_layers(fresh) for n in FFN]):
+        assert torch.equal(a.mask, b.mask) and torch.equal(a.step, b.step) and b._step == 3
+        assert torch.equal(a.weight.detach().full_tensor(), b.weight.detach().full_tensor())
+    converters.converters[0].close()
+    if dist.get_rank() == 0:
+        print("FSDP2 OK")
+    dist.destroy_process_group()
+
+
+@pytest.mark.slow
+def test_fsdp2_two_processes_advance_identical_masks_and_resume(tmp_path):
+    """torchtitan's FSDP2 on 2 CPU processes: masks from the gathered weights after init and after
+    each step (with SR-STE's decay on the sharded gradients), equal on both ranks, and a DCP round trip."""
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = str(sock.getsockname()[1])
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-port", port,
+           __file__, str(tmp_path / "ckpt")]
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    res = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=600)
+    assert res.returncode == 0 and "FSDP2 OK" in res.stdout, res.stderr[-3000:]
+
+
+if __name__ == "__main__":
+    fsdp_worker(sys.argv[1])
