@@ -270,3 +270,40 @@ def test_fsdp2_two_processes_advance_identical_masks_and_resume(tmp_path):
 
 if __name__ == "__main__":
     fsdp_worker(sys.argv[1])
+
+
+def test_export_gives_a_plain_llama3_the_2to4_weights(tmp_path):
+    """A checkpoint in torchtitan's layout (model keys flat beside the other states) -> safetensors
+    that torchtitan's plain Llama 3 loads strictly, computing what the sparse model computed, and whose
+    FFN weights twofour.sparsify_for_inference takes as 2:4."""
+    import torch.distributed.checkpoint as dcp
+    from safetensors import safe_open
+    from safetensors.torch import load_file
+
+    jc = job("--model.converters=twofour", "--twofour.recipe=s-ste")
+    model, converters = build(jc)
+    train_steps(model, converters, jc, 2)
+    dcp.save({**ModelWrapper(model).state_dict(), "train_state": {"step": torch.tensor(2)}},
+             checkpoint_id=str(tmp_path / "step-2"))
+    out = tmp_path / "model.safetensors"
+    names = tt.export_checkpoint(tmp_path / "step-2", out)
+    assert names == sorted(f"layers.{i}.feed_forward.{n}" for i in range(len(model.layers)) for n in FFN)
+    with safe_open(str(out), "pt") as f:
+        assert f.metadata()["twofour_sparse_layers"].split(",") == names
+
+    plain = Transformer(llama3_args["debugmodel"])
+    missing, unexpected = plain.load_state_dict(load_file(str(out)), strict=False)
+    assert not unexpected and set(missing) <= {"freqs_cis"}
+    tokens = torch.randint(0, model.vocab_size, (1, 16))
+    with torch.no_grad():
+        torch.testing.assert_close(plain(tokens), model(tokens), rtol=1e-5, atol=1e-5)
+    twofour.sparsify_for_inference(plain, layers=names)
+    assert isinstance(plain.layers["0"].feed_forward.w1, twofour.SparseInferenceLinear)
+
+
+def test_export_refuses_a_checkpoint_without_2to4_layers(tmp_path):
+    import torch.distributed.checkpoint as dcp
+
+    dcp.save({"w.weight": torch.ones(4, 4)}, checkpoint_id=str(tmp_path / "c"))
+    with pytest.raises(TrainError, match="no 2:4 layer"):
+        tt.export_checkpoint(tmp_path / "c", tmp_path / "x.safetensors")

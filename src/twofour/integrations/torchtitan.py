@@ -21,8 +21,11 @@ right before the step. The buffers (masks, scales, step counters) are module buf
 distributed checkpoint saves and restores them with the weights.
 """
 
+import argparse
+import tempfile
 import types
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -31,6 +34,8 @@ from torch.optim.optimizer import register_optimizer_step_pre_hook
 
 from ..errors import TrainError
 from ..sparse import DEFAULT_RECIPE, Recipe, add_masked_decay, advance, make_recipe, sparse_layers, sparsify
+from ..sparse.layer import RECIPE_BUFFERS
+from ..sparse.pruners import SOFT
 
 try:
     from torchtitan.components.optimizer import OptimizersContainer
@@ -41,7 +46,7 @@ except ImportError as e:  # pragma: no cover - the message is the test
                       "pip install \"twofour[torchtitan]\"") from None
 
 __all__ = ["NAME", "FLAVORS", "FFN_LINEARS", "ATTENTION_LINEARS", "TwoFour", "JobConfig", "TwoFourConverter",
-           "recipe_from_config"]
+           "recipe_from_config", "export_checkpoint"]
 
 #: The name to list in ``[model] converters``.
 NAME = "twofour"
@@ -183,6 +188,53 @@ def _init_weights_then_recipe_state(self: nn.Module, *args: Any, **kwargs: Any) 
         layer.reset_state()
 
 
+@torch.no_grad()
+def export_checkpoint(checkpoint: str | Path, out: str | Path, dtype: torch.dtype | None = None) -> list[str]:
+    """A torchtitan checkpoint folder (``.../checkpoint/step-N``) of a twofour run -> one safetensors
+    file of the model in torchtitan's names, each 2:4 layer's weight replaced by the 2:4 weight its
+    forward used (S-STE: ``beta * soft_threshold(W)``; the others: ``W * mask``) and the recipe
+    buffers dropped. torchtitan's plain Llama 3 loads it (``load_state_dict``); then
+    :func:`twofour.sparsify_for_inference` makes those layers 2:4 inference layers. Returns their names."""
+    from safetensors.torch import save_file  # noqa: PLC0415
+    from torch.distributed.checkpoint.format_utils import dcp_to_torch_save  # noqa: PLC0415
+
+    with tempfile.TemporaryDirectory() as tmp:
+        dcp_to_torch_save(str(checkpoint), Path(tmp) / "full.pt")
+        full = torch.load(Path(tmp) / "full.pt", weights_only=True)
+    states = full["model"] if isinstance(full.get("model"), dict) else full  # nested, or torchtitan's flat layout
+    weights = {k: v for k, v in states.items() if isinstance(v, torch.Tensor)}
+    layers = sorted(k.removesuffix(".mask") for k in weights
+                    if k.endswith(".mask") and k.removesuffix("mask") + "weight" in weights)
+    if not layers:
+        raise TrainError(f"{checkpoint}: no 2:4 layer (a '.mask' beside a '.weight') in this checkpoint")
+    sparse = []
+    for name in layers:
+        w, mask, beta = weights[f"{name}.weight"], weights[f"{name}.mask"], weights.get(f"{name}.beta")
+        if bool(weights.get(f"{name}.dense", torch.tensor(False))):
+            continue  # in a dense phase (STEP's first, a final dense fine-tune): its weight as it is
+        weights[f"{name}.weight"] = SOFT.effective(w, beta, mask) if beta is not None else w * mask
+        sparse.append(name)
+    model = {k: (v.to(dtype) if dtype is not None and v.is_floating_point() else v).contiguous()
+             for k, v in weights.items() if k.rsplit(".", 1)[-1] not in RECIPE_BUFFERS}
+    save_file(model, str(out), metadata={"twofour_sparse_layers": ",".join(sparse)})
+    return sparse
+
+
+def main(argv: list[str] | None = None) -> None:
+    """``python -m twofour.integrations.torchtitan CHECKPOINT OUT.safetensors [--dtype bfloat16]``."""
+    parser = argparse.ArgumentParser(prog="python -m twofour.integrations.torchtitan",
+                                     description="Export a torchtitan checkpoint of a twofour run (2:4 weights).")
+    parser.add_argument("checkpoint", help="a torchtitan checkpoint folder, e.g. outputs/x/checkpoint/step-1000")
+    parser.add_argument("out", help="the safetensors file to write")
+    parser.add_argument("--dtype", choices=("float32", "bfloat16", "float16"), default=None)
+    args = parser.parse_args(argv)
+    names = export_checkpoint(args.checkpoint, args.out, getattr(torch, args.dtype) if args.dtype else None)
+    print(f"{len(names)} 2:4 layers -> {args.out}")
+
+
 register_model_converter(TwoFourConverter, NAME)
 for _flavor, _dims in FLAVORS.items():
     llama3_args.setdefault(_flavor, TransformerModelArgs(**_dims))
+
+if __name__ == "__main__":
+    main()
