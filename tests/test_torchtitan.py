@@ -8,6 +8,8 @@ benchmarks/step/torchtitan_run.sh.
 """
 
 import os
+import re
+import shutil
 import socket
 import subprocess
 import sys
@@ -258,14 +260,57 @@ def fsdp_worker(folder: str) -> None:
 def test_fsdp2_two_processes_advance_identical_masks_and_resume(tmp_path):
     """torchtitan's FSDP2 on 2 CPU processes: masks from the gathered weights after init and after
     each step (with SR-STE's decay on the sharded gradients), equal on both ranks, and a DCP round trip."""
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        port = str(sock.getsockname()[1])
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-port", port,
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-port", _free_port(),
            __file__, str(tmp_path / "ckpt")]
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     res = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=600)
     assert res.returncode == 0 and "FSDP2 OK" in res.stdout, res.stderr[-3000:]
+
+
+@pytest.mark.slow
+def test_torchtitans_launcher_trains_resumes_exactly_and_exports(tmp_path):
+    """The debug example through torchtitan's launcher on the CPU: 4 steps saving at steps 2 and 4;
+    with step 4's checkpoint removed, the same job resumes from step 2 (masks, scales, step counters
+    from torchtitan's checkpoint) to the same step-4 loss, bit for bit; the checkpoint exports to 18
+    2:4 FFN weights. (MVUE off: its random draws come from torch's RNG, which torchtitan does not save.)"""
+    root = Path(__file__).parents[1]
+    data = tmp_path / "data"
+    subprocess.run([sys.executable, str(root / "examples/torchtitan/make_data.py"), str(data), "--records", "200"],
+                   check=True, timeout=120)
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "1", "--master-port", _free_port(),
+           str(Path(__file__).with_name("torchtitan_cpu_launcher.py")),
+           "--job.config_file", str(root / "examples/torchtitan/debug_model.toml"),
+           "--model.hf_assets_path", str(root / "examples/torchtitan/assets/tokenizer"),
+           "--training.dataset_path", str(data), "--job.dump_folder", str(tmp_path / "out"),
+           "--training.local_batch_size", "2", "--training.seq_len", "64", "--training.steps", "4",
+           "--checkpoint.enable", "--checkpoint.interval", "2", "--twofour.mvue", "False"]
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    losses = []
+    for run in range(2):
+        res = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=600, cwd=root)
+        log = re.sub(r"\x1b\[[0-9;]*m", "", res.stdout + res.stderr)
+        assert res.returncode == 0, log[-3000:]
+        assert "sparsify(s-ste): 18 layers converted" in log
+        losses.append(re.search(r"step:  4  loss: *([0-9.]+)", log).group(1))
+        if run == 0:
+            assert "step:  1 " in log
+            import torch.distributed.checkpoint as dcp
+
+            step = torch.zeros((), dtype=torch.long)
+            dcp.load({"layers.5.feed_forward.w3.step": step}, checkpoint_id=str(tmp_path / "out/checkpoint/step-4"))
+            assert int(step) == 4
+            n = tt.export_checkpoint(tmp_path / "out/checkpoint/step-4", tmp_path / "m.safetensors")
+            assert len(n) == 18
+            shutil.rmtree(tmp_path / "out/checkpoint/step-4")
+        else:
+            assert "step:  1 " not in log and "Loading the checkpoint" in log
+    assert losses[0] == losses[1]
+
+
+def _free_port() -> str:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return str(sock.getsockname()[1])
 
 
 if __name__ == "__main__":

@@ -1,8 +1,9 @@
 #!/usr/bin/env bash
 # torchtitan 0.2.2 Llama 3 on 2 GPUs (FSDP2): dense against twofour s-ste on the FFN linears, eager and
-# compiled, at the 1B shape and the 8B shape with 4 layers; one save + resume of the s-ste run. Prints
-# tokens/s (torchtitan's tps, median of the steps after the first 5) and the last loss side by side,
-# and writes $OUT/torchtitan_run.md (+ the logs). About 6-8 minutes on 2 H100s.
+# compiled, at the 1B shape and the 8B shape with 4 layers (30 steps each), then a save + resume of an
+# s-ste run. Prints tokens/s per GPU (torchtitan's tps, median of the steps after the 5th) and the last
+# loss side by side, and writes $OUT/torchtitan_run.md and each run's log. Runs past BUDGET seconds
+# (420) are skipped, so it ends within about 8 minutes; set RUNS to choose (see below).
 #   needs torchtitan's wheels (torchtitan-0.2.2 and the packages the image lacks) in .whl/: see
 #   docs/torchtitan.md "On a machine without network".
 #   bash benchmarks/step/torchtitan_run.sh
@@ -12,41 +13,49 @@ export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVL
 OUT=${OUT:-/tmp/torchtitan_run}; mkdir -p "$OUT"
 SITE=/tmp/titan-site
 if ! python3 -c "import torchtitan" 2>/dev/null; then
+  ls .whl/torchtitan-0.2.2-*.whl >/dev/null 2>&1 || { echo "no torchtitan: carry its wheels in .whl/ (docs/torchtitan.md)"; exit 1; }
   python3 -m pip install -q --no-index --no-deps --target "$SITE" .whl/*.whl
 fi
 export PYTHONPATH=$PWD/src:$SITE${PYTHONPATH:+:$PYTHONPATH}
 python3 -c "import torch, torchtitan, datasets; print('torch', torch.__version__, '| datasets', datasets.__version__, '| gpus', torch.cuda.device_count())"
 DATA=/tmp/titan-data; [ -f $DATA/data.json ] || python3 examples/torchtitan/make_data.py $DATA --records 4000
-NPROC=${NPROC:-2}; STEPS=${STEPS:-30}
+NPROC=${NPROC:-2}; STEPS=${STEPS:-30}; SEQ=${SEQ:-2048}; BUDGET=${BUDGET:-420}  # seconds; later runs are skipped
+# RUNS: flavor:mode pairs, each trained dense (torchtitan's own model) and with twofour s-ste FFNs
+RUNS=${RUNS:-1B:eager 1B:compiled 8B_4layers:eager 8B_4layers:compiled}; RESUME_FLAVOR=${RESUME_FLAVOR:-debugmodel}
+ENTRY=${ENTRY:--m torchtitan.train}   # what torchrun starts: torchtitan's launcher
 SPARSE=examples/torchtitan/llama3_1b.toml
 DENSE=/tmp/titan-dense.toml  # the same job, torchtitan's plain model: no converter
 sed 's/^converters = .*$/converters = []/' $SPARSE > $DENSE
-run() {  # name flavor recipe(none: dense torchtitan) compile [extra args...]
-  local name=$1 flavor=$2 recipe=$3 comp=$4; shift 4
+run() {  # name flavor recipe(none: torchtitan's dense model) eager|compiled [extra args...]
+  local name=$1 flavor=$2 recipe=$3 tag=$4; shift 4
+  if [ "$SECONDS" -gt "$BUDGET" ]; then echo "skipped: $name (past the ${BUDGET}s budget)"; return 0; fi
   local cfg=$SPARSE; [ "$recipe" = none ] && cfg=$DENSE
-  timeout 300 torchrun --nproc-per-node "$NPROC" --rdzv-endpoint=localhost:29511 -m torchtitan.train \
+  local compile=--compile.no-enable; [ "$tag" = compiled ] && compile=--compile.enable
+  # shellcheck disable=SC2086
+  timeout 200 python3 -m torch.distributed.run --nproc-per-node "$NPROC" --rdzv-endpoint=localhost:29511 $ENTRY \
     --job.config_file $cfg --job.dump_folder "/tmp/tt-$name" --model.flavor "$flavor" \
-    --twofour.recipe "${recipe/none/s-ste}" --compile.enable="$comp" \
-    --training.dataset_path $DATA --training.steps "$STEPS" --training.local_batch_size 2 --training.seq_len 2048 \
-    --lr_scheduler.warmup_steps 5 --checkpoint.enable=false --metrics.log_freq 1 "$@" \
+    --twofour.recipe "${recipe/none/s-ste}" $compile --checkpoint.no-enable \
+    --training.dataset_path $DATA --training.steps "$STEPS" --training.local_batch_size 2 --training.seq_len "$SEQ" \
+    --lr_scheduler.warmup_steps 5 --metrics.log_freq 1 "$@" \
     > "$OUT/$name.log" 2>&1 || { echo "FAILED: $name (tail of $OUT/$name.log)"; tail -25 "$OUT/$name.log"; return 0; }
   echo "done: $name"
 }
-for flavor in 1B 8B_4layers; do
-  for comp in false true; do
-    run "dense-$flavor-c$comp" "$flavor" none "$comp"
-    run "sste-$flavor-c$comp" "$flavor" s-ste "$comp"
-  done
+for pair in $RUNS; do
+  flavor=${pair%%:*}; tag=${pair##*:}
+  run "dense-$flavor-$tag" "$flavor" none "$tag"
+  run "sste-$flavor-$tag" "$flavor" s-ste "$tag"
 done
-# save + resume: a 20-step s-ste run saving at steps 10 and 20; its step-20 checkpoint removed, the
-# same job again resumes from step 10 (weights, masks, scales, step counters, optimizer, data) to 20.
-# The two step-20 losses should agree to a few 1e-3 (GPU kernels are not bitwise).
+# save + resume (the debug model: its checkpoints are small): a 20-step s-ste run saving at steps 10
+# and 20; its step-20 checkpoint removed, the same job again resumes from step 10 (weights, masks,
+# scales, step counters, optimizer, data) to 20. MVUE off: its random draws come from torch's RNG,
+# which torchtitan does not save. The two step-20 losses should agree (bit for bit on the CPU).
 rm -rf /tmp/tt-resume
-CK="--job.dump_folder /tmp/tt-resume --training.steps 20 --checkpoint.enable=true --checkpoint.interval 10"
-run "resume-1-straight" 1B s-ste false $CK
+CK="--job.dump_folder /tmp/tt-resume --training.steps 20 --checkpoint.enable --checkpoint.interval 10 --twofour.mvue False"
+BUDGET=$((BUDGET + 90))  # the resume check runs even when the timing runs used the budget
+run "resume-1-straight" "$RESUME_FLAVOR" s-ste eager $CK
 rm -rf /tmp/tt-resume/checkpoint/step-20
-run "resume-2-from-step10" 1B s-ste false $CK
-grep -h "Loading the checkpoint\|Finished loading" "$OUT/resume-2-from-step10.log" | head -2 || true
+run "resume-2-from-step10" "$RESUME_FLAVOR" s-ste eager $CK
+grep -h "Loading the checkpoint" "$OUT/resume-2-from-step10.log" | head -1 || echo "resume-2 loaded no checkpoint"
 python3 - "$OUT" <<'PY'
 import re, statistics, sys
 from pathlib import Path
