@@ -19,7 +19,7 @@ fi
 export PYTHONPATH=$PWD/src:$SITE${PYTHONPATH:+:$PYTHONPATH}
 python3 -c "import torch, torchtitan, datasets; print('torch', torch.__version__, '| datasets', datasets.__version__, '| gpus', torch.cuda.device_count())"
 DATA=/tmp/titan-data; [ -f $DATA/data.json ] || python3 examples/torchtitan/make_data.py $DATA --records 4000
-NPROC=${NPROC:-2}; STEPS=${STEPS:-30}; SEQ=${SEQ:-2048}; BUDGET=${BUDGET:-420}  # seconds; later runs are skipped
+NPROC=${NPROC:-2}; STEPS=${STEPS:-30}; SEQ=${SEQ:-2048}; LBS=${LBS:-4}; BUDGET=${BUDGET:-420}  # seconds; later runs are skipped
 # RUNS: flavor:mode pairs, each trained dense (torchtitan's own model) and with twofour s-ste FFNs
 RUNS=${RUNS:-1B:eager 1B:compiled 8B_4layers:eager 8B_4layers:compiled}; RESUME_FLAVOR=${RESUME_FLAVOR:-debugmodel}
 ENTRY=${ENTRY:--m torchtitan.train}   # what torchrun starts: torchtitan's launcher
@@ -35,7 +35,7 @@ run() {  # name flavor recipe(none: torchtitan's dense model) eager|compiled [ex
   timeout 200 python3 -m torch.distributed.run --nproc-per-node "$NPROC" --rdzv-endpoint=localhost:29511 $ENTRY \
     --job.config_file $cfg --job.dump_folder "/tmp/tt-$name" --model.flavor "$flavor" \
     --twofour.recipe "${recipe/none/s-ste}" $compile --checkpoint.no-enable \
-    --training.dataset_path $DATA --training.steps "$STEPS" --training.local_batch_size 2 --training.seq_len "$SEQ" \
+    --training.dataset_path $DATA --training.steps "$STEPS" --training.local_batch_size "$LBS" --training.seq_len "$SEQ" \
     --lr_scheduler.warmup_steps 5 --metrics.log_freq 1 "$@" \
     > "$OUT/$name.log" 2>&1 || { echo "FAILED: $name (tail of $OUT/$name.log)"; tail -25 "$OUT/$name.log"; return 0; }
   echo "done: $name"
