@@ -25,6 +25,7 @@ LEVELS = {
     "inference": 6,
     "training": 7,
     "bench": 8,
+    "integrations": 8,
     "cli": 9,
     "__main__": 10,
 }

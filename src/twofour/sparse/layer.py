@@ -138,6 +138,21 @@ class SparseLinear(nn.Linear):
                 "dense": torch.tensor(self.recipe.starts_dense, device=dev),
                 **self.pruner.initial_state(w)}
 
+    @torch.no_grad()
+    def reset_state(self) -> None:
+        """Recompute the recipe's buffers from the current weight, as at step 0, in place.
+
+        For engines that build the model on the meta device, then allocate it uninitialised
+        (``to_empty``) and initialise the weights afterwards (torchtitan): the buffers made on the
+        meta device hold nothing until this runs. Works on an FSDP2-sharded weight (gathers it)."""
+        if not self._keeps_state:
+            return
+        for name, value in self._initial_state(self.weight.detach()).items():
+            getattr(self, name).copy_(value)
+        self._step, self._dense = 0, not self.recipe.sparse or self.recipe.starts_dense
+        self._fp8 = self._fp8_phase()
+        self.compressed = CompressedWeight()  # no cached 2:4 weight of the old values
+
     def _load_from_state_dict(self, state_dict, prefix, local_metadata, strict, missing_keys,
                               unexpected_keys, error_msgs):
         # A dense checkpoint (no recipe buffers) is loaded as "made sparse from these weights".

@@ -1,0 +1,77 @@
+#!/usr/bin/env bash
+# torchtitan 0.2.2 Llama 3 on 2 GPUs (FSDP2): dense against twofour s-ste on the FFN linears, eager and
+# compiled, at the 1B shape and the 8B shape with 4 layers (30 steps each), then a save + resume of an
+# s-ste run. Prints tokens/s per GPU (torchtitan's tps, median of the steps after the 5th) and the last
+# loss side by side, and writes $OUT/torchtitan_run.md and each run's log. Runs past BUDGET seconds
+# (420) are skipped, so it ends within about 8 minutes; set RUNS to choose (see below).
+#   needs torchtitan's wheels (torchtitan-0.2.2 and the packages the image lacks) in .whl/: see
+#   docs/torchtitan.md "On a machine without network".
+#   bash benchmarks/step/torchtitan_run.sh
+set -euo pipefail
+cd "$(dirname "$0")/../.."
+export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
+OUT=${OUT:-/tmp/torchtitan_run}; mkdir -p "$OUT"
+SITE=/tmp/titan-site
+if ! python3 -c "import torchtitan" 2>/dev/null; then
+  ls .whl/torchtitan-0.2.2-*.whl >/dev/null 2>&1 || { echo "no torchtitan: carry its wheels in .whl/ (docs/torchtitan.md)"; exit 1; }
+  python3 -m pip install -q --no-index --no-deps --target "$SITE" .whl/*.whl
+fi
+export PYTHONPATH=$PWD/src:$SITE${PYTHONPATH:+:$PYTHONPATH}
+python3 -c "import torch, torchtitan, datasets; print('torch', torch.__version__, '| datasets', datasets.__version__, '| gpus', torch.cuda.device_count())"
+DATA=/tmp/titan-data; [ -f $DATA/data.json ] || python3 examples/torchtitan/make_data.py $DATA --records 4000
+NPROC=${NPROC:-2}; STEPS=${STEPS:-30}; SEQ=${SEQ:-2048}; LBS=${LBS:-4}; BUDGET=${BUDGET:-420}  # seconds; later runs are skipped
+# RUNS: flavor:mode pairs, each trained dense (torchtitan's own model) and with twofour s-ste FFNs
+RUNS=${RUNS:-1B:eager 1B:compiled 8B_4layers:eager 8B_4layers:compiled}; RESUME_FLAVOR=${RESUME_FLAVOR:-debugmodel}
+ENTRY=${ENTRY:--m torchtitan.train}   # what torchrun starts: torchtitan's launcher
+SPARSE=examples/torchtitan/llama3_1b.toml
+DENSE=/tmp/titan-dense.toml  # the same job, torchtitan's plain model: no converter
+sed 's/^converters = .*$/converters = []/' $SPARSE > $DENSE
+run() {  # name flavor recipe(none: torchtitan's dense model) eager|compiled [extra args...]
+  local name=$1 flavor=$2 recipe=$3 tag=$4; shift 4
+  if [ "$SECONDS" -gt "$BUDGET" ]; then echo "skipped: $name (past the ${BUDGET}s budget)"; return 0; fi
+  local cfg=$SPARSE; [ "$recipe" = none ] && cfg=$DENSE
+  local compile=--compile.no-enable; [ "$tag" = compiled ] && compile=--compile.enable
+  # shellcheck disable=SC2086
+  timeout 200 python3 -m torch.distributed.run --nproc-per-node "$NPROC" --rdzv-endpoint=localhost:29511 $ENTRY \
+    --job.config_file $cfg --job.dump_folder "/tmp/tt-$name" --model.flavor "$flavor" \
+    --twofour.recipe "${recipe/none/s-ste}" $compile --checkpoint.no-enable \
+    --training.dataset_path $DATA --training.steps "$STEPS" --training.local_batch_size "$LBS" --training.seq_len "$SEQ" \
+    --lr_scheduler.warmup_steps 5 --metrics.log_freq 1 "$@" \
+    > "$OUT/$name.log" 2>&1 || { echo "FAILED: $name (tail of $OUT/$name.log)"; tail -25 "$OUT/$name.log"; return 0; }
+  echo "done: $name"
+}
+for pair in $RUNS; do
+  flavor=${pair%%:*}; tag=${pair##*:}
+  run "dense-$flavor-$tag" "$flavor" none "$tag"
+  run "sste-$flavor-$tag" "$flavor" s-ste "$tag"
+done
+# save + resume (the debug model: its checkpoints are small): a 20-step s-ste run saving at steps 10
+# and 20; its step-20 checkpoint removed, the same job again resumes from step 10 (weights, masks,
+# scales, step counters, optimizer, data) to 20. MVUE off: its random draws come from torch's RNG,
+# which torchtitan does not save. The two step-20 losses should agree (bit for bit on the CPU).
+rm -rf /tmp/tt-resume
+CK="--job.dump_folder /tmp/tt-resume --training.steps 20 --checkpoint.enable --checkpoint.interval 10 --twofour.mvue False"
+BUDGET=$((BUDGET + 90))  # the resume check runs even when the timing runs used the budget
+run "resume-1-straight" "$RESUME_FLAVOR" s-ste eager $CK
+rm -rf /tmp/tt-resume/checkpoint/step-20
+run "resume-2-from-step10" "$RESUME_FLAVOR" s-ste eager $CK
+grep -h "Loading the checkpoint" "$OUT/resume-2-from-step10.log" | head -1 || echo "resume-2 loaded no checkpoint"
+python3 - "$OUT" <<'PY'
+import re, statistics, sys
+from pathlib import Path
+out = Path(sys.argv[1]); rows = []
+pat = re.compile(r"step:\s*(\d+).*?loss:\s*([\d.]+).*?tps:\s*([\d,]+)")
+for log in sorted(out.glob("*.log")):
+    steps = [(int(s), float(l), int(t.replace(",", ""))) for s, l, t in pat.findall(re.sub(r"\x1b\[[0-9;]*m", "", log.read_text()))]
+    if not steps:
+        rows.append((log.stem, "-", "-", "no steps logged")); continue
+    tps = statistics.median(t for s, _, t in steps if s > 5) if len(steps) > 6 else steps[-1][2]
+    rows.append((log.stem, f"{tps:,.0f}", f"{steps[-1][1]:.4f}", f"steps {steps[0][0]}-{steps[-1][0]}"))
+dense = {r[0].replace("dense-", ""): r[1] for r in rows if r[0].startswith("dense-")}
+lines = ["| run | tokens/s per GPU (median) | s-ste / dense | last loss | steps |", "|---|---|---|---|---|"]
+for name, tps, loss, steps in rows:
+    d = dense.get(name.replace("sste-", "")) if name.startswith("sste-") else None
+    ratio = f"{float(tps.replace(',', '')) / float(d.replace(',', '')):.2f}x" if d and "-" not in (tps, d) else ""
+    lines.append(f"| {name} | {tps} | {ratio} | {loss} | {steps} |")
+text = "\n".join(lines); print(text); (out / "torchtitan_run.md").write_text(text + "\n")
+PY
