@@ -239,7 +239,8 @@ def fsdp_worker(folder: str) -> None:
     for layer in layers:  # the masks of the whole (gathered) initial weight
         assert torch.equal(layer.mask, layer.pruner.mask(layer.weight.detach().full_tensor()))
     train_steps(model, converters, jc, 3)
-    for layer in layers:
+    for layer in layers:  # the last step's refresh waits for the next forward's gathered weight; settle() applies it
+        layer.settle()
         assert int(layer.step) == 3 and torch.equal(layer.mask, layer.pruner.mask(layer.weight.detach().full_tensor()))
         masks = [torch.empty_like(layer.mask) for _ in range(dist.get_world_size())]
         dist.all_gather(masks, layer.mask.contiguous())
