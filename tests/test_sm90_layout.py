@@ -151,3 +151,22 @@ def test_sm90_route_not_offered_off_the_gpu():
 
     a = cslt.compress_reference(_pruned(64, 256))
     assert not ops.sm90_ok(a, torch.randn(8, 256).bfloat16(), 64, None)
+
+
+@pytest.mark.gpu
+def test_forward_route_against_dense():
+    """``ops.spmm_sm90`` (the forward's ``sparse_sm90`` candidate) from a cuSPARSELt buffer: the
+    configuration checked and chosen, the product right, no failure recorded."""
+    if not torch.cuda.is_available() or not sm90.available():
+        pytest.skip("needs an sm90 GPU and the sm90 library")
+    from twofour import dispatch
+    from twofour.kernels import ops
+
+    for t, k, m in ((333, 1280, 5120), (2048, 4096, 1024)):
+        x = torch.randn(t, k, device="cuda", dtype=torch.bfloat16)
+        buf, wd = ops.compress(torch.randn(m, k, device="cuda"), "hard", dense_out=True)
+        assert ops.sm90_ok(buf, x, m, None)
+        y = ops.spmm_sm90(buf, x, m)
+        ref = x.float() @ wd.float().t()
+        assert y.shape == (t, m) and ((y.float() - ref).abs().max() / ref.abs().max()).item() < 2e-2
+        assert not [r for r in dispatch.failures() if r[0] == "sm90-cutlass"]

@@ -221,7 +221,7 @@ def _spmm_sm90(a: torch.Tensor, x2: torch.Tensor, m: int) -> torch.Tensor:
         if not dispatch.can_measure():
             chosen = next(iter(cfgs))
         else:
-            ref = _spmm(a, x2.t(), m, True).float().reshape(-1)[:: max(1, n * m // 65536)]
+            ref = _spmm(a, x2.t(), m, True).t().float().reshape(-1)[:: max(1, n * m // 65536)]
             atol = 1e-2 * ref.abs().max().item() + 1e-6
             good = {}
             for cname, cfg in cfgs.items():
