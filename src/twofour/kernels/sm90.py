@@ -87,11 +87,25 @@ def _workspace(dev: torch.device, nbytes: int) -> torch.Tensor:
     return ws
 
 
+_fns: dict[str, tuple] = {}
+
+
+def _entry(config: GemmConfig) -> tuple:
+    """(workspace query, launcher) of a configuration, declared once."""
+    hit = _fns.get(config.name)
+    if hit is None:
+        lib = load()
+        ws = getattr(lib, f"twofour_sm90_workspace_{config.name}")
+        ws.argtypes, ws.restype = [_I, _I, _I, _I], _LL
+        fn = getattr(lib, f"twofour_sm90_gemm_{config.name}")
+        fn.argtypes, fn.restype = [_P, _P, _P, _P, _I, _I, _I, _I, _P, _P], _I
+        hit = _fns[config.name] = (ws, fn)
+    return hit
+
+
 def workspace_bytes(config: GemmConfig, m: int, n: int, k: int, sm_count: int = 132) -> int:
     """Workspace the configuration needs at (M, N, K); -1 where it cannot run the shape."""
-    fn = getattr(load(), f"twofour_sm90_workspace_{config.name}")
-    fn.argtypes, fn.restype = [_I, _I, _I, _I], _LL
-    return int(fn(m, n, k, sm_count))
+    return int(_entry(config)[0](m, n, k, sm_count))
 
 
 def _check_status(rc: int, what: str) -> None:
@@ -108,19 +122,15 @@ def gemm(values: torch.Tensor, e: torch.Tensor, x: torch.Tensor, config: GemmCon
             or values.dtype != torch.bfloat16 or not x.is_contiguous() or not values.is_contiguous():
         raise ValueError(f"sm90 2:4 GEMM: needs bf16 contiguous X (N, K) and values (M, K/2), K % 128 == 0 and "
                          f"M % 8 == 0; got values {tuple(values.shape)} {values.dtype}, X {tuple(x.shape)} {x.dtype}")
-    lib = load()
+    ws_fn, fn = _entry(config)
     dev = x.device
     sms = _sms(dev)
-    ws_fn = getattr(lib, f"twofour_sm90_workspace_{config.name}")
-    ws_fn.argtypes, ws_fn.restype = [_I, _I, _I, _I], _LL
     nbytes = ws_fn(m, n, k, sms)
     if nbytes < 0:
         raise ValueError(f"sm90 2:4 GEMM {config.name} cannot run M={m} N={n} K={k}")
     if out is None:
         out = torch.empty((n, m), dtype=torch.bfloat16, device=dev)
     ws = _workspace(dev, nbytes)
-    fn = getattr(lib, f"twofour_sm90_gemm_{config.name}")
-    fn.argtypes = [_P, _P, _P, _P, _I, _I, _I, _I, _P, _P]
     rc = fn(values.data_ptr(), e.data_ptr(), x.data_ptr(), out.data_ptr(), m, n, k, sms, ws.data_ptr(),
             torch.cuda.current_stream(dev).cuda_stream)
     _check_status(rc, f"sm90 2:4 GEMM {config.name}")
