@@ -31,6 +31,7 @@ from pathlib import Path
 
 import torch
 
+from twofour import dispatch
 from twofour.kernels import compress as ck
 from twofour.kernels import ops, sm90, sm90_layout
 
@@ -167,7 +168,8 @@ def main() -> None:
         return ncu_child(args.ncu_child)
     t0 = time.time()
     if not sm90.available():
-        sys.exit("the sm90 2:4 GEMM is not available here (an H100/H200 and the kernels extra are needed)")
+        sys.exit(f"the sm90 2:4 GEMM is not available here (an H100/H200 and the kernels extra are needed): "
+                 f"{dispatch.failures()}")
     cfgs = sm90.configs()
     dense_rate = gemm_tflops()
     print(f"{gpu_line()}; dense bf16 {dense_rate:.0f} TFLOP/s (8192^3); library built/loaded in "
