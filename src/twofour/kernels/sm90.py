@@ -71,6 +71,17 @@ def available(device: torch.device | int | None = None) -> bool:
     return True
 
 
+def _use_device(dev: torch.device) -> None:
+    """Make ``dev`` current for the library's own CUDA runtime (separate from torch's); a library
+    built without that entry point runs on device 0 only."""
+    idx = dev.index if dev.index is not None else torch.cuda.current_device()
+    lib = load()
+    if hasattr(lib, "twofour_sm90_set_device"):
+        _check_status(lib.twofour_sm90_set_device(idx), "selecting the device")
+    elif idx != 0:
+        raise RuntimeError("this build of the sm90 library runs on device 0 only (rebuild it)")
+
+
 def _sms(dev: torch.device) -> int:
     idx = dev.index if dev.index is not None else torch.cuda.current_device()
     if idx not in _sm_count:
@@ -131,6 +142,7 @@ def gemm(values: torch.Tensor, e: torch.Tensor, x: torch.Tensor, config: GemmCon
     if out is None:
         out = torch.empty((n, m), dtype=torch.bfloat16, device=dev)
     ws = _workspace(dev, nbytes)
+    _use_device(dev)
     rc = fn(values.data_ptr(), e.data_ptr(), x.data_ptr(), out.data_ptr(), m, n, k, sms, ws.data_ptr(),
             torch.cuda.current_stream(dev).cuda_stream)
     _check_status(rc, f"sm90 2:4 GEMM {config.name}")
@@ -148,6 +160,7 @@ def compress_cutlass(a: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     e = torch.zeros(eb.value, dtype=torch.uint8, device=a.device)
     ws = torch.empty(max(1, lib.twofour_sm90_compress_workspace(m, k)), dtype=torch.uint8, device=a.device)
     a = a.contiguous()
+    _use_device(a.device)
     rc = lib.twofour_sm90_compress(a.data_ptr(), values.data_ptr(), e.data_ptr(), m, k, _sms(a.device),
                                    ws.data_ptr(), torch.cuda.current_stream(a.device).cuda_stream)
     _check_status(rc, "CUTLASS's sm90 compressor")

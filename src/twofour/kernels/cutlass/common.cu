@@ -19,6 +19,10 @@ static Utility utility(int m, int k) {
 }
 }  // namespace twofour_sm90
 
+// Make `device` current for this library's own (static) CUDA runtime, whose current device is
+// separate from torch's: the launches that follow run there. Returns a cudaError.
+extern "C" int twofour_sm90_set_device(int device) { return static_cast<int>(cudaSetDevice(device)); }
+
 // Sizes of the compressed operand: values (elements, rows x cols) and metadata (bytes).
 extern "C" int twofour_sm90_sizes(int m, int k, long long* a_rows, long long* a_cols, long long* e_bytes) {
   auto u = twofour_sm90::utility(m, k);
