@@ -141,9 +141,9 @@ def gemm(values: torch.Tensor, e: torch.Tensor, x: torch.Tensor, config: GemmCon
         raise ValueError(f"sm90 2:4 GEMM {config.name} cannot run M={m} N={n} K={k}")
     if out is None:
         out = torch.empty((n, m), dtype=torch.bfloat16, device=dev)
-    ws = _workspace(dev, nbytes)
+    ws = _workspace(dev, nbytes).data_ptr() if nbytes else None  # the persistent schedules need none
     _use_device(dev)
-    rc = fn(values.data_ptr(), e.data_ptr(), x.data_ptr(), out.data_ptr(), m, n, k, sms, ws.data_ptr(),
+    rc = fn(values.data_ptr(), e.data_ptr(), x.data_ptr(), out.data_ptr(), m, n, k, sms, ws,
             torch.cuda.current_stream(dev).cuda_stream)
     _check_status(rc, f"sm90 2:4 GEMM {config.name}")
     return out
