@@ -1,0 +1,173 @@
+"""CUTLASS's sm90 2:4 layout (``kernels/sm90_layout.py``) and the library's builder, on the CPU; the
+GEMM itself on an H100/H200 (marked gpu)."""
+
+import pytest
+import torch
+
+from twofour.functional import mask_24
+from twofour.kernels import compress as ck
+from twofour.kernels import cutlass as builder
+from twofour.kernels import layout as cslt
+from twofour.kernels import sm90, sm90_layout
+from twofour.kernels.triton_common import HAS_TRITON
+
+
+def _pruned(m: int, k: int, seed: int = 0) -> torch.Tensor:
+    w = torch.randn(m, k, generator=torch.Generator().manual_seed(seed)).bfloat16()
+    return w * mask_24(w)
+
+
+@pytest.mark.parametrize("shape", [(64, 128), (8, 256), (200, 384), (1000, 1280)])
+def test_round_trip(shape):
+    a = _pruned(*shape)
+    values, e = sm90_layout.compress_reference(a)
+    assert values.shape == (shape[0], shape[1] // 2) and e.numel() == sm90_layout.meta_bytes(*shape)
+    assert torch.equal(sm90_layout.decompress_reference(values, e, *shape), a)
+
+
+def test_pack_unpack_codes_and_padding():
+    codes = torch.tensor(cslt.VALID_CODES, dtype=torch.int32)[torch.randint(0, 6, (72, 64))]
+    e = sm90_layout.pack_meta(codes)
+    assert e.numel() == 128 * 64 // 2  # rows padded to 128
+    assert torch.equal(sm90_layout.unpack_meta(e, 72, 256), codes)
+
+
+def test_nibble_positions_follow_the_atom():
+    """Spot checks of the atom's formula: row r = 16 r2 + 8 r1 + r0, group g = 8 g2 + 4 g1 + g0 at nibble
+    g0 + 4 r1 + 8 g2 + 32 r0 + 256 g1 + 512 r2; atoms by column block, then row block."""
+    m, k = 128, 256
+    order = sm90_layout._nibble_order(torch.arange(m * k // 4).reshape(m, k // 4))
+    pos = torch.empty_like(order)
+    pos[order] = torch.arange(order.numel())
+    pos = pos.reshape(m, k // 4)
+    assert pos[0, 1] == 1 and pos[8, 0] == 4 and pos[0, 8] == 8 and pos[1, 0] == 32
+    assert pos[0, 4] == 256 and pos[16, 0] == 512 and pos[64, 0] == 2048 and pos[0, 32] == 2 * 2048
+
+
+def test_from_cusparselt_matches_the_reference():
+    a = _pruned(192, 512, seed=1)
+    values, e = sm90_layout.from_cusparselt(cslt.compress_reference(a), 192, 512)
+    ref_v, ref_e = sm90_layout.compress_reference(a)
+    assert torch.equal(values, ref_v) and torch.equal(e, ref_e)
+
+
+def test_rejects_bad_input():
+    with pytest.raises(ValueError, match="multiple of 128"):
+        sm90_layout.compress_reference(torch.zeros(8, 64))
+    with pytest.raises(ValueError, match="exactly two"):
+        sm90_layout.compress_reference(torch.ones(8, 128))
+
+
+def test_configs_are_distinct_and_flagged():
+    names = [c.name for c in builder.CONFIGS]
+    assert len(set(names)) == len(names)
+    pp = builder.GemmConfig((128, 128, 128), (2, 1), pingpong=True)
+    assert pp.name == "t128x128x128_c2x1_pp" and "-DTWOFOUR_PINGPONG" in pp.defines()
+    assert "-DTWOFOUR_CM=2" in pp.defines() and "-DTWOFOUR_PINGPONG" not in builder.CONFIGS[0].defines()
+
+
+def test_missing_toolchain_is_one_line(monkeypatch, tmp_path):
+    monkeypatch.setenv("TWOFOUR_CUTLASS", str(tmp_path / "none"))
+    monkeypatch.setenv("TWOFOUR_NVCC", str(tmp_path / "nvcc"))
+    monkeypatch.setattr(builder, "_find_cutlass", lambda: None)
+    with pytest.raises(RuntimeError, match="needs the CUTLASS headers: pip install") as ex:
+        builder.toolchain()
+    assert "\n" not in str(ex.value)
+
+
+def _toolchain_or_skip():
+    try:
+        return builder.toolchain()
+    except RuntimeError as e:
+        pytest.skip(str(e))
+
+
+@pytest.mark.slow
+def test_offsets_match_cutes_layout(tmp_path):
+    """The byte of each row's pair of groups, from cute's layout in the built library's host code."""
+    tc = _toolchain_or_skip()
+    lib = sm90.load(builder.build(configs=(), out_dir=tmp_path, tc=tc))
+    for m, k in ((64, 128), (200, 384), (256, 1280)):
+        order = sm90_layout._nibble_order(torch.arange(-(-m // 64) * 64 * k // 4).reshape(-1, k // 4))
+        pos = torch.empty_like(order)
+        pos[order] = torch.arange(order.numel())
+        pos = pos.reshape(-1, k // 4)[:m, 0::2]
+        assert bool((pos % 2 == 0).all())  # even groups take the low nibble
+        assert torch.equal(pos // 2, sm90.layout_e_offsets(m, k, lib))
+
+
+@pytest.mark.gpu
+def test_gemm_every_config_against_dense():
+    """Every configuration against the dense product, odd token counts included; the compression
+    kernel's bytes against CUTLASS's own compressor."""
+    if not torch.cuda.is_available() or not sm90.available():
+        pytest.skip("needs an sm90 GPU and the sm90 library")
+    for t, k, m in ((1, 128, 64), (77, 1280, 5120), (1000, 4096, 1104), (4097, 1280, 256)):
+        x = torch.randn(t, k, device="cuda", dtype=torch.bfloat16)
+        buf, wd = ck.compress(torch.randn(m, k, device="cuda"), "hard", dense_out=True, layout=ck.SM90)
+        values, e = sm90_layout.split(buf, m, k)
+        cv, ce = sm90.compress_cutlass(wd)
+        assert torch.equal(sm90_layout.unpack_meta(ce, m, k), sm90_layout.unpack_meta(e, m, k))  # rows < m
+        assert torch.equal(cv[:m].view(torch.int16), values.view(torch.int16))
+        ref = x.float() @ wd.float().t()
+        for cfg in sm90.configs():
+            y = sm90.gemm(values, e, x, cfg).float()
+            err = ((y - ref).abs().max() / ref.abs().max()).item()
+            assert err < 2e-2, f"{cfg.name} at {(t, k, m)}: max relative error {err:.3g}"
+
+
+@pytest.mark.triton
+@pytest.mark.skipif(not HAS_TRITON, reason="needs triton")
+@pytest.mark.parametrize("shape", [(64, 128), (200, 256), (72, 384)])
+@pytest.mark.parametrize("tile", [(32, 2), (128, 4), (256, 8)])
+def test_compression_kernel_writes_the_sm90_layout(shape, tile, device):
+    """The fused kernel with ``layout=SM90``: values and E as the reference writes them, every tile width."""
+    w = torch.randn(shape, device=device)
+    buf, dense = ck.compress_tiled(w, "hard", tile=tile, dense_out=True, layout=ck.SM90)
+    values, e = sm90_layout.split(buf, *shape)
+    ref_v, ref_e = sm90_layout.compress_reference(dense.cpu())
+    assert torch.equal(values.cpu(), ref_v) and torch.equal(e.cpu(), ref_e)
+    with pytest.raises(ValueError, match="multiple of 128"):
+        ck.compress(torch.randn(64, 96, device=device), "hard", layout=ck.SM90)
+
+
+def test_operand_reordered_once_per_buffer():
+    """The forward's sm90 route reorders a weight buffer's metadata once while the buffer lives
+    and again after the buffer changes in place."""
+    from twofour.kernels import ops
+
+    a = cslt.compress_reference(_pruned(64, 256, seed=2))
+    v1, e1 = ops._sm90_operand(a, 64, 256)
+    v2, e2 = ops._sm90_operand(a, 64, 256)
+    assert e1 is e2 and torch.equal(e1, sm90_layout.compress_reference(_pruned(64, 256, seed=2))[1])
+    a.add_(0)  # a new version: reordered again
+    assert ops._sm90_operand(a, 64, 256)[1] is not e1
+    key = id(a)
+    del a, v1, v2
+    assert key not in ops._sm90_meta
+
+
+def test_sm90_route_not_offered_off_the_gpu():
+    from twofour.kernels import ops
+
+    a = cslt.compress_reference(_pruned(64, 256))
+    assert not ops.sm90_ok(a, torch.randn(8, 256).bfloat16(), 64, None)
+
+
+@pytest.mark.gpu
+def test_forward_route_against_dense():
+    """``ops.spmm_sm90`` (the forward's ``sparse_sm90`` candidate) from a cuSPARSELt buffer: the
+    configuration checked and chosen, the product right, no failure recorded."""
+    if not torch.cuda.is_available() or not sm90.available():
+        pytest.skip("needs an sm90 GPU and the sm90 library")
+    from twofour import dispatch
+    from twofour.kernels import ops
+
+    for t, k, m in ((333, 1280, 5120), (2048, 4096, 1024)):
+        x = torch.randn(t, k, device="cuda", dtype=torch.bfloat16)
+        buf, wd = ops.compress(torch.randn(m, k, device="cuda"), "hard", dense_out=True)
+        assert ops.sm90_ok(buf, x, m, None)
+        y = ops.spmm_sm90(buf, x, m)
+        ref = x.float() @ wd.float().t()
+        assert y.shape == (t, m) and ((y.float() - ref).abs().max() / ref.abs().max()).item() < 2e-2
+        assert not [r for r in dispatch.failures() if r[0] == "sm90-cutlass"]
