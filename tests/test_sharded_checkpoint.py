@@ -1,0 +1,172 @@
+"""Sharded checkpoints of FSDP2 runs (torch.distributed.checkpoint), 2 processes over gloo on the
+CPU (NCCL on 2 GPUs): bit-exact resume on the same world size, a kill mid-save, N -> M, export."""
+
+import contextlib
+import csv
+import dataclasses
+import logging
+import os
+import shutil
+import socket
+from pathlib import Path
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+from twofour.training.config import TrainConfig
+from twofour.training.export import export
+from twofour.training.runs import CKPT, checkpoint_path, read_checkpoint
+from twofour.training.sharded import SHARDED, sharded_folder
+
+
+def _fsdp_on_cpu() -> bool:
+    """Whether this torch has FSDP2 and DCP's state-dict helpers and a gloo backend."""
+    try:
+        from torch.distributed.checkpoint.state_dict import get_state_dict  # noqa: F401
+        from torch.distributed.fsdp import fully_shard  # noqa: F401
+    except ImportError:
+        return False
+    return dist.is_available() and dist.is_gloo_available()
+
+
+pytestmark = pytest.mark.skipif(not _fsdp_on_cpu(), reason="needs FSDP2 (fully_shard), DCP and gloo")
+
+
+def _free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def _worker(rank: int, world: int, jobs: list[tuple[dict, int | None, int]]) -> None:
+    """One rank of torchrun-like runs, one after another: each job a config, a step at which rank 0
+    dies (exit 3) when its save has written every file but not yet switched ``latest``, or None,
+    and a port for the job's process group."""
+    os.environ.update(RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank), MASTER_ADDR="127.0.0.1",
+                      OMP_NUM_THREADS="1")
+    torch.set_num_threads(1)
+    from twofour.training import loop, sharded  # noqa: PLC0415
+
+    switch = sharded._switch
+    for cfg, kill_at, port in jobs:
+        os.environ["MASTER_PORT"] = str(port)
+
+        def dying_switch(root, name, kill_at=kill_at):
+            if name == f"step-{kill_at:08d}":
+                os._exit(3)  # killed mid-save: the new step folder is written, latest still names the old
+            switch(root, name)
+
+        sharded._switch = dying_switch if kill_at is not None and rank == 0 else switch
+        try:
+            loop.train(TrainConfig.from_dict(cfg))
+        finally:
+            dist.destroy_process_group()
+
+
+def _spawn(*jobs: tuple[TrainConfig, int | None]) -> None:
+    """Run ``jobs`` (config, kill step) one after another in one pair of spawned processes."""
+    plan = [(cfg.to_dict(), kill_at, _free_port()) for cfg, kill_at in jobs]
+    mp.start_processes(_worker, args=(2, plan), nprocs=2, start_method="spawn")
+
+
+def _losses(run: Path) -> dict[int, str]:
+    with open(run / "metrics.csv") as fh:
+        return {int(r["step"]): r["train_loss"] for r in csv.DictReader(fh)}
+
+
+def _val_loss(run: Path, step: int) -> float:
+    with open(run / "metrics.csv") as fh:
+        return next(float(r["val_loss"]) for r in csv.DictReader(fh) if int(r["step"]) == step)
+
+
+def _cfg(corpus: str, out: Path, device: str = "cpu", **kw) -> TrainConfig:
+    return TrainConfig(model="tiny", recipe="s-ste", data=corpus, steps=8, batch_size=4, seq_len=32,
+                       eval_interval=4, eval_iters=2, log_interval=1, ckpt_interval=4, progress=False,
+                       fsdp=True, device=device, out_dir=str(out), **kw)
+
+
+def _runs(root: Path, corpus: str, device: str) -> Path:
+    """Every run the tests look at, in 3 spawns of 2 processes (each spawn costs seconds of imports):
+    ``full`` (8 steps on 2), ``part`` (stopped at 4 on 2, copied to ``one`` and ``two``, then
+    resumed on 2, killed mid-save at step 8, resumed again), ``back`` (stopped at 4 in one process,
+    resumed on 2). Returns ``root``."""
+    from twofour.training.loop import train  # noqa: PLC0415
+
+    one_process = dataclasses.replace(_cfg(corpus, root / "back", device), fsdp=False, stop_at=4)
+    train(one_process)
+    _spawn((_cfg(corpus, root / "full", device), None), (_cfg(corpus, root / "part", device, stop_at=4), None),
+           (_cfg(corpus, root / "back", device, resume=True), None))
+    for name in ("one", "two"):
+        shutil.copytree(root / "part", root / name)
+    with pytest.raises(mp.ProcessExitedException):  # rank 0 dies between writing step 8 and switching to it
+        _spawn((_cfg(corpus, root / "part", device, resume=True), 8))
+    shutil.copytree(root / "part", root / "killed")  # as the kill left it
+    _spawn((_cfg(corpus, root / "part", device, resume=True), None))
+    return root
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory, corpus) -> Path:
+    return _runs(tmp_path_factory.mktemp("sharded"), corpus, "cpu")
+
+
+def _check_same_world_and_kill(runs: Path) -> None:
+    full, part, killed = runs / "full", runs / "part", runs / "killed"
+    folder = sharded_folder(runs / "two")
+    assert folder is not None and folder.name == "step-00000004" and not (runs / "two" / CKPT).exists()
+    assert len(list(folder.glob("*.distcp"))) == 2  # each rank wrote its own shards
+    assert (killed / SHARDED / "step-00000008" / "meta.pt").exists()  # complete, but never pointed at
+    assert sharded_folder(killed).name == "step-00000004" and read_checkpoint(killed)["step"] == 4
+    assert _losses(part) == _losses(full) and sorted(_losses(full)) == list(range(1, 9))
+    assert [p.name for p in (part / SHARDED).glob("step-*")] == ["step-00000008"]  # stale and old ones removed
+    ck = read_checkpoint(part)
+    assert ck["step"] == 8 and len(ck["rng"]) == 2 and "model" not in ck
+
+
+def test_resume_on_two_is_bit_exact_and_survives_a_kill_mid_save(runs):
+    """Saved on 2, killed mid-save, resumed on 2: every step's loss equals the uninterrupted run's,
+    and the partial step folder the kill left is removed."""
+    _check_same_world_and_kill(runs)
+
+
+def test_two_to_one_and_one_to_two(runs, corpus, caplog):
+    """A sharded checkpoint of 2 ranks resumes in one process (ckpt.pt replaces it); a
+    one-process ckpt.pt resumes on 2 FSDP2 ranks (the sharded form replaces it)."""
+    from twofour.training.loop import train  # noqa: PLC0415
+
+    one = runs / "one"
+    with caplog.at_level(logging.WARNING, logger="twofour"):
+        train(dataclasses.replace(_cfg(corpus, one), fsdp=False, resume=True))
+    assert "saved by 2 process(es), on 1" in caplog.text and "not bit-exact" in caplog.text
+    assert checkpoint_path(one) == one / CKPT and not (one / SHARDED).exists()
+    losses = _losses(one)
+    assert sorted(losses) == list(range(1, 9)) and all(0 < float(v) < 10 for v in losses.values())
+    assert [losses[s] for s in range(1, 5)] == [_losses(runs / "full")[s] for s in range(1, 5)]
+    back = runs / "back"
+    assert checkpoint_path(back) == sharded_folder(back) and not (back / CKPT).exists()
+    assert read_checkpoint(back)["step"] == 8 and len(read_checkpoint(back)["rng"]) == 2
+    assert sorted(_losses(back)) == list(range(1, 9))
+
+
+def test_export_reads_a_sharded_checkpoint(runs, corpus, tmp_path):
+    """``twofour export`` of an FSDP2 run loads its shards into the whole model on one process:
+    the exported model scores the validation windows as the run did at that step."""
+    from twofour.inference.format import load_for_inference  # noqa: PLC0415
+    from twofour.training.data import load_data  # noqa: PLC0415
+    from twofour.training.loop import evaluate  # noqa: PLC0415
+
+    two = runs / "two"
+    out = export(two, tmp_path / "export", dtype="float32")
+    model = load_for_inference(out["out"], device="cpu", dtype=torch.float32)
+    cfg = _cfg(corpus, two)
+    loss = evaluate(model, load_data(corpus, None), cfg, torch.device("cpu"), contextlib.nullcontext())
+    assert loss == pytest.approx(_val_loss(two, 4), rel=1e-4)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 GPUs")
+def test_resume_on_two_gpus_is_bit_exact_and_survives_a_kill_mid_save(tmp_path, corpus):
+    """The same on 2 GPUs through NCCL."""
+    _check_same_world_and_kill(_runs(tmp_path, corpus, "cuda"))
