@@ -66,9 +66,19 @@ def _worker(rank: int, world: int, jobs: list[tuple[dict, int | None, int]]) -> 
 
 
 def _spawn(*jobs: tuple[TrainConfig, int | None]) -> None:
-    """Run ``jobs`` (config, kill step) one after another in one pair of spawned processes."""
+    """Run ``jobs`` (config, kill step) one after another in one pair of spawned processes; CPU
+    runs see no GPU (else the loop would pick NCCL for them)."""
     plan = [(cfg.to_dict(), kill_at, _free_port()) for cfg, kill_at in jobs]
-    mp.start_processes(_worker, args=(2, plan), nprocs=2, start_method="spawn")
+    cpu, seen = jobs[0][0].device == "cpu", os.environ.get("CUDA_VISIBLE_DEVICES")
+    if cpu:
+        os.environ["CUDA_VISIBLE_DEVICES"] = ""  # read by the children as they start
+    try:
+        mp.start_processes(_worker, args=(2, plan), nprocs=2, start_method="spawn")
+    finally:
+        if cpu and seen is None:
+            del os.environ["CUDA_VISIBLE_DEVICES"]
+        elif cpu:
+            os.environ["CUDA_VISIBLE_DEVICES"] = seen
 
 
 def _losses(run: Path) -> dict[int, str]:
@@ -170,3 +180,41 @@ def test_export_reads_a_sharded_checkpoint(runs, corpus, tmp_path):
 def test_resume_on_two_gpus_is_bit_exact_and_survives_a_kill_mid_save(tmp_path, corpus):
     """The same on 2 GPUs through NCCL."""
     _check_same_world_and_kill(_runs(tmp_path, corpus, "cuda"))
+
+
+def _fake_sharded(out: Path, step: int, latest: bool = True) -> Path:
+    """A step folder holding only meta.pt (what the run-folder logic reads), named by latest or not."""
+    folder = out / SHARDED / f"step-{step:08d}"
+    folder.mkdir(parents=True)
+    torch.save({"config": TrainConfig().to_dict(), "step": step, "rng": [{}]}, folder / "meta.pt")
+    if latest:
+        (out / SHARDED / "latest").write_text(folder.name + "\n")
+    return folder
+
+
+def test_run_folder_logic_knows_the_sharded_form(tmp_path):
+    """A folder holding a sharded checkpoint is a run (refused without --resume or --overwrite;
+    --overwrite removes it); one holding only a partial step folder has no checkpoint to resume;
+    with both forms the later step is the checkpoint; a meta.pt holding code is refused."""
+    from twofour.errors import TrainError  # noqa: PLC0415
+    from twofour.training.runs import prepare_run_dir  # noqa: PLC0415
+
+    out = tmp_path / "run"
+    _fake_sharded(out, 4, latest=False)  # killed before its first switch
+    assert checkpoint_path(out) is None
+    with pytest.raises(TrainError, match="no checkpoint"):
+        prepare_run_dir(TrainConfig(out_dir=str(out), resume=True))
+    folder = _fake_sharded(out, 8)
+    assert checkpoint_path(out) == folder and read_checkpoint(out)["sharded"] == str(folder)
+    with pytest.raises(TrainError, match="already holds a run"):
+        prepare_run_dir(TrainConfig(out_dir=str(out)))
+    torch.save({"config": {}, "model": {}, "step": 6}, out / CKPT)
+    assert checkpoint_path(out) == folder  # step 8 beats ckpt.pt's 6
+    torch.save({"config": {}, "model": {}, "step": 9}, out / CKPT)
+    assert checkpoint_path(out) == out / CKPT
+    prepare_run_dir(TrainConfig(out_dir=str(out), overwrite=True))
+    assert not (out / SHARDED).exists() and not (out / CKPT).exists()
+    folder = _fake_sharded(out, 4)
+    torch.save({"config": {}, "step": 4, "rng": [], "x": Path("x")}, folder / "meta.pt")
+    with pytest.raises(TrainError, match="refused and was not loaded"):
+        read_checkpoint(out)
