@@ -49,7 +49,22 @@ def _worker(rank: int, world: int, jobs: list[tuple[dict, int | None, int]]) -> 
     torch.set_num_threads(1)
     from twofour.training import loop, sharded  # noqa: PLC0415
 
-    switch = sharded._switch
+    switch, save = sharded._switch, loop.save
+
+    def checked_save(out, cfg, raw, *args):
+        """Every save (on resumed runs too) first checks that each rank holds the very same masks,
+        scales and step counters, whole tensors compared (the loop compares checksums)."""
+        from twofour.sparse.convert import sparse_layers  # noqa: PLC0415
+
+        for name, layer in sparse_layers(raw):
+            for buf in (layer.mask, layer.beta, layer.step):
+                if buf is not None:
+                    everyone = [torch.empty_like(buf) for _ in range(world)]
+                    dist.all_gather(everyone, buf.contiguous())
+                    assert all(torch.equal(b, everyone[0]) for b in everyone), f"{name} differs across ranks"
+        return save(out, cfg, raw, *args)
+
+    loop.save = checked_save
     for cfg, kill_at, port in jobs:
         os.environ["MASTER_PORT"] = str(port)
 
