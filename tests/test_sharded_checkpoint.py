@@ -40,16 +40,20 @@ def _free_port() -> int:
         return sock.getsockname()[1]
 
 
-def _worker(rank: int, world: int, jobs: list[tuple[dict, int | None, int]]) -> None:
-    """One rank of torchrun-like runs, one after another: each job a config, a step at which rank 0
-    dies (exit 3) when its save has written every file but not yet switched ``latest``, or None,
-    and a port for the job's process group."""
+def _worker(rank: int, world: int, jobs: list[tuple[dict, tuple[str, int] | None, int]]) -> None:
+    """One rank of torchrun-like runs, one after another: each job a config, a fault at a step's save
+    (``("kill", step)``: rank 0 dies, exit 3, when the save has written every file but not yet
+    switched ``latest``; ``("fail", step)``: rank 1's DCP write fails as on a full disk, and each
+    rank's TrainError goes to ``<out>.rank<r>.err``) or None, and a port for its process group."""
     os.environ.update(RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank), MASTER_ADDR="127.0.0.1",
                       OMP_NUM_THREADS="1")
     torch.set_num_threads(1)
+    from torch.distributed.checkpoint.filesystem import FileSystemWriter  # noqa: PLC0415
+
+    from twofour.errors import TrainError  # noqa: PLC0415
     from twofour.training import loop, sharded  # noqa: PLC0415
 
-    switch, save = sharded._switch, loop.save
+    switch, save, write = sharded._switch, loop.save, FileSystemWriter.write_data
 
     def checked_save(out, cfg, raw, *args):
         """Every save (on resumed runs too) first checks that each rank holds the very same masks,
@@ -65,25 +69,36 @@ def _worker(rank: int, world: int, jobs: list[tuple[dict, int | None, int]]) -> 
         return save(out, cfg, raw, *args)
 
     loop.save = checked_save
-    for cfg, kill_at, port in jobs:
+    for cfg, fault, port in jobs:
         os.environ["MASTER_PORT"] = str(port)
+        kind, at = fault or ("", 0)
 
-        def dying_switch(root, name, kill_at=kill_at):
-            if name == f"step-{kill_at:08d}":
+        def dying_switch(root, name, at=at):
+            if name == f"step-{at:08d}":
                 os._exit(3)  # killed mid-save: the new step folder is written, latest still names the old
             switch(root, name)
 
-        sharded._switch = dying_switch if kill_at is not None and rank == 0 else switch
+        def failing_write(self, plan, planner, at=at):
+            if f"step-{at:08d}" in str(self.path):
+                raise OSError(28, "No space left on device")
+            return write(self, plan, planner)
+
+        sharded._switch = dying_switch if kind == "kill" and rank == 0 else switch
+        FileSystemWriter.write_data = failing_write if kind == "fail" and rank == 1 else write
         try:
             loop.train(TrainConfig.from_dict(cfg))
+        except TrainError as e:
+            if kind != "fail":
+                raise
+            Path(f"{cfg['out_dir']}.rank{rank}.err").write_text(str(e))
         finally:
             dist.destroy_process_group()
 
 
-def _spawn(*jobs: tuple[TrainConfig, int | None]) -> None:
-    """Run ``jobs`` (config, kill step) one after another in one pair of spawned processes; CPU
-    runs see no GPU (else the loop would pick NCCL for them)."""
-    plan = [(cfg.to_dict(), kill_at, _free_port()) for cfg, kill_at in jobs]
+def _spawn(*jobs: tuple[TrainConfig, tuple[str, int] | None]) -> None:
+    """Run ``jobs`` (config, fault) one after another in one pair of spawned processes; CPU runs
+    see no GPU (else the loop would pick NCCL for them)."""
+    plan = [(cfg.to_dict(), fault, _free_port()) for cfg, fault in jobs]
     cpu, seen = jobs[0][0].device == "cpu", os.environ.get("CUDA_VISIBLE_DEVICES")
     if cpu:
         os.environ["CUDA_VISIBLE_DEVICES"] = ""  # read by the children as they start
@@ -114,8 +129,9 @@ def _cfg(corpus: str, out: Path, device: str = "cpu", **kw) -> TrainConfig:
 
 def _runs(root: Path, corpus: str, device: str) -> Path:
     """Every run the tests look at, in 3 spawns of 2 processes (each spawn costs seconds of imports):
-    ``full`` (8 steps on 2), ``part`` (stopped at 4 on 2, copied to ``one`` and ``two``, then
-    resumed on 2, killed mid-save at step 8, resumed again), ``back`` (stopped at 4 in one process,
+    ``full`` (8 steps on 2), ``part`` (stopped at 4 on 2, copied to ``one``, ``two`` and
+    ``full-disk``, then resumed on 2, killed mid-save at step 8, resumed again), ``full-disk``
+    (resumed on 2, rank 1's write of step 8 fails), ``back`` (stopped at 4 in one process,
     resumed on 2). Returns ``root``."""
     from twofour.training.loop import train  # noqa: PLC0415
 
@@ -123,12 +139,13 @@ def _runs(root: Path, corpus: str, device: str) -> Path:
     train(one_process)
     _spawn((_cfg(corpus, root / "full", device), None), (_cfg(corpus, root / "part", device, stop_at=4), None),
            (_cfg(corpus, root / "back", device, resume=True), None))
-    for name in ("one", "two"):
+    for name in ("one", "two", "full-disk"):
         shutil.copytree(root / "part", root / name)
     with pytest.raises(mp.ProcessExitedException):  # rank 0 dies between writing step 8 and switching to it
-        _spawn((_cfg(corpus, root / "part", device, resume=True), 8))
+        _spawn((_cfg(corpus, root / "part", device, resume=True), ("kill", 8)))
     shutil.copytree(root / "part", root / "killed")  # as the kill left it
-    _spawn((_cfg(corpus, root / "part", device, resume=True), None))
+    _spawn((_cfg(corpus, root / "part", device, resume=True), None),
+           (_cfg(corpus, root / "full-disk", device, resume=True), ("fail", 8)))
     return root
 
 
@@ -148,6 +165,10 @@ def _check_same_world_and_kill(runs: Path) -> None:
     assert [p.name for p in (part / SHARDED).glob("step-*")] == ["step-00000008"]  # stale and old ones removed
     ck = read_checkpoint(part)
     assert ck["step"] == 8 and len(ck["rng"]) == 2 and "model" not in ck
+    for r in range(2):  # a failed write on one rank: a one-line TrainError on every rank, step 4 kept
+        err = (runs / f"full-disk.rank{r}.err").read_text()
+        assert "cannot write the sharded checkpoint" in err and "previous checkpoint is intact" in err
+    assert sharded_folder(runs / "full-disk").name == "step-00000004"
 
 
 def test_resume_on_two_is_bit_exact_and_survives_a_kill_mid_save(runs):

@@ -74,7 +74,7 @@ def save_sharded(out: Path, step: int, state: dict[str, Any], meta: dict[str, An
     ``meta`` (rank 0's) into ``out/ckpt/step-<step>``, then point ``latest`` at it; returns the
     folder. Every rank calls it. TrainError on every rank when any rank's write fails; the
     previous checkpoint is then intact."""
-    from torch.distributed.checkpoint import save  # noqa: PLC0415
+    from torch.distributed.checkpoint import CheckpointException, save  # noqa: PLC0415
 
     root = out / SHARDED
     folder = root / f"step-{step:08d}"
@@ -89,14 +89,25 @@ def save_sharded(out: Path, step: int, state: dict[str, Any], meta: dict[str, An
         save(state, checkpoint_id=str(folder))  # collective: a failure on any rank raises on every rank
         if rank == 0:
             _write_meta(folder, meta)
-    except Exception as e:  # DCP wraps each rank's error in a CheckpointException
-        why = (str(e).splitlines() or [type(e).__name__])[0][:200]
+    except (Exception, CheckpointException) as e:  # DCP's wraps every rank's errors: a BaseException
+        why = _why(e)
     if not _agree(why is None, world):
         kept = "; the previous checkpoint is intact" if sharded_folder(out) else ""
         raise TrainError(f"cannot write the sharded checkpoint {folder}: {why or 'another rank failed'}{kept}")
     if rank == 0:
         _switch(root, folder.name)
     return folder
+
+
+def _why(e: BaseException) -> str:
+    """One line on what failed: the first failing rank's own error inside DCP's CheckpointException."""
+    failures = getattr(e, "failures", None)
+    if failures:
+        rank, (e, _) = min(failures.items(), key=lambda kv: kv[0])
+        return f"rank {rank}: {_why(e)}"
+    if isinstance(e, OSError) and e.strerror:
+        return e.strerror
+    return (str(e).splitlines() or [type(e).__name__])[0][:200] or type(e).__name__
 
 
 def _write_meta(folder: Path, meta: dict[str, Any] | None) -> None:
@@ -149,14 +160,14 @@ def load_sharded(folder: Path, state: dict[str, Any], alone: bool = False) -> No
     """Fill ``state`` (state dicts shaped as this run holds them: sharded under FSDP2, whole
     otherwise) in place from the checkpoint in ``folder``; DCP reshards to this run's world size.
     Every rank calls it; a process without a process group (or ``alone``) reads it by itself."""
-    from torch.distributed.checkpoint import load  # noqa: PLC0415
+    from torch.distributed.checkpoint import CheckpointException, load  # noqa: PLC0415
 
     try:
         with warnings.catch_warnings():  # "assuming ... a single process": meant so
             warnings.simplefilter("ignore", UserWarning)
             load(state, checkpoint_id=str(folder), no_dist=alone or not dist.is_initialized())
-    except Exception as e:
-        why = (str(e).splitlines() or [type(e).__name__])[0][:200]
+    except (Exception, CheckpointException) as e:
+        why = _why(e)
         raise TrainError(f"cannot read the sharded checkpoint {folder}: {why}") from None
 
 
