@@ -27,6 +27,7 @@ import torch
 from torch import nn
 
 import twofour
+from twofour.inference import speed
 from twofour.models import FFN_IN_PATTERNS, FFN_PATTERNS, PRESETS
 from twofour.sparse import Recipe, attach, sparsify
 from twofour.training.config import CUDA_GRAPH_MODES
@@ -46,26 +47,9 @@ def bench_ms(fn: Callable[[], object], *, warmup: int = 25, rep: int = 100) -> f
 def graph_ms(fn: Callable[[], object], *, inner: int = 1, reps: int = 20) -> float:
     """Milliseconds of one call of ``fn`` without the host's launch cost: ``inner`` calls captured
     back to back in one CUDA graph (after 2 calls on a side stream, where the dispatch measures
-    and the kernels tune), replayed ``reps`` times, each replay timed by CUDA events; median / ``inner``."""
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):
-        for _ in range(2):
-            fn()
-    torch.cuda.current_stream().wait_stream(side)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        for _ in range(inner):
-            fn()
-    times = []
-    for _ in range(reps):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        graph.replay()
-        end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end) / inner)
-    return statistics.median(times)
+    and the kernels tune), replayed ``reps`` times, each replay timed by CUDA events; median / ``inner``
+    (``twofour.inference.speed.graph_ms``)."""
+    return speed.graph_ms(fn, reps, inner=inner)
 
 
 def steps_ms(fn: Callable[[], object], n: int = 12, *, calls: int = 1, lead: bool = False) -> float:
@@ -137,15 +121,18 @@ def gpu_line() -> str:
 
 def preset_train_step(preset: str, batch: int, recipe: Recipe, *, transposed_output: bool = True,
                       advance: bool = True, vocab_size: int = 50304,
-                      compile: bool | str = False) -> tuple[nn.Module, Callable[[], None]]:
+                      compile: bool | str = False,
+                      n_layer: int | None = None) -> tuple[nn.Module, Callable[[], None]]:
     """A model ``preset`` (GPT or Llama; vocabulary ``vocab_size``, sequence 1024) on the GPU with
     ``recipe`` on its FFN linears (dense bf16 left as nn.Linear; the first, fc or gate|up, with
     ``transposed_output``), fused AdamW and, with ``advance``, ``attach()``; returns the model and
     a function that runs one training step on a fixed random batch, through ``torch.compile(model)``
-    with ``compile`` (as ``twofour train --compile`` runs it; a string is torch.compile's ``mode``)."""
+    with ``compile`` (as ``twofour train --compile`` runs it; a string is torch.compile's ``mode``);
+    ``n_layer`` blocks instead of the preset's where given."""
     torch.manual_seed(0)
     with torch.device("cuda"):  # initialized on the GPU: a 1B model's init on the CPU takes a while
-        model = PRESETS[preset].build(block_size=1024, vocab_size=vocab_size)
+        model = PRESETS[preset].build(block_size=1024, vocab_size=vocab_size,
+                                      **({"n_layer": n_layer} if n_layer else {}))
     if recipe.sparse or recipe.fp8:
         sparsify(model, recipe, include=FFN_PATTERNS, transposed_output=FFN_IN_PATTERNS if transposed_output else ())
     opt = torch.optim.AdamW(model.parameters(), lr=1e-4, fused=True)

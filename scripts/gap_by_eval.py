@@ -4,7 +4,8 @@
     PYTHONPATH=src python scripts/gap_by_eval.py docs/results/q124m-ours --base s-ste --per-seed \\
         --only precision=fp8 --plot docs/results_gpt2-124m_200m_fp8_gap.png
 
-For each recipe (with its precision and options, as compare's table names it) and each evaluation step that
+For each run label (:func:`label_of`: the recipe with its precision and options, as compare's table names
+it, then the settings a run changed from ``twofour train``'s defaults, ``lr=0.002``) and each evaluation step that
 every run has: (val loss - baseline val loss of the same seed) / baseline val loss, for each seed
 both ran (``--per-seed``) or averaged over them. The baseline is ``dense`` unless ``--base``
 names another run label (``s-ste``, ``"s-ste precision=fp8 mvue=false"``). Prints a markdown table (the ones in
@@ -20,7 +21,20 @@ from pathlib import Path
 import numpy as np
 
 from twofour.training.compare import run_order, summary_label
-from twofour.training.runs import pyplot, read_metrics, read_summary
+from twofour.training.config import TrainConfig
+from twofour.training.runs import pyplot, read_config, read_metrics, read_summary
+
+#: Settings an ablation varies besides the recipe: named in a run's label where its config.json
+#: holds another value than ``twofour train``'s default.
+VARIED = ("lr", "warmup", "min_lr_ratio", "weight_decay")
+
+
+def label_of(summary: dict) -> str:
+    """A finished run's name in tables: compare's label (:func:`summary_label`), then each setting
+    of :data:`VARIED` its config.json changed from the default (``s-ste weight_decay=0``)."""
+    cfg, default = read_config(summary["out_dir"]) or {}, TrainConfig()
+    extra = [f"{k}={cfg[k]:g}" for k in VARIED if cfg.get(k) is not None and cfg[k] != getattr(default, k)]
+    return " ".join([summary_label(summary), *extra])
 
 
 def gap_series(root: Path, base: str = "dense", only: str = "") -> tuple[list[int], dict[str, dict[int, list[float]]]]:
@@ -28,7 +42,7 @@ def gap_series(root: Path, base: str = "dense", only: str = "") -> tuple[list[in
     the run labelled ``base`` of the same seed; labels without ``only`` in them are left out."""
     runs: dict[str, dict[int, dict[int, float]]] = {}
     for s in sorted((read_summary(p.parent) for p in root.glob("*/summary.json")), key=run_order):
-        runs.setdefault(summary_label(s), {})[s["seed"]] = dict(read_metrics(s["out_dir"])["val_loss"])
+        runs.setdefault(label_of(s), {})[s["seed"]] = dict(read_metrics(s["out_dir"])["val_loss"])
     ref = runs.pop(base, None)
     if not ref:
         raise SystemExit(f"{root}: no finished run labelled {base!r} to compare with; labels: {', '.join(runs)}")

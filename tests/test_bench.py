@@ -143,6 +143,16 @@ def test_gpu_inference_report_rows():
 
 
 @pytest.mark.gpu
+def test_gpu_inference_report_of_a_llama_with_fewer_blocks():
+    """``--model llama-... --layers N``: Llama's vocabulary by default, the blocks built said in the report."""
+    lines = list(inference_report(False, "llama-tiny", context=128, prefill_batches=(1,), decode_batches=(1, 16),
+                                  prompt_len=16, decode_steps=16, n_layer=2))
+    assert lines[0].startswith("llama-tiny, 2 of its 4 blocks (--layers), vocabulary 32000")
+    assert [r.split(" | ")[:2] for r in _gpu_rows(lines)] == [["| prefill", "1"], ["| decode", "1"],
+                                                              ["| decode", "16"]]
+
+
+@pytest.mark.gpu
 @pytest.mark.parametrize("which", ["2:4", "dense twin"])
 @torch.no_grad()
 def test_gpu_graph_decoding_gives_the_eager_tokens(which, tmp_path):
@@ -170,3 +180,17 @@ def test_gpu_graph_decoding_gives_the_eager_tokens(which, tmp_path):
     with torch.cuda.graph(graph):
         step()
     assert all(torch.equal(a, b) for a, b in zip(eager, decode(graph.replay)))
+
+
+@pytest.mark.parametrize("bad", [["--model", "gpt5"], ["--layers", "0"]])
+def test_bench_inference_refuses_an_unknown_preset_or_no_layers(bad, capsys):
+    assert main(["bench", "--inference", *bad]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "--model must be one of" in err
+
+
+def test_exported_pair_takes_fewer_layers(tmp_path):
+    """``twofour bench --inference --layers N``: the preset built with N blocks."""
+    sparse, _, cfg = exported_pair("llama-tiny", tmp_path, vocab_size=128, context=32, device="cpu", n_layer=1)
+    assert cfg["model"]["n_layer"] == 1 and cfg["architecture"] == "Llama"
+    assert cfg["sparse_layers"] == ["h.0.mlp.gate_up", "h.0.mlp.down"]

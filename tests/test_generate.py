@@ -12,13 +12,37 @@ from twofour.models import FFN_PATTERNS
 from .helpers import tiny_gpt, tiny_llama
 
 
+def tiny_llama_gqa(**kw):
+    """A tiny Llama with grouped-query attention: 4 query heads share 2 heads of keys and values."""
+    return tiny_llama(n_head=4, n_kv_head=2, **kw)
+
+
+@torch.no_grad()
+def test_grouped_query_attention_is_attention_with_shared_keys_and_values():
+    """A grouped model's logits equal those of the same model without grouping whose key and value
+    heads are the grouped ones repeated (each kv head serving its run of query heads)."""
+    g = tiny_llama_gqa()
+    full = tiny_llama(n_head=4)
+    hd = 8  # n_embd 32 over 4 heads
+    sd = g.state_dict()
+    for i in range(len(g.h)):
+        w = sd[f"h.{i}.attn.qkv.weight"]
+        q, k, v = w.split((32, 2 * hd, 2 * hd))
+        rep = [z.view(2, hd, 32).repeat_interleave(2, dim=0).reshape(4 * hd, 32) for z in (k, v)]
+        sd[f"h.{i}.attn.qkv.weight"] = torch.cat([q, *rep])
+    full.load_state_dict(sd)
+    idx = torch.randint(0, 64, (2, 16), generator=torch.Generator().manual_seed(1))
+    assert g.h[0].attn.qkv.out_features == 32 + 2 * 2 * hd
+    torch.testing.assert_close(g(idx)[0], full(idx)[0])
+
+
 def model(block_size=32, make=tiny_gpt):
     m = make(block_size=block_size)
     twofour.sparsify(m, "s-ste", include=FFN_PATTERNS)
     return m.eval()
 
 
-MODELS = pytest.mark.parametrize("make", [tiny_gpt, tiny_llama], ids=["gpt", "llama"])
+MODELS = pytest.mark.parametrize("make", [tiny_gpt, tiny_llama, tiny_llama_gqa], ids=["gpt", "llama", "llama-gqa"])
 
 
 @MODELS

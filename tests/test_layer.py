@@ -138,6 +138,22 @@ def test_beta_survives_round_trip_and_stays_frozen(device):
     assert torch.equal(other.beta, beta0)
 
 
+def test_beta_refit_every_interval(device):
+    """beta_interval=2 refits beta to the current weight after every second optimizer step only."""
+    lin = layer_for("s-ste", device, beta_interval=2)
+    betas = [lin.beta.clone()]
+    opt = torch.optim.SGD(lin.parameters(), lr=1.0)
+    for _ in range(4):
+        lin(torch.randn(8, 32, device=device)).pow(2).sum().backward()
+        opt.step()
+        lin.advance()
+        betas.append(lin.beta.clone())
+        if int(lin.step) % 2 == 0:
+            torch.testing.assert_close(lin.beta, fixed_scale(lin.weight))
+    assert torch.equal(betas[1], betas[0]) and torch.equal(betas[3], betas[2])
+    assert not torch.equal(betas[2], betas[0]) and not torch.equal(betas[4], betas[2])
+
+
 @pytest.mark.parametrize("source", ["nn.Linear", "dense FP8 with bf16_finetune"])
 def test_dense_checkpoint_loads_as_made_sparse(device, source):
     """A dense checkpoint, also one whose FP8 phase ends (it holds a step count), loads into a sparse

@@ -13,12 +13,27 @@ def test_names_and_defaults():
     assert make_recipe() == make_recipe("s-ste")
     s = make_recipe("s-ste")
     assert s.pruning is SOFT and s.mvue and s.precision == BF16 and not s.precision.fp8 and s.decay == 0
+    assert s.beta_interval == 0 and make_recipe("s-ste", beta_interval=100).beta_interval == 100
     sr = make_recipe("sr-ste")
     assert sr.pruning is HARD and sr.decay == 2e-4 and not sr.mvue
     t = make_recipe("t-sr-ste")
     assert t.pruning is TRANSPOSABLE and t.mvue and t.mask_interval == 40 and t.dense_finetune == pytest.approx(1 / 6)
     assert make_recipe("step").starts_dense
     assert not make_recipe("dense").sparse and make_recipe("ste").sparse
+
+
+def test_one_constant_is_every_default():
+    """``twofour train``, TrainConfig and SparseLinear default to DEFAULT_RECIPE: switching the
+    default recipe is one line in recipes.py."""
+    import inspect  # noqa: PLC0415
+
+    from twofour.cli import build_parser  # noqa: PLC0415
+    from twofour.sparse import DEFAULT_RECIPE, SparseLinear  # noqa: PLC0415
+    from twofour.training.config import TrainConfig  # noqa: PLC0415
+
+    assert TrainConfig().recipe == DEFAULT_RECIPE == make_recipe().name
+    assert inspect.signature(SparseLinear).parameters["recipe"].default == DEFAULT_RECIPE
+    assert build_parser().parse_args(["train"]).recipe == DEFAULT_RECIPE
 
 
 def test_options_apply_and_round_trip():
@@ -39,7 +54,8 @@ def test_unknown_name_lists_valid():
         make_recipe("sste")
 
 
-@pytest.mark.parametrize("name,opt", [("ste", "decay"), ("s-ste", "mask_interval"), ("dense", "mvue")])
+@pytest.mark.parametrize("name,opt", [("ste", "decay"), ("s-ste", "mask_interval"), ("dense", "mvue"),
+                                      ("ste", "beta_interval")])
 def test_unknown_option_lists_valid(name, opt):
     with pytest.raises(ValueError, match=f"no option {opt}; valid options"):
         make_recipe(name, **{opt: 1})
@@ -68,6 +84,12 @@ def test_bad_option_values(opts, says):
     with pytest.raises((ValueError, TypeError), match=f"^recipe 't-sr-ste'.*{says}") as e:
         make_recipe("t-sr-ste", **opts)
     assert "\n" not in str(e.value)
+
+
+@pytest.mark.parametrize("value", [-1, 1.5, True])
+def test_bad_beta_interval(value):
+    with pytest.raises(ValueError, match=f"^recipe 's-ste': beta_interval must be an int >= 0, got {value}$"):
+        make_recipe("s-ste", beta_interval=value)
 
 
 def test_precision_presets():

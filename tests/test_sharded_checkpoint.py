@@ -17,6 +17,7 @@ import torch.multiprocessing as mp
 
 from twofour.training.config import TrainConfig
 from twofour.training.export import export
+from twofour.training.parallel import DEFAULT_FSDP
 from twofour.training.runs import CKPT, checkpoint_path, read_checkpoint
 from twofour.training.sharded import SHARDED, sharded_folder
 
@@ -122,9 +123,11 @@ def _val_loss(run: Path, step: int) -> float:
 
 
 def _cfg(corpus: str, out: Path, device: str = "cpu", **kw) -> TrainConfig:
+    """An FSDP2 run (fp32 on the CPU, the default mixed-precision policy on GPUs) of 8 tiny steps."""
+    policy = "fp32" if device == "cpu" else DEFAULT_FSDP
     return TrainConfig(model="tiny", recipe="s-ste", data=corpus, steps=8, batch_size=4, seq_len=32,
                        eval_interval=4, eval_iters=2, log_interval=1, ckpt_interval=4, progress=False,
-                       fsdp=True, device=device, out_dir=str(out), **kw)
+                       fsdp=policy, device=device, out_dir=str(out), **kw)
 
 
 def _runs(root: Path, corpus: str, device: str) -> Path:
@@ -135,7 +138,7 @@ def _runs(root: Path, corpus: str, device: str) -> Path:
     resumed on 2). Returns ``root``."""
     from twofour.training.loop import train  # noqa: PLC0415
 
-    one_process = dataclasses.replace(_cfg(corpus, root / "back", device), fsdp=False, stop_at=4)
+    one_process = dataclasses.replace(_cfg(corpus, root / "back", device), fsdp=None, stop_at=4)
     train(one_process)
     _spawn((_cfg(corpus, root / "full", device), None), (_cfg(corpus, root / "part", device, stop_at=4), None),
            (_cfg(corpus, root / "back", device, resume=True), None))
@@ -184,7 +187,7 @@ def test_two_to_one_and_one_to_two(runs, corpus, caplog):
 
     one = runs / "one"
     with caplog.at_level(logging.WARNING, logger="twofour"):
-        train(dataclasses.replace(_cfg(corpus, one), fsdp=False, resume=True))
+        train(dataclasses.replace(_cfg(corpus, one), fsdp=None, resume=True))
     assert "saved by 2 process(es), on 1" in caplog.text and "not bit-exact" in caplog.text
     assert checkpoint_path(one) == one / CKPT and not (one / SHARDED).exists()
     losses = _losses(one)

@@ -1,13 +1,14 @@
 """Compile the 2:4 GEMV kernels (``twofour.kernels.gemv24``) for Hopper (sm_90a) on a machine
-without a GPU and count what they execute: registers, SASS instructions, block-wide barriers,
-shared-memory traffic, and the layout conversions Triton put inside the loop over the inputs.
+without a GPU and count what they execute: registers, spills, SASS instructions, block-wide
+barriers, shared-memory traffic, tensor-core instructions, 16-byte global loads (``LDG``, and
+``cp.async``'s ``LDGSTS``), and the layout conversions Triton put inside the loop over the inputs.
 
     PYTHONPATH=src python benchmarks/inference/gemv_sass.py
 
 Compiles through ``common.compile_for_hopper`` (Triton's own ``ptxas``/``cuobjdump``). Each
-layout conversion in the loop is a round trip through shared memory between barriers; at one
-token (decoding at batch 1) the pair-load kernel should have none. The GPU's tuner, not this
-count, picks the variant per shape; this says why a variant can be slow.
+layout conversion in the loop is a round trip through shared memory between barriers; the
+``quad`` kernel (CUDA cores) should have none. The GPU's measurement, not this count, picks the
+variant per shape; this says why a variant can be slow.
 """
 
 from __future__ import annotations
@@ -22,35 +23,47 @@ from twofour.kernels import gemv24 as g
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # benchmarks/: common.py
 from common import compile_for_hopper, opcodes  # noqa: E402
 
-SIG = {"x_ptr": "*bf16", "sxt": "i32", "sxk": "i32", "pos_ptr": "*u8", "pos_stride": "i32",
-           "bias_ptr": "*bf16", "y_ptr": "*bf16", "T": "i32", "N": "i32", "K": "i32", "k_per": "i32"}
+SIG = {"x_ptr": "*bf16", "sxt": "i32", "sxk": "i32", "pos_ptr": "*u8", "p_ptr": "*u8", "pos_stride": "i32",
+       "bias_ptr": "*bf16", "y_ptr": "*bf16", "T": "i32", "N": "i32", "K": "i32", "Q": "i32", "k_per": "i32",
+       "q_per": "i32", "pairs_ptr": "*i32", "q_ptr": "*i64"}
+#: (kernel, tokens, rows, inputs per step, warps) compiled
+VARIANTS = [("quad", 1, 16, 256, 4), ("quad", 1, 32, 512, 8), ("quad", 1, 8, 256, 2),
+            ("quad_dot", 16, 64, 256, 4), ("quad_dot", 16, 64, 512, 4), ("quad_dot", 16, 128, 256, 8),
+            ("pairs", 1, 16, 256, 4), ("pairs", 8, 8, 256, 4)]
 
 
-def compile_kernel(pairs: bool, tokens: int, bo: int, bk: int, warps: int) -> tuple[int, collections.Counter, str]:
-    """(registers, SASS opcode counts, TTGIR) of one variant for bf16 inputs read row-major."""
-    fn = g.triton_kernels()["pairs" if pairs else "tiles"]
-    sig = dict(SIG, **({"pairs_ptr": "*i32"} if pairs else {"vals_ptr": "*bf16", "pos_width": "i32"}))
-    const = {"HAS_BIAS": True, "BT": tokens, "BO": bo, "BK": bk, "SPLIT": 1, "sxk": 1}
-    if pairs:
-        const.update(VALUE_BITS=16, IS_BF16=True)
-    aligned = [k for k in ("x_ptr", "pairs_ptr", "vals_ptr", "pos_ptr", "y_ptr", "K", "N", "sxt", "pos_stride",
-                           "pos_width", "k_per") if k in fn.arg_names]
-    regs, _, text, ttgir = compile_for_hopper(fn, sig, const, aligned, warps)
-    return regs, opcodes(text), ttgir
+def compile_kernel(kernel: str, tokens: int, bo: int, bk: int, warps: int) -> tuple[int, int, collections.Counter,
+                                                                                     str, str]:
+    """(registers, spilled bytes, SASS opcode counts, SASS text, TTGIR) of one variant for bf16
+    inputs read row-major (the quad kernels' x as int64 words), every row and input in range."""
+    fn = g.triton_kernels()[kernel]
+    sig = {k: v for k, v in SIG.items() if k in fn.arg_names}
+    if kernel != "pairs":  # x as int64 words of four inputs
+        sig["x_ptr"] = "*i64"
+    const = {"HAS_BIAS": False, "BT": tokens, "BO": bo, "PARTIAL": False, "sxk": 1, "IS_BF16": True}
+    if kernel == "pairs":
+        const.update(BK=bk, VALUE_BITS=16)
+    else:
+        const.update(BQ=bk // 8, EVEN=True, **({"X_WORDS": True} if kernel == "quad_dot" else {}))
+    aligned = [k for k in ("x_ptr", "pairs_ptr", "q_ptr", "pos_ptr", "p_ptr", "y_ptr", "K", "N", "Q", "sxt",
+                           "pos_stride", "k_per", "q_per") if k in fn.arg_names]
+    regs, spill, text, ttgir = compile_for_hopper(fn, sig, const, aligned, warps)
+    return regs, spill, opcodes(text), text, ttgir
 
 
 def main() -> None:
-    print("| kernel | tokens | rows x inputs x warps | registers | SASS | barriers | STS / LDS "
-          "| conversions in the loop |")
-    print("|---|---|---|---|---|---|---|---|")
-    for tokens in (1, 8):
-        for bo, bk, warps in ((4, 256, 2), (8, 256, 4), (16, 256, 4), (8, 512, 4)):
-            for pairs in (False, True):
-                regs, ops, ttgir = compile_kernel(pairs, tokens, bo, bk, warps)
-                loops = re.findall(r"scf\.for.*?scf\.yield", ttgir, flags=re.S)
-                conv = sum(body.count("convert_layout") for body in loops)
-                print(f"| {'pairs' if pairs else 'tiles'} | {tokens} | {bo} x {bk} x {warps} | {regs} "
-                      f"| {sum(ops.values())} | {ops['BAR']} | {ops['STS']} / {ops['LDS']} | {conv} |", flush=True)
+    print("| kernel | tokens | rows x inputs x warps | registers (spill B) | SASS | barriers | STS / LDS "
+          "| HGMMA / HMMA | 16-byte / all global loads | conversions in the loop |")
+    print("|---|---|---|---|---|---|---|---|---|---|")
+    for kernel, tokens, bo, bk, warps in VARIANTS:
+        regs, spill, ops, text, ttgir = compile_kernel(kernel, tokens, bo, bk, warps)
+        loops = re.findall(r"scf\.for.*?scf\.yield", ttgir, flags=re.S)
+        conv = sum(body.count("convert_layout") for body in loops)
+        ldg = sum(v for k, v in ops.items() if k in ("LDG", "LDGSTS"))
+        ldg128 = len(re.findall(r"LDG(?:STS)?\.E\.(?:\w+\.)*128", text))
+        print(f"| {kernel} | {tokens} | {bo} x {bk} x {warps} | {regs} ({spill}) | {sum(ops.values())} | {ops['BAR']} "
+              f"| {ops['STS']} / {ops['LDS']} | {ops['HGMMA']} / {ops['HMMA']} | {ldg128} / {ldg} | {conv} |",
+              flush=True)
 
 
 if __name__ == "__main__":

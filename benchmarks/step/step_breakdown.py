@@ -1,13 +1,14 @@
 """What a sparse GPT training step adds to, and saves from, the dense step, by kind of kernel (GPU).
 
-    PYTHONPATH=src python benchmarks/step/step_breakdown.py [--presets gpt2-124m:32,gpt2-774m:16]
+    PYTHONPATH=src python benchmarks/step/step_breakdown.py [--presets gpt2-124m:32,gpt2-774m:16,llama-8b:4:8]
         [--vocab-size 256] [--variants dense,s-ste,s-ste-gemm-dense] [--compile [--compile-mode M]]
         [--gaps] [--host]
 
 A variant is a recipe, optionally with options after a ``+`` each (as ``twofour train --opt``):
 ``dense+precision=fp8`` is dense FP8 (e4m3 operands and gradients, one scale per tensor).
 
-For each preset (micro-batch after the colon) and variant: the dispatch's choices, the step's time
+For each preset (micro-batch after the colon, optionally its number of blocks after a second)
+and variant: the dispatch's choices, the step's time
 (median of 10 steps, each timed on its own behind a short device-side wait,
 ``common.steps_ms(lead=True)``; and per step over windows of 4 steps in a row, as the loop runs them,
 the host free to run ahead), the device time
@@ -183,7 +184,7 @@ def main() -> None:
     args = ap.parse_args()
     compiled = args.compile_mode or args.compile
     for spec in args.presets.split(","):
-        preset, batch = spec.split(":")
+        preset, batch, *layers = spec.split(":")  # preset:batch[:blocks]
         results = {}
         for variant in args.variants.split(","):
             recipe, gemm_dense = variant_recipe(variant)
@@ -191,7 +192,7 @@ def main() -> None:
                 torch._dynamo.reset()
                 counters["graph_break"].clear()
                 model, step = preset_train_step(preset, int(batch), recipe, vocab_size=args.vocab_size,
-                                                compile=compiled)
+                                                compile=compiled, n_layer=int(layers[0]) if layers else None)
                 for _ in range(3):
                     step()
                 if compiled:

@@ -13,7 +13,6 @@ import argparse
 import gc
 import platform
 import re
-import statistics
 import tempfile
 from collections.abc import Callable, Iterator, Sequence
 from functools import partial
@@ -24,9 +23,9 @@ from torch import nn
 
 from . import dispatch
 from .fp8 import scaled_mm_available
-from .inference.format import load_for_inference, save_inference
+from .inference.speed import default_vocab, exported_pair, tokens_row
 from .kernels import cusparselt, ops
-from .models.common import FFN_PATTERNS, MLP, GPTConfig
+from .models.common import MLP, GPTConfig
 from .models.llama import GatedMLP
 from .models.presets import PRESETS
 from .sparse.convert import sparsify
@@ -170,78 +169,32 @@ def fp8_report(quick: bool = False, shapes: Sequence[tuple[str, int, int, int]] 
                     for name, make in variants.items())
 
 
-def exported_pair(preset: str, folder: str | Path, *, vocab_size: int, context: int, recipe: str = "s-ste",
-                  device: str = "cuda") -> tuple[nn.Module, nn.Module, dict]:
-    """A random ``preset`` with ``recipe`` on its FFN linears, exported in bf16 to ``folder`` and
-    loaded back twice: as exported (2:4 layers) and as its dense twin (the same weights in
-    nn.Linear); and the export's config."""
-    torch.manual_seed(0)
-    with torch.device(device):  # initialized where it runs: a large model's init on the CPU takes a while
-        model = sparsify(PRESETS[preset].build(block_size=context, vocab_size=vocab_size), recipe, include=FFN_PATTERNS)
-    cfg = save_inference(model, folder, dtype=torch.bfloat16, meta={"preset": preset, "recipe": recipe})
-    del model
-    return load_for_inference(folder, device), load_for_inference(folder, device, dense=True), cfg
-
-
-def _graph_ms(fn: Callable[[], object], reps: int) -> float:
-    """Median ms of ``reps`` replays of ``fn`` captured in a CUDA graph, after 2 calls on a side
-    stream (where the dispatch measures and the kernels tune: nothing is measured while capturing)."""
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):
-        fn(), fn()
-    torch.cuda.current_stream().wait_stream(side)
-    graph, times = torch.cuda.CUDAGraph(), []
-    with torch.cuda.graph(graph):
-        fn()
-    for _ in range(reps):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        graph.replay()
-        end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end))
-    return statistics.median(times)
-
-
-def _tokens_row(phase: str, b: int, models: dict[str, nn.Module], vocab: int, prompt: int, steps: int) -> str:
-    """Tokens/s of each model: a prefill of ``b`` x ``prompt`` tokens through the static KV cache, or
-    ``steps`` greedy decoding steps after it; each replay of a graph that reads the cache and writes it."""
-    ms = {}
-    for name, model in models.items():
-        idx = torch.randint(0, vocab, (b, prompt), device="cuda")
-        if phase == "prefill":  # each replay writes positions 0.. again
-            cache = model.make_cache(b, prompt)
-            ms[name] = _graph_ms(lambda m=model, c=cache, i=idx: (c.reset(), m(i, cache=c)), steps) / (b * prompt)
-        else:  # the cache holds the prompt, the graph's 2 warm-up steps and the steps timed
-            cache = model.make_cache(b, -(-(prompt + steps + 2) // 16) * 16)
-            tok = model(idx, cache=cache)[0][:, -1:].argmax(-1)
-            step = lambda m=model, c=cache, t=tok: t.copy_(m(t, cache=c)[0][:, -1:].argmax(-1))  # noqa: E731
-            ms[name] = _graph_ms(step, steps) / b
-    return f"| {phase} | {b} | {1e3 / ms['dense']:,.0f} | {1e3 / ms['2:4']:,.0f} | {ms['dense'] / ms['2:4']:.2f}x |"
-
-
 @torch.no_grad()
-def inference_report(quick: bool = False, preset: str = "gpt2-774m", *, vocab_size: int = 50304, context: int = 1024,
-                     prefill_batches: Sequence[int] = (1, 8), decode_batches: Sequence[int] = (1, 8, 64),
-                     prompt_len: int = 128, decode_steps: int = 64) -> Iterator[str]:
-    """The ``--inference`` rows, line by line: :func:`exported_pair`'s two models through the
-    static KV cache, each step one CUDA graph replay: prefill tokens/s at ``prefill_batches`` x
+def inference_report(quick: bool = False, preset: str = "gpt2-774m", *, vocab_size: int | None = None,
+                     context: int = 1024, prefill_batches: Sequence[int] = (1, 8),
+                     decode_batches: Sequence[int] = (1, 8, 64), prompt_len: int = 128, decode_steps: int = 64,
+                     n_layer: int | None = None) -> Iterator[str]:
+    """The ``--inference`` rows, line by line: :func:`exported_pair`'s two models of ``preset``
+    (``n_layer`` blocks if given; vocabulary :func:`default_vocab` unless ``vocab_size``) through
+    the static KV cache, each step one CUDA graph replay: prefill tokens/s at ``prefill_batches`` x
     ``context`` tokens, greedy decoding tokens/s after a ``prompt_len`` prompt over ``decode_steps``."""
     if quick:
         prefill_batches, decode_steps = prefill_batches[:1], decode_steps // 2
+    vocab_size = vocab_size or default_vocab(preset)
     with tempfile.TemporaryDirectory(prefix="twofour-bench-") as folder:
-        sparse, dense, cfg = exported_pair(preset, folder, vocab_size=vocab_size, context=context)
+        sparse, dense, cfg = exported_pair(preset, folder, vocab_size=vocab_size, context=context, n_layer=n_layer)
     models = {"dense": dense, "2:4": sparse}
-    yield from [f"{preset} (vocabulary {vocab_size}), random weights, s-ste on the FFN linears, exported in bf16: "
-                f"2:4 layers {cfg['sparse_layer_ratio']:.4f}x of their dense bytes, model file "
+    full = PRESETS[preset].config.n_layer
+    layers = f"{n_layer} of its {full} blocks (--layers)" if n_layer and n_layer != full else f"{full} blocks"
+    yield from [f"{preset}, {layers}, vocabulary {vocab_size}, random weights, s-ste on the FFN linears, exported in "
+                f"bf16: 2:4 layers {cfg['sparse_layer_ratio']:.4f}x of their dense bytes, model file "
                 f"{cfg['weights_bytes'] / 1e6:,.0f} MB; the dense twin holds the same weights in nn.Linear.", "",
                 f"### Prefill ({context} tokens a sequence) and greedy decoding (prompt {prompt_len}, {decode_steps} "
                 "steps), one CUDA graph replay a step", "",
                 "| phase | batch | dense tokens/s | 2:4 tokens/s | ratio |", "|---|---|---|---|---|"]
-    yield from (_row(f"prefill | {b}", _tokens_row, "prefill", b, models, vocab_size, context, 3 if quick else 5)
+    yield from (_row(f"prefill | {b}", tokens_row, "prefill", b, models, vocab_size, context, 3 if quick else 5)
                 for b in prefill_batches)
-    yield from (_row(f"decode | {b}", _tokens_row, "decode", b, models, vocab_size, prompt_len, decode_steps)
+    yield from (_row(f"decode | {b}", tokens_row, "decode", b, models, vocab_size, prompt_len, decode_steps)
                 for b in decode_batches)
 
 
@@ -259,11 +212,14 @@ def _real_loop(quick: bool) -> Iterator[str]:
 
 
 def run_bench(args: argparse.Namespace) -> str:
-    """``twofour bench [--quick] [--fp8 | --inference] [--write FILE]``: print the report as it is
-    measured; ``--write`` also puts it between FILE's ``<!-- bench:begin -->`` and ``end`` markers
-    (``fp8``, ``inference`` for those reports), appended the first time."""
+    """``twofour bench [--quick] [--fp8 | --inference [--model PRESET] [--layers N]] [--write FILE]``:
+    print the report as it is measured; ``--write`` also puts it between FILE's ``<!-- bench:begin -->``
+    and ``end`` markers (``fp8``, ``inference`` for those reports), appended the first time."""
     marker = "fp8" if args.fp8 else "inference" if args.inference else "bench"
     command = "twofour bench" + ("" if marker == "bench" else f" --{marker}")
+    if args.inference and (args.model not in PRESETS or (args.layers is not None and args.layers < 1)):
+        raise ValueError(f"{command}: --model must be one of {', '.join(PRESETS)} and --layers positive; got "
+                         f"{args.model!r}, {args.layers}")
     if not torch.cuda.is_available():
         raise ValueError(f"{command} needs a CUDA GPU; none is available here")
     if not ops.fast_available():
@@ -276,7 +232,10 @@ def run_bench(args: argparse.Namespace) -> str:
         yield from [f"GPU: {torch.cuda.get_device_name()}; torch {torch.__version__}, triton {triton.__version__}, "
                     f"cuSPARSELt {cusparselt.version()}, twofour {__version__}, Python {platform.python_version()}. "
                     "Ratios: dense time / twofour time.", ""]
-        yield from (fp8_report if args.fp8 else inference_report if args.inference else layer_report)(args.quick)
+        if args.inference:
+            yield from inference_report(args.quick, args.model, n_layer=args.layers)
+        else:
+            yield from (fp8_report if args.fp8 else layer_report)(args.quick)
         yield from ["", "Dispatch choices measured in this run (`twofour.kernels.dispatch.choices()`):", "", "```",
                     *dispatch.choice_lines("inf" if args.inference else ""), "```"]
         yield from _real_loop(args.quick) if marker == "bench" else ()

@@ -46,10 +46,13 @@ def _run_args(p: argparse.ArgumentParser, default_out: str) -> None:
     from .fp8.precision import PRECISIONS  # noqa: PLC0415
     from .models.presets import PRESETS  # noqa: PLC0415
     from .training.config import COMPILE_MODES, REGIMES, TrainConfig  # noqa: PLC0415
+    from .training.parallel import DEFAULT_FSDP, FSDP_POLICIES  # noqa: PLC0415
 
     d = TrainConfig()
     g = p.add_argument_group("model and data")
     g.add_argument("--model", default=d.model, help=f"preset: {', '.join(PRESETS)} (default %(default)s)")
+    g.add_argument("--n-layer", type=int, default=None, metavar="N",
+                   help="the preset with N blocks instead of its own number (a deep shape on fewer GPUs)")
     g.add_argument("--sparse-attention", action="store_true", help="also make the attention projections 2:4")
     g.add_argument("--data", default=None, help="text file or folder, folder of uint16 .bin shards, or hf:NAME_OR_PATH "
                    "(default: Python's standard library source)")
@@ -94,8 +97,15 @@ def _run_args(p: argparse.ArgumentParser, default_out: str) -> None:
                         "per-kernel time out of the step (default %(default)s)")
     g.add_argument("--seed", type=int, default=d.seed, help="model init and data order (default %(default)s)")
     g.add_argument("--device", default=d.device, help="auto, cpu, cuda or cuda:N (default %(default)s)")
-    g.add_argument("--fsdp", action=argparse.BooleanOptionalAction, default=d.fsdp,
-                   help="under torchrun: FSDP2 instead of DDP (default: DDP)")
+    g.add_argument("--fsdp", nargs="?", const=DEFAULT_FSDP, default=d.fsdp, metavar="POLICY",
+                   choices=list(FSDP_POLICIES),
+                   help=f"under torchrun: FSDP2 instead of DDP, with this policy ({', '.join(FSDP_POLICIES)}; "
+                        f"default {DEFAULT_FSDP}: weights gathered in bf16; fp32: as stored)")
+    g.add_argument("--no-fsdp", dest="fsdp", action="store_const", const=None, help="under torchrun: DDP")
+    g.add_argument("--activation-checkpointing", action=argparse.BooleanOptionalAction,
+                   default=d.activation_checkpointing,
+                   help="recompute each block's activations in the backward: less memory, about a third "
+                        "more compute (default: off)")
     g.add_argument("--step-graphs", action=argparse.BooleanOptionalAction, default=d.step_graphs,
                    help="on one GPU without --compile: replay each step's forward and backward as a CUDA graph, "
                         "so the host's per-layer work does not bound the step (default: on; not under torchrun "
@@ -307,10 +317,14 @@ def build_parser() -> argparse.ArgumentParser:
                        "training loop's tokens/s; print the tables (needs CUDA)")
     b.add_argument("--quick", action="store_true", help="fewer shapes and repetitions")
     what = b.add_mutually_exclusive_group()
-    what.add_argument("--inference", action="store_true", help="instead: an exported 2:4 gpt2-774m against its "
-                      "dense twin, prefill and decode tokens/s (CUDA graphs, static KV cache)")
+    what.add_argument("--inference", action="store_true", help="instead: an exported 2:4 model (--model) against "
+                      "its dense twin, prefill and decode tokens/s (CUDA graphs, static KV cache)")
     what.add_argument("--fp8", action="store_true", help="instead: FP8 layers (dense and s-ste) against bf16 and "
                       "against dense FP8")
+    b.add_argument("--model", default="gpt2-774m", help="--inference: the preset, random weights (default "
+                   "%(default)s; e.g. llama-7b)")
+    b.add_argument("--layers", type=int, default=None, help="--inference: build the preset with this many blocks "
+                   "instead of its own (less memory and time; the report says so)")
     b.add_argument("--write", default=None, help="also write the markdown report into this file (e.g. "
                    "docs/bench.md), between its <!-- bench:begin --> and <!-- bench:end --> markers (fp8, inference: "
                    "their own), appended the first time")

@@ -3,7 +3,7 @@
 * :class:`SparseInferenceLinear`: a linear layer whose weight is 2:4 and stored as kept values
   and 2-bit positions (:mod:`twofour.inference.packed`). On a GPU with the fast path (sm80+, bf16/fp16,
   both dimensions multiples of 32) it builds cuSPARSELt's compressed operand once from them and
-  runs 2:4 kernels only: cuSPARSELt's GEMM, or for up to 8 tokens the streaming kernel of
+  runs 2:4 kernels only: cuSPARSELt's GEMM, or for up to 16 tokens the streaming kernels of
   :mod:`twofour.kernels.gemv24`, whichever measured faster for the shape. Elsewhere it
   multiplies by the dense matrix the values and positions stand for (exact).
 * :func:`to_inference`: a trained model's :class:`~twofour.SparseLinear` layers become

@@ -268,7 +268,7 @@ def load_for_inference(path: str | Path, device: str | torch.device | None = Non
         dtype = stored if device.type == "cuda" else torch.float32
     if dense:
         for name in sparse:
-            lin = model.get_submodule(name)
+            lin = model.get_submodule(name).to(device)  # unpacked where it runs: a 7B model's on the CPU is slow
             plain = nn.Linear(lin.in_features, lin.out_features, bias=lin.bias is not None, device="meta")
             plain.weight = nn.Parameter(lin.dense_weight(), requires_grad=False)
             plain.bias = lin.bias

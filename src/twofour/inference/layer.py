@@ -149,8 +149,9 @@ class SparseInferenceLinear(nn.Module):
         """The 2:4 kernels that compute y = x2 W^T + b for a (tokens, in) ``x2`` in the layer's
         dtype, row- or column-major, as calls: ``sparse`` (cuSPARSELt's GEMM, the tokens padded
         to its multiple of 8; y row-major), with ``transposed_output`` also ``sparse_dr`` (the
-        same writing y^T row-major: a column-major y), and for up to 8 tokens ``sparse_gemv``
-        (:mod:`twofour.kernels.gemv24`). The forward runs the one
+        same writing y^T row-major: a column-major y), and for up to
+        :data:`~twofour.kernels.gemv24.MAX_TOKENS` tokens ``sparse_gemv`` (:mod:`twofour.kernels.gemv24`).
+        The forward runs the one
         :func:`twofour.dispatch.choose` measured fastest for the shape (a kernel that raises the first
         time at a shape is left out there: :func:`twofour.dispatch.working`). Only where
         :meth:`runs_sparse`."""

@@ -1,35 +1,38 @@
-"""y = x W^T (+ b) for a few tokens (decoding), with W 2:4 read as stored: kept values and 2-bit
+"""y = x W^T (+ b) for 1 to 16 tokens (decoding), with W 2:4 read as stored: kept values and 2-bit
 positions (``twofour.inference.packed``), 0.5625x of the dense bf16 bytes.
 
-At one to eight tokens a linear layer is bound by reading its weight, and cuSPARSELt's GEMM
-needs at least 8 columns of padded input; this kernel streams the compact weight once instead.
-Each program covers ``BO`` output rows and walks the inputs ``BK`` at a time, with contiguous
-loads only: the values (BO, BK/2), the position bytes (BO, BK/8), split into the groups' codes,
-and the (tokens, BK) tile of x, split into the four entries of each group; each entry of the
-weight is then a select between the group's two values (or zero), multiplied by its entry of x
-and accumulated in float32. Splitting and joining those tiles costs layout conversions through
-shared memory, each between barriers (at one token 8-10 conversions in the loop, 16-32 barriers
-in the Hopper SASS, ``benchmarks/inference/gemv_sass.py``); the pair-load variant (``_gemv24_pairs_kernel``)
-instead reads each group's two values as one word, its code from the position byte by a shift,
-and x as four loads, one per group entry, all straight into the products' layout: at one token
-and 8 or 16 rows a program, no conversion in the loop and one barrier in the kernel. With a
-split of the inputs (split-K), ``S`` programs share each band of rows, one input range each, and
-a second small kernel sums their float32 partials and adds the bias: more programs in flight
-where a layer has few output rows and long ones (a down projection), at the cost of one more
-launch. Variant, tile shape, warps and split are measured once per shape on the GPU.
+At a few tokens a linear layer is bound by reading its weight, and cuSPARSELt's GEMM needs at
+least 8 columns of padded input; these kernels stream the compact weight once instead. Three
+variants, each a Triton kernel:
 
-:func:`reference` is the same product in plain torch; the tests run the kernel against it
+* ``quad`` and ``quad_dot`` (:mod:`twofour.kernels.gemv24_quad`), for bf16/fp16 and inputs a
+  multiple of 8 (every layer a GPU runs sparse): the values read as int64 words of two groups,
+  with the position byte of the same two groups, in one (rows, quads) layout throughout; the
+  products on CUDA cores (``quad``, one token) or on tensor cores (``quad_dot``, the tokens
+  padded to 16).
+* ``pairs`` (:func:`_gemv24_pairs_kernel`), for any float dtype and inputs a multiple of 4: each
+  group's two values read as one word, its code from the position byte by a shift, x as four
+  loads, one per group entry.
+
+With a split of the inputs (split-K), several programs share each band of rows, one input range
+each, and a second small kernel sums their float32 partials and adds the bias: more programs in
+flight where a layer has few output rows and long ones (a down projection). Variant, tile,
+warps, pipeline stages and split are measured once per shape, token bucket and dtype through
+:func:`twofour.dispatch.choose` (key ``gemv24:...``; :func:`twofour.dispatch.choice_lines`).
+
+:func:`reference` is the same product in plain torch; the tests run the kernels against it
 under Triton's interpreter on the CPU.
 """
 
 from __future__ import annotations
 
-import logging
+from typing import NamedTuple
 
 import torch
 from torch.nn import functional as F
 
-from ..dispatch import median_ms
+from .. import dispatch
+from .gemv24_quad import quad_kernels
 from .layout import positions_width, unpack_24
 from .triton_common import HAS_TRITON
 
@@ -37,20 +40,66 @@ if HAS_TRITON:  # the reference path needs no Triton
     import triton
     import triton.language as tl
 
-log = logging.getLogger("twofour")
+    from .gemv24_quad import _store_rows, _sum_splits
 
-__all__ = ["gemv24", "reference", "MAX_TOKENS", "HAS_TRITON", "CONFIGS"]
+__all__ = ["gemv24", "reference", "MAX_TOKENS", "HAS_TRITON", "CONFIGS", "Config", "configs_for", "launch",
+           "triton_kernels"]
 
-#: The most tokens (rows of x) the kernel takes; more go to cuSPARSELt's GEMM.
-MAX_TOKENS = 8
-#: (rows per program, inputs per step, warps, input splits, pair loads) the GPU chooses from, per
-#: shape. Pair loads: :func:`_gemv24_pairs_kernel` (no layout conversions), else :func:`_gemv24_kernel`.
-CONFIGS = ((4, 256, 2, 1, False), (4, 512, 4, 1, False), (8, 256, 4, 1, False), (8, 512, 4, 1, False),
-           (16, 256, 4, 1, False), (16, 512, 8, 1, False), (32, 128, 4, 1, False), (32, 256, 8, 1, False),
-           (4, 256, 2, 4, False), (8, 256, 4, 4, False), (8, 512, 4, 2, False), (16, 256, 4, 8, False),
-           (4, 256, 2, 1, True), (8, 256, 4, 1, True), (16, 256, 4, 1, True), (8, 512, 4, 1, True),
-           (16, 512, 8, 1, True), (8, 256, 4, 4, True), (16, 256, 4, 4, True), (16, 256, 4, 8, True))
-_INTERPRETER_CONFIG = (16, 128, 4, 1, True)
+#: The most tokens (rows of x) the kernels take; more go to cuSPARSELt's GEMM.
+MAX_TOKENS = 16
+
+
+class Config(NamedTuple):
+    """One launch of a 2:4 GEMV: the kernel variant, rows of y per program, inputs per loop step,
+    warps, input splits (split-K) and software-pipeline stages."""
+
+    kernel: str
+    rows: int
+    inputs: int
+    warps: int
+    split: int = 1
+    stages: int = 3
+
+    @property
+    def name(self) -> str:
+        return f"{self.kernel} {self.rows}x{self.inputs} w{self.warps} s{self.split} p{self.stages}"
+
+
+_SPLITS = (1, 2, 3, 4, 6, 8)  # 3 and 6: fewer partial waves where the bands are not a multiple of the SMs
+#: What the GPU measures per shape: ``quad`` (CUDA cores) tiles for one token, ``quad_dot``
+#: (tensor cores) tiles for 1 to 16, each at every split of :data:`_SPLITS`; ``pairs`` wherever
+#: they fit (the only ones where the quad kernels can't read the weight: float32, inputs not a
+#: multiple of 8).
+CONFIGS = tuple(
+    [Config("quad", r, i, w, s) for r, i, w in ((8, 256, 2), (16, 256, 4), (16, 512, 4), (32, 256, 4),
+                                                (32, 512, 8)) for s in _SPLITS]
+    + [Config("quad_dot", r, i, w, s, p) for r, i, w, p in ((64, 256, 4, 3), (64, 512, 4, 2), (128, 256, 8, 3),
+                                                            (64, 256, 4, 4)) for s in _SPLITS]
+    + [Config("pairs", r, i, w, s) for r, i, w, s in ((16, 256, 4, 1), (8, 256, 4, 4))])
+_DOT_TOKENS = 16  # tl.dot's smallest N: the quad_dot kernel pads the tokens to it
+
+
+def _block_tokens(t: int) -> int:
+    return 1 << max(0, (t - 1).bit_length())
+
+
+def _quad_ok(values: torch.Tensor, k: int) -> bool:
+    """Whether the quad kernels can read this weight: 16-bit values, whole quads of 8 inputs."""
+    return values.element_size() == 2 and k % 8 == 0 and values.storage_offset() % 4 == 0
+
+
+def configs_for(tokens: int, quad: bool = True) -> list[Config]:
+    """The configurations the GPU measures for ``tokens`` rows of x: the ``pairs`` ones that fit
+    (at most 32 float32 accumulators a thread), and with ``quad`` (the weight is one the quad
+    kernels read, :func:`_quad_ok`) the quad kernels' for that many tokens."""
+    bt = _block_tokens(tokens)
+    pairs = [c for c in CONFIGS if c.kernel == "pairs" and bt * c.rows * (c.inputs // 4) <= 32 * 32 * c.warps]
+    if not quad:
+        return pairs or [CONFIGS[-1]]
+    return [c for c in CONFIGS if (c.kernel == "quad" and tokens == 1) or c.kernel == "quad_dot"] + pairs
+
+
+_INTERPRETER_CONFIG = Config("pairs", 16, 128, 4)
 
 
 if HAS_TRITON:
@@ -77,53 +126,6 @@ if HAS_TRITON:
         return acc
 
     @triton.jit
-    def _store_rows(y, y_ptr, bias_ptr, t, o, tm, om, T, N, HAS_BIAS: tl.constexpr, SPLIT: tl.constexpr):
-        """y (BT, BO) to y[t, o] (+ bias) in y's dtype, or with SPLIT > 1 as this split's float32
-        partial at ``y_ptr`` + s T N (no bias), for :func:`_sum_splits`."""
-        mask = tm[:, None] & om[None, :]
-        if SPLIT > 1:
-            tl.store(y_ptr + tl.program_id(1) * T * N + t[:, None] * N + o[None, :], y, mask=mask)
-        else:
-            if HAS_BIAS:
-                y += tl.load(bias_ptr + o, mask=om, other=0.0).to(tl.float32)[None, :]
-            tl.store(y_ptr + t[:, None] * N + o[None, :], y.to(y_ptr.dtype.element_ty), mask=mask)
-
-    @triton.jit
-    def _gemv24_kernel(x_ptr, sxt, sxk, vals_ptr, pos_ptr, pos_stride, pos_width, bias_ptr, y_ptr, T, N, K,
-                       k_per, HAS_BIAS: tl.constexpr, BT: tl.constexpr, BO: tl.constexpr, BK: tl.constexpr,
-                       SPLIT: tl.constexpr):
-        """Rows ``BO`` of y over inputs [s k_per, (s + 1) k_per) for split s (:func:`_store_rows`)."""
-        G: tl.constexpr = BK // 4  # groups per step
-        o = tl.program_id(0) * BO + tl.arange(0, BO)  # output rows (BO,)
-        k_lo = tl.program_id(1) * k_per
-        t = tl.arange(0, BT)  # tokens (BT,)
-        om = o < N
-        tm = t < T
-        acc = tl.zeros((BT, BO, G), dtype=tl.float32)
-        for k0 in range(k_lo, tl.minimum(K, k_lo + k_per), BK):
-            # the two kept values of each group: one contiguous (BO, G, 2) load
-            g = k0 // 4 + tl.arange(0, G)
-            vi = 2 * g[None, :, None] + tl.arange(0, 2)[None, None, :]
-            v = tl.load(vals_ptr + o[:, None, None] * (K // 2) + vi,
-                        mask=om[:, None, None] & (g < K // 4)[None, :, None], other=0.0).to(tl.float32)
-            v0, v1 = tl.split(v)  # (BO, G)
-            # their positions: (BO, G/2) whole bytes, two groups each (low nibble first)
-            pc = k0 // 8 + tl.arange(0, G // 2)
-            pb = tl.load(pos_ptr + o[:, None] * pos_stride + pc[None, :], mask=om[:, None] & (pc < pos_width)[None, :],
-                         other=0).to(tl.int32)
-            code = tl.reshape(tl.join(pb & 15, pb >> 4), (BO, G))
-            # x: one contiguous (BT, BK) tile, split into the four entries of each group
-            c = k0 + tl.arange(0, BK)
-            xt = tl.load(x_ptr + t[:, None] * sxt + c[None, :] * sxk, mask=tm[:, None] & (c < K)[None, :],
-                         other=0.0).to(tl.float32)
-            even, odd = tl.split(tl.reshape(xt, (BT, G, 2, 2)))  # entry e = 2 * i + j: split j
-            x0, x2 = tl.split(even)
-            x1, x3 = tl.split(odd)
-            e0, e1, e2, e3 = _place(v0, v1, code)
-            acc = _accumulate(acc, e0, e1, e2, e3, x0, x1, x2, x3)
-        _store_rows(tl.sum(acc, axis=2), y_ptr, bias_ptr, t, o, tm, om, T, N, HAS_BIAS, SPLIT)
-
-    @triton.jit
     def _group_entries(pairs_ptr, pos_ptr, pos_stride, o, om, g, K, VALUE_BITS: tl.constexpr,
                        IS_BF16: tl.constexpr):
         """The four weight entries of groups ``g`` in rows ``o``: four (BO, G) float32 tensors,
@@ -148,12 +150,13 @@ if HAS_TRITON:
     @triton.jit
     def _gemv24_pairs_kernel(x_ptr, sxt, sxk, pairs_ptr, pos_ptr, pos_stride, bias_ptr, y_ptr, T, N, K, k_per,
                              HAS_BIAS: tl.constexpr, BT: tl.constexpr, BO: tl.constexpr, BK: tl.constexpr,
-                             SPLIT: tl.constexpr, VALUE_BITS: tl.constexpr, IS_BF16: tl.constexpr):
-        """:func:`_gemv24_kernel` with every operand loaded straight into the layout the products
-        use, no splits or joins (each a round trip through shared memory between barriers): a
-        group's two values as one word (two 16-bit halves, or two 32-bit ones for float32), its
-        4-bit code from the position byte by a shift, and x as four loads, one per group entry.
-        One token (decoding at batch 1) accumulates in two dimensions, in the weights' layout."""
+                             PARTIAL: tl.constexpr, VALUE_BITS: tl.constexpr, IS_BF16: tl.constexpr):
+        """Rows ``BO`` of y over inputs [s k_per, (s + 1) k_per) for split s, any float dtype,
+        every operand loaded straight into the layout the products use, no splits or joins (each a
+        round trip through shared memory between barriers): a group's two values as one word (two
+        16-bit halves, or two 32-bit ones for float32), its 4-bit code from the position byte by a
+        shift, and x as four loads, one per group entry. One token (decoding at batch 1)
+        accumulates in two dimensions, in the weights' layout."""
         G: tl.constexpr = BK // 4
         o = tl.program_id(0) * BO + tl.arange(0, BO)
         k_lo = tl.program_id(1) * k_per
@@ -184,20 +187,7 @@ if HAS_TRITON:
                                    tl.load(xp + 2 * sxk, mask=xm, other=0.0).to(tl.float32),
                                    tl.load(xp + 3 * sxk, mask=xm, other=0.0).to(tl.float32))
             y = tl.sum(acc3, axis=2)  # (BT, BO)
-        _store_rows(y, y_ptr, bias_ptr, t, o, tm, om, T, N, HAS_BIAS, SPLIT)
-
-    @triton.jit
-    def _sum_splits(part_ptr, bias_ptr, y_ptr, TN, N, HAS_BIAS: tl.constexpr, SPLIT: tl.constexpr,
-                    BLOCK: tl.constexpr):
-        """y = the SPLIT float32 partials summed (+ bias), in y's dtype."""
-        i = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
-        m = i < TN
-        y = tl.zeros((BLOCK,), dtype=tl.float32)
-        for s in range(SPLIT):
-            y += tl.load(part_ptr + s * TN + i, mask=m, other=0.0)
-        if HAS_BIAS:
-            y += tl.load(bias_ptr + i % N, mask=m, other=0.0).to(tl.float32)
-        tl.store(y_ptr + i, y.to(y_ptr.dtype.element_ty), mask=m)
+        _store_rows(y, y_ptr, bias_ptr, t, o, tm, om, T, N, HAS_BIAS, PARTIAL)
 
 
 def reference(x: torch.Tensor, values: torch.Tensor, positions: torch.Tensor,
@@ -206,70 +196,53 @@ def reference(x: torch.Tensor, values: torch.Tensor, positions: torch.Tensor,
     return F.linear(x, unpack_24(values, positions, x.shape[-1]).to(x.dtype), bias)
 
 
-def _block_tokens(t: int) -> int:
-    return 1 << max(0, (t - 1).bit_length())
-
-
-def _fits(bt: int, cfg: tuple[int, ...]) -> bool:
-    """At most 32 float32 accumulators a thread."""
-    bo, bk, warps = cfg[:3]
-    return bt * bo * (bk // 4) <= 32 * 32 * warps
-
-
-_tuned: dict[tuple, tuple[int, ...]] = {}
-
-
-def _launch(x, values, positions, bias, y, cfg) -> None:
+def launch(x: torch.Tensor, values: torch.Tensor, positions: torch.Tensor, bias: torch.Tensor | None,
+           y: torch.Tensor, cfg: Config) -> None:
+    """Write y = x W^T (+ bias) with the configuration ``cfg`` (inputs checked by :func:`gemv24`)."""
     t, k = x.shape
     n = values.shape[0]
-    bo, bk, warps = cfg[:3]
-    split = min(cfg[3] if len(cfg) > 3 else 1, triton.cdiv(k, bk))  # no split without inputs
-    pairs = len(cfg) > 4 and cfg[4]
-    k_per = triton.cdiv(triton.cdiv(k, split), bk) * bk
-    split = triton.cdiv(k, k_per)
+    quad = cfg.kernel != "pairs"
+    units = k // 8 if quad else k  # what a split divides: quads, or inputs
+    step = cfg.inputs // 8 if quad else cfg.inputs
+    split = max(1, min(cfg.split, triton.cdiv(units, step)))  # no split without inputs
+    per = triton.cdiv(triton.cdiv(units, split), step) * step
+    split = triton.cdiv(units, per)
     b = bias if bias is not None else values
     out = y if split == 1 else torch.empty(split, t, n, dtype=torch.float32, device=x.device)
-    grid = (triton.cdiv(n, bo), split)
-    common = dict(HAS_BIAS=bias is not None, BT=_block_tokens(t), BO=bo, BK=bk, SPLIT=split, num_warps=warps)
-    if pairs:  # each group's two values as one word: (N, K/4) of twice the value's width
+    grid = (triton.cdiv(n, cfg.rows), split)
+    common = dict(HAS_BIAS=bias is not None, BO=cfg.rows, PARTIAL=split > 1, num_warps=cfg.warps,
+                  num_stages=cfg.stages)
+    if quad:
+        even = n % cfg.rows == 0 and units % step == 0
+        bt = _DOT_TOKENS if cfg.kernel == "quad_dot" else 1
+        # x as int64 words of 4 inputs where its rows allow (always for the one-token kernel)
+        aligned = x.stride(1) == 1 and x.data_ptr() % 8 == 0
+        if cfg.kernel == "quad":
+            xin = (x[0] if aligned else x[0].clone()).view(torch.int64)
+        else:
+            common["X_WORDS"] = aligned and x.stride(0) % 4 == 0
+            xin = x.view(torch.int64) if common["X_WORDS"] else x
+        quad_kernels()[cfg.kernel][grid](xin, xin.stride(0), x.stride(1), values.view(torch.int64), positions, b,
+                                         out, t, n, units, per, BT=bt, BQ=step, EVEN=even,
+                                         IS_BF16=values.dtype == torch.bfloat16, **common)
+    else:  # each group's two values as one word: (N, K/4) of twice the value's width
         words = values.view(torch.int64 if values.element_size() == 4 else torch.int32)
         _gemv24_pairs_kernel[grid](x, x.stride(0), x.stride(1), words, positions, positions.stride(0), b, out, t, n,
-                                   k, k_per, VALUE_BITS=8 * values.element_size(),
+                                   k, per, BT=_block_tokens(t), BK=cfg.inputs, VALUE_BITS=8 * values.element_size(),
                                    IS_BF16=values.dtype == torch.bfloat16, **common)
-    else:
-        _gemv24_kernel[grid](x, x.stride(0), x.stride(1), values, positions, positions.stride(0), positions.shape[1],
-                             b, out, t, n, k, k_per, **common)
     if split > 1:
-        _sum_splits[(triton.cdiv(t * n, 1024),)](out, b, y, t * n, n, HAS_BIAS=bias is not None, SPLIT=split,
-                                                 BLOCK=1024, num_warps=4)
-
-
-def _tune(x, values, positions, bias, y) -> tuple[int, ...]:
-    """The fastest fitting config for this shape, timed as the dispatch times its candidates
-    (:func:`twofour.dispatch.median_ms`)."""
-    fitting = [c for c in CONFIGS if _fits(_block_tokens(x.shape[0]), c)] or list(CONFIGS[:1])
-    times, errors = {}, {}
-    for cfg in fitting:  # a variant this GPU's Triton can't build is left out, with a warning
-        try:
-            times[cfg] = median_ms(lambda cfg=cfg: _launch(x, values, positions, bias, y, cfg))
-        except Exception as e:  # noqa: BLE001 (compiler errors have no common type)
-            errors[cfg] = f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"
-    if not times:
-        raise RuntimeError(f"gemv24: no configuration ran at this shape; first error: {next(iter(errors.values()))}")
-    for cfg, err in errors.items():
-        log.warning("gemv24: configuration %s failed and is skipped (%s)", cfg, err)
-    return min(times, key=times.get)
+        _sum_splits[(triton.cdiv(t * n, 1024),)](out, b, y, t * n, n, split, HAS_BIAS=bias is not None, BLOCK=1024,
+                                                 num_warps=4)
 
 
 def gemv24(x: torch.Tensor, values: torch.Tensor, positions: torch.Tensor, bias: torch.Tensor | None = None, *,
-           config: tuple[int, ...] | None = None) -> torch.Tensor:
+           config: Config | None = None) -> torch.Tensor:
     """y (T, N) = x (T, K) W^T (+ bias), W given as ``values`` (N, K/2) and ``positions``
     (N, ceil(K/8)) uint8; T <= :data:`MAX_TOKENS`; x, values and bias of one dtype, y in it.
 
-    ``config`` = (rows per program, inputs per step, warps[, input splits[, pair loads]]) fixes the
-    launch (:data:`CONFIGS`); otherwise the GPU
-    measures :data:`CONFIGS` once per shape (never while a CUDA graph is being captured: then an
-    unmeasured shape takes the first that fits)."""
+    ``config`` (a :class:`Config`) fixes the launch; otherwise the GPU measures
+    :func:`configs_for` once per shape, token bucket and dtype (:func:`twofour.dispatch.choose`;
+    while a CUDA graph is being captured an unmeasured shape takes the first)."""
     if not HAS_TRITON:
         raise RuntimeError("twofour's 2:4 GEMV kernel needs Triton (pip install triton)")
     t, k = x.shape
@@ -285,25 +258,34 @@ def gemv24(x: torch.Tensor, values: torch.Tensor, positions: torch.Tensor, bias:
     values, positions = values.contiguous(), positions.contiguous()
     if values.storage_offset() % 2:  # read as pairs of values: words must start on a pair
         values = values.clone()
+    quad = _quad_ok(values, k)
+    if config is not None and config.kernel != "pairs" and not quad:
+        raise ValueError(f"gemv24: the {config.kernel} kernel reads 16-bit values and inputs a multiple of 8; got "
+                         f"{values.dtype}, {k} inputs")
+    if config is not None and config.kernel == "quad" and t > 1:
+        raise ValueError(f"gemv24: the quad kernel takes one token, got {t}")
     bias = None if bias is None else bias.contiguous()
     y = torch.empty(t, n, dtype=x.dtype, device=x.device)
     if config is None:
-        if not x.is_cuda:
-            config = _INTERPRETER_CONFIG
-        else:
-            key = (n, k, _block_tokens(t), x.dtype, bias is not None)
-            config = _tuned.get(key)
-            if config is None:
-                fitting = [c for c in CONFIGS if _fits(_block_tokens(t), c)] or list(CONFIGS[:1])
-                if torch.cuda.is_current_stream_capturing():
-                    config = fitting[0]
-                else:
-                    config = _tuned[key] = _tune(x, values, positions, bias, y)
-    _launch(x, values, positions, bias, y, config)
+        config = _choose(x, values, positions, bias, y, quad) if x.is_cuda else _INTERPRETER_CONFIG
+    launch(x, values, positions, bias, y, config)
     return y
 
 
+def _choose(x, values, positions, bias, y, quad: bool) -> Config:
+    """The measured fastest configuration for this shape (configurations that fail to build or
+    run are left out, with a warning: :func:`twofour.dispatch.working`)."""
+    t, k = x.shape
+    n = values.shape[0]
+    cands = {c.name: c for c in configs_for(t, quad)}
+    calls = {name: (lambda c=c: launch(x, values, positions, bias, y, c)) for name, c in cands.items()}
+    where = (n, k, _block_tokens(t), x.dtype, bias is not None)
+    calls = dispatch.working("gemv24", calls, where, "the 2:4 GEMV configuration")
+    order = "bias" if bias is not None else "nobias"
+    return cands[dispatch.choose("gemv24", n, k, _block_tokens(t), order, x.dtype, calls)]
+
+
 def triton_kernels() -> dict[str, object]:
-    """The Triton kernels :func:`gemv24` launches by variant, ``tiles`` and ``pairs`` (pair loads;
+    """The Triton kernels :func:`gemv24` launches by variant (``quad``, ``quad_dot``, ``pairs``;
     empty without Triton), for tools that compile them on their own (``benchmarks/inference/gemv_sass.py``)."""
-    return {"tiles": _gemv24_kernel, "pairs": _gemv24_pairs_kernel} if HAS_TRITON else {}
+    return {**quad_kernels(), "pairs": _gemv24_pairs_kernel} if HAS_TRITON else {}

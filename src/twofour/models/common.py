@@ -37,6 +37,11 @@ class GPTConfig:
     dropout: float = 0.0
     bias: bool = True
 
+    @property
+    def kv_heads(self) -> int:
+        """Heads of keys and values: as many as of queries."""
+        return self.n_head
+
 
 @dataclass(frozen=True)
 class LlamaConfig:
@@ -53,6 +58,12 @@ class LlamaConfig:
     rope_theta: float = 10000.0
     norm_eps: float = 1e-5
     tie_embeddings: bool = False
+    n_kv_head: int | None = None  # heads of keys and values (grouped-query attention); None: n_head
+
+    @property
+    def kv_heads(self) -> int:
+        """Heads of keys and values: ``n_kv_head``, else ``n_head`` (no grouping)."""
+        return self.n_kv_head or self.n_head
 
     @property
     def hidden(self) -> int:
@@ -78,7 +89,7 @@ class KVCache:
                  device: torch.device | str | None = None, dtype: torch.dtype = torch.float32):
         if not 1 <= max_len <= cfg.block_size:
             raise ValueError(f"KVCache: max_len must be in 1..block_size={cfg.block_size}, got {max_len}")
-        shape = (cfg.n_layer, batch, cfg.n_head, max_len, cfg.n_embd // cfg.n_head)
+        shape = (cfg.n_layer, batch, cfg.kv_heads, max_len, cfg.n_embd // cfg.n_head)
         self.k = torch.zeros(shape, device=device, dtype=dtype)
         self.v = torch.zeros(shape, device=device, dtype=dtype)
         self.pos = torch.zeros((), dtype=torch.long, device=device)
@@ -95,9 +106,17 @@ def _cached_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv: tup
     k_cache, v_cache, positions, visible = kv
     k_cache.index_copy_(2, positions, k.to(k_cache.dtype))
     v_cache.index_copy_(2, positions, v.to(v_cache.dtype))
+    k_all, v_all = _grouped(k_cache, q), _grouped(v_cache, q)
     with sdpa_kernel(_MASKED_BACKENDS):
-        y = F.scaled_dot_product_attention(q.to(k_cache.dtype), k_cache, v_cache, attn_mask=visible)
+        y = F.scaled_dot_product_attention(q.to(k_cache.dtype), k_all, v_all, attn_mask=visible)
     return y.to(q.dtype)
+
+
+def _grouped(kv: torch.Tensor, q: torch.Tensor) -> torch.Tensor:
+    """Keys or values (batch, kv heads, t, head_dim) repeated to q's heads (grouped-query
+    attention: each of the kv heads serves n_head / kv_heads query heads in a row)."""
+    rep = q.shape[1] // kv.shape[1]
+    return kv if rep == 1 else kv.repeat_interleave(rep, dim=1)
 
 
 def _rope_tables(cfg: LlamaConfig) -> tuple[torch.Tensor, torch.Tensor]:
@@ -120,23 +139,30 @@ def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tens
 class CausalSelfAttention(nn.Module):
     """Causal multi-head attention with one fused qkv linear (GPT's; Llama's without biases and
     with rotary positions on q and k, given as ``rope`` = (cos, sin)); with ``kv``, cached
-    (:class:`KVCache`)."""
+    (:class:`KVCache`). With ``n_kv_head`` < ``n_head``, grouped-query attention: the qkv linear
+    has ``n_embd + 2 * n_kv_head * head_dim`` outputs (q, then k, then v)."""
 
-    def __init__(self, n_embd: int, n_head: int, bias: bool = True, dropout: float = 0.0):
+    def __init__(self, n_embd: int, n_head: int, bias: bool = True, dropout: float = 0.0,
+                 n_kv_head: int | None = None):
         super().__init__()
-        self.n_head = n_head
-        self.qkv = nn.Linear(n_embd, 3 * n_embd, bias=bias)
+        self.n_head, self.n_kv_head = n_head, n_kv_head or n_head
+        if n_head % self.n_kv_head:
+            raise ValueError(f"n_head={n_head} must be a multiple of n_kv_head={self.n_kv_head}")
+        self.kv_dim = n_embd // n_head * self.n_kv_head
+        self.qkv = nn.Linear(n_embd, n_embd + 2 * self.kv_dim, bias=bias)
         self.proj = nn.Linear(n_embd, n_embd, bias=bias)
         self.dropout = dropout
 
     def forward(self, x: torch.Tensor, kv: tuple | None = None, rope: tuple | None = None) -> torch.Tensor:
         b, t, c = x.shape
-        q, k, v = self.qkv(x).split(c, dim=2)
-        q, k, v = (z.view(b, t, self.n_head, c // self.n_head).transpose(1, 2) for z in (q, k, v))
+        hd = c // self.n_head
+        q, k, v = self.qkv(x).split((c, self.kv_dim, self.kv_dim), dim=2)
+        q = q.view(b, t, self.n_head, hd).transpose(1, 2)
+        k, v = (z.view(b, t, self.n_kv_head, hd).transpose(1, 2) for z in (k, v))
         if rope is not None:
             q, k = _rotate(q, *rope), _rotate(k, *rope)
         if kv is None:
-            y = F.scaled_dot_product_attention(q, k, v, is_causal=True,
+            y = F.scaled_dot_product_attention(q, _grouped(k, q), _grouped(v, q), is_causal=True,
                                                dropout_p=self.dropout if self.training else 0.0)
         else:
             y = _cached_attention(q, k, v, kv)

@@ -38,7 +38,8 @@ def _llama(lr: float, **shape: int) -> Preset:
 #: Every model ``twofour train --model`` takes. Peak learning rates: GPT-3 paper's table for the
 #: GPT-2 sizes, higher for the small ones (as nanoGPT's 10M-parameter example); the Llama sizes
 #: alike, and Llama 2's 3e-4 from 1B up. The Llama FFN widths follow Llama's rule with
-#: ``ffn_multiple`` 256 (64 for the tiny one): 2048, 2816, 5632 (TinyLlama's), 11008 (Llama 7B).
+#: ``ffn_multiple`` 256 (64 for the tiny one): 2048, 2816, 5632 (TinyLlama's), 11008 (Llama 7B);
+#: Llama 3 8B's 14336 is given.
 PRESETS: dict[str, Preset] = {
     "tiny": _gpt(1e-3, n_layer=4, n_head=4, n_embd=128),
     "gpt-10m": _gpt(1e-3, n_layer=6, n_head=6, n_embd=384),  # about 10.6M weights in its blocks
@@ -51,13 +52,19 @@ PRESETS: dict[str, Preset] = {
     "llama-350m": _llama(3e-4, n_layer=24, n_head=16, n_embd=1024, ffn_multiple=256),
     "llama-1b": _llama(3e-4, n_layer=22, n_head=32, n_embd=2048, ffn_multiple=256),  # TinyLlama 1.1B's shape
     "llama-7b": _llama(3e-4, n_layer=32, n_head=32, n_embd=4096, ffn_multiple=256),
+    # Llama 3 8B's shape: FFN 14336, 8 heads of keys and values (grouped-query attention)
+    "llama-8b": _llama(3e-4, n_layer=32, n_head=32, n_kv_head=8, n_embd=4096, ffn_hidden=14336,
+                       rope_theta=500000.0),
 }
 
 
-def build_model(preset: str, recipe, *, vocab_size: int, block_size: int, sparse_attention: bool = False) -> nn.Module:
-    """The preset model ``preset`` (GPT or Llama) with ``recipe`` (a name or a
-    :class:`~twofour.sparse.recipes.Recipe`) applied to its FFN linears, and to attention too with
-    ``sparse_attention``; the FFN's first linears may keep their output transposed on the GPU."""
-    model = PRESETS[preset].build(block_size=block_size, vocab_size=vocab_size)
+def build_model(preset: str, recipe, *, vocab_size: int, block_size: int, sparse_attention: bool = False,
+                n_layer: int | None = None) -> nn.Module:
+    """The preset model ``preset`` (GPT or Llama; with ``n_layer`` blocks if given) with ``recipe``
+    (a name or a :class:`~twofour.sparse.recipes.Recipe`) applied to its FFN linears, and to
+    attention too with ``sparse_attention``; the FFN's first linears may keep their output
+    transposed on the GPU."""
+    shape = {"n_layer": n_layer} if n_layer is not None else {}
+    model = PRESETS[preset].build(block_size=block_size, vocab_size=vocab_size, **shape)
     include = FFN_PATTERNS + (ATTN_PATTERNS if sparse_attention else ())
     return sparsify(model, recipe, include=include, transposed_output=FFN_IN_PATTERNS)

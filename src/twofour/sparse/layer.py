@@ -79,6 +79,8 @@ class SparseLinear(nn.Linear):
     _conv1d_layout = False
 
     def _save_to_state_dict(self, destination, prefix, keep_vars):
+        if self._refresh_pending:  # FSDP2: every rank saves, so each gathers the weight here
+            self.settle()
         super()._save_to_state_dict(destination, prefix, keep_vars)
         if self._conv1d_layout:
             destination[prefix + "weight"] = destination[prefix + "weight"].t()
@@ -109,6 +111,10 @@ class SparseLinear(nn.Linear):
         self._step, self._dense = 0, not self.recipe.sparse or self.recipe.starts_dense
         self._fp8 = self._fp8_phase()
         self.compressed = CompressedWeight()
+        # a mask refresh due at the last optimizer step but left to the next forward, where an
+        # FSDP2 shard's whole weight is gathered anyway (:func:`advance_layers`)
+        self._refresh_pending = False
+        self._gathered_dtype: torch.dtype | None = None
 
     @property
     def _keeps_state(self) -> bool:
@@ -196,6 +202,13 @@ class SparseLinear(nn.Linear):
     def _refresh_due(self) -> bool:
         return not self._dense and self.pruner.refresh_due(self._step, self.recipe.mask_interval)
 
+    def _refit_beta(self) -> None:
+        """Refit the scale beta to the current weight every ``beta_interval`` steps (S-STE with
+        that option; the default 0 keeps the beta fitted when the layer was made sparse)."""
+        n = self.recipe.beta_interval
+        if n and not self._dense and self._step % n == 0 and self.beta is not None:
+            self.beta.copy_(self.pruner.scale(self.weight.detach()))
+
     def _fused_refresh_ok(self) -> bool:
         """The mask refresh can run as the fused GPU kernel: a plain contiguous CUDA weight with
         Triton present (not an FSDP2 shard), a recipe whose mask is a top-2 of |W|."""
@@ -203,11 +216,36 @@ class SparseLinear(nn.Linear):
         return (self.pruner.fused_refresh and ops.triton_ok(w) and w.is_contiguous() and not hasattr(w, "to_local")
                 and self.mask.device == w.device)
 
-    def _refresh_mask_torch(self) -> None:
-        """Recompute the mask from the current weight in plain torch and count the flips."""
-        new = self.pruner.mask(self.weight.detach())
+    def _refresh_mask_torch(self, w: torch.Tensor | None = None) -> None:
+        """Recompute the mask from the current weight (or ``w``) in plain torch and count the flips."""
+        new = self.pruner.mask(self.weight.detach() if w is None else w)
         self.flips.copy_((new != self.mask).sum())
         self.mask.copy_(new)
+
+    @torch.compiler.disable  # a kernel launch and buffer writes, once a step: eager under torch.compile
+    def _refresh_gathered(self) -> None:
+        """The pending refresh, in the forward: the weight is whole here (FSDP2 gathered it, the
+        same on every rank), so each rank computes the same mask without a collective of its own."""
+        self._refresh_pending = False
+        w = self.weight.detach()
+        self._gathered_dtype = w.dtype
+        if self._fused_refresh_ok():
+            ops.refresh_masks_([w], [self.mask], [self.flips])
+        else:
+            self._refresh_mask_torch(w)
+
+    @torch.no_grad()
+    def settle(self) -> None:
+        """Apply a mask refresh left pending for the next forward (FSDP2) now, from the whole
+        weight in the dtype the forward gathers it in: the saved mask is then the one the next
+        forward would compute. A collective on a sharded weight: every rank must call it."""
+        if not self._refresh_pending:
+            return
+        self._refresh_pending = False
+        w = self.weight.detach()
+        if hasattr(w, "full_tensor"):
+            w = w.full_tensor()
+        self._refresh_mask_torch(w if self._gathered_dtype is None else w.to(self._gathered_dtype))
 
     @torch.no_grad()
     def add_masked_decay_(self) -> None:
@@ -250,6 +288,8 @@ class SparseLinear(nn.Linear):
         alone reads the output, as in an FFN) ``act(x W_eff^T + b)``, by the first route of
         :data:`twofour.sparse.routes.ROUTES` that applies: the fused linear+activation (GPU fast
         path with MVUE, eager), FP8, dense, the fast path eager or compiled, else the reference."""
+        if self._refresh_pending:
+            self._refresh_gathered()
         return route_for(self, x, act).run(self, x, act)
 
     def extra_repr(self) -> str:
@@ -263,7 +303,10 @@ def advance_layers(layers: Iterable[SparseLinear], sparse_phase: bool | None = N
     """Move each of ``layers`` on by one optimizer step (:meth:`SparseLinear.advance`), with one
     launch for all the step counters, one for the flip counters of layers not refreshed this step
     and one fused kernel launch per device and weight dtype for the masks refreshed on the GPU (a
-    model has tens of layers, and each launch costs host time)."""
+    model has tens of layers, and each launch costs host time). A layer whose weight is an FSDP2
+    shard refreshes its mask at its next forward instead, from the weight gathered there: no
+    collective per layer per step, and every rank computes the same mask (its flip count then
+    shows at that forward; :meth:`SparseLinear.settle` applies it early, as saving does)."""
     moved = [layer for layer in layers if layer._next_step(sparse_phase)]
     if not moved:
         return
@@ -277,6 +320,12 @@ def advance_layers(layers: Iterable[SparseLinear], sparse_phase: bool | None = N
     fused_set = set(fused)
     if fused:
         ops.refresh_masks_([m.weight.detach() for m in fused], [m.mask for m in fused], [m.flips for m in fused])
-    for layer in due:  # in the model's order: under FSDP2 each gathers its weight from every rank
-        if layer not in fused_set:
+    for layer in due:
+        if layer in fused_set:
+            continue
+        if hasattr(layer.weight, "to_local"):  # an FSDP2 shard: refreshed where the next forward gathers it
+            layer._refresh_pending = True
+        else:
             layer._refresh_mask_torch()
+    for layer in moved:
+        layer._refit_beta()

@@ -8,7 +8,8 @@ looks at which kind it is.
 
     NONE          dense: W itself
     HARD          top-2 of every 4 (STE, SR-STE, STEP): W * mask_24(W)
-    SOFT          S-STE: beta * S(W), beta frozen when the layer is made sparse
+    SOFT          S-STE: beta * S(W), beta fitted when the layer is made sparse (refitted every
+                  ``beta_interval`` steps where the recipe asks)
     TRANSPOSABLE  T-SR-STE: W * m, m 2:4 along both dimensions, refreshed every few steps
 """
 
@@ -60,6 +61,10 @@ class Pruner:
     def refresh_due(self, step: int, interval: int) -> bool:
         """Whether the mask is recomputed after optimizer step ``step``."""
         return True
+
+    def scale(self, w: torch.Tensor) -> torch.Tensor | None:
+        """The per-tensor scale this kind multiplies by, fitted to ``w`` (None: it has none)."""
+        return None
 
     def effective(self, w: torch.Tensor, beta: torch.Tensor | None, mask: torch.Tensor | None) -> torch.Tensor:
         """What the forward multiplies by (``w`` detached by the caller)."""
@@ -123,7 +128,11 @@ class SoftPruner(Pruner):
     name = "soft"
 
     def initial_state(self, w: torch.Tensor) -> dict[str, torch.Tensor]:
-        return {"beta": _fixed_scale(_whole(w)), "mask": self.mask(w)}
+        return {"beta": self.scale(w), "mask": self.mask(w)}
+
+    def scale(self, w: torch.Tensor) -> torch.Tensor:
+        """beta = <W, S(W)> / <S(W), S(W)> in float32 (the authors' ``init_scale``)."""
+        return _fixed_scale(_whole(w))
 
     def effective(self, w, beta, mask):
         return beta.to(w.dtype) * _soft_threshold_24(w)

@@ -38,6 +38,9 @@ class Recipe:
         decay: SR-STE masked decay lambda, added to the gradient as ``decay * (1 - m) * W`` once per
             optimizer step, after gradient clipping (:func:`twofour.attach` does it).
         mask_interval: optimizer steps between mask refreshes (transposable masks only).
+        beta_interval: S-STE only: optimizer steps between refits of the per-tensor scale beta to
+            the current weight (``beta = <W, S(W)> / <S(W), S(W)>``); 0 (the default, as the paper
+            and the authors' code) fits it once, when the layer is made sparse, and never again.
         dense_finetune: fraction of ``total_steps`` at the end trained dense (masks dropped).
         bf16_finetune: with an FP8 precision, the fraction of ``total_steps`` at the end trained
             without FP8 (the compute dtype's GEMMs, bf16 in training). At gpt2-124m over 200M
@@ -54,6 +57,7 @@ class Recipe:
     precision: Precision = BF16
     decay: float = 0.0
     mask_interval: int = 1
+    beta_interval: int = 0
     dense_finetune: float = 0.0
     bf16_finetune: float = 0.0
     total_steps: int | None = None
@@ -77,7 +81,7 @@ _TABLE: dict[str, tuple[dict[str, Any], dict[str, Any]]] = {
     "dense": ({"pruning": NONE}, dict(_COMMON)),
     "ste": ({"pruning": HARD}, dict(_SPARSE_COMMON)),
     "sr-ste": ({"pruning": HARD}, {**_SPARSE_COMMON, "decay": 2e-4}),
-    "s-ste": ({"pruning": SOFT}, {**_SPARSE_COMMON, "mvue": True}),
+    "s-ste": ({"pruning": SOFT}, {**_SPARSE_COMMON, "mvue": True, "beta_interval": 0}),
     "t-sr-ste": (
         {"pruning": TRANSPOSABLE},
         {
@@ -91,6 +95,8 @@ _TABLE: dict[str, tuple[dict[str, Any], dict[str, Any]]] = {
     "step": ({"pruning": HARD, "starts_dense": True}, {**_SPARSE_COMMON, "decay": 2e-4}),
 }
 RECIPES: tuple[str, ...] = tuple(_TABLE)
+#: The recipe ``twofour train``, :func:`twofour.sparsify` and :class:`~twofour.SparseLinear` use
+#: when none is named: the one constant to switch when the evidence (docs/RESULTS.md) says so.
 DEFAULT_RECIPE = "s-ste"
 
 
@@ -152,9 +158,9 @@ def _validate(name: str, v: dict[str, Any], precision: Precision) -> None:
         raise TypeError(f"recipe {name!r}: option mvue must be a bool, got {v['mvue']!r}")
     if "decay" in v and not (_finite(v["decay"]) and v["decay"] >= 0):
         raise bad("decay", "a finite number >= 0")
-    if "mask_interval" in v and (not isinstance(v["mask_interval"], int) or isinstance(v["mask_interval"], bool)
-                                 or v["mask_interval"] < 1):
-        raise bad("mask_interval", "an int >= 1")
+    for key, low in (("mask_interval", 1), ("beta_interval", 0)):
+        if key in v and (not isinstance(v[key], int) or isinstance(v[key], bool) or v[key] < low):
+            raise bad(key, f"an int >= {low}")
     for key in ("dense_finetune", "bf16_finetune"):
         if key in v and not (_finite(v[key]) and 0 <= v[key] < 1):
             raise bad(key, "in [0, 1)")

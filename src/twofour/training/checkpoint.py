@@ -90,7 +90,7 @@ def save(out: Path, cfg: TrainConfig, raw: torch.nn.Module, opt: torch.optim.Opt
         check_replicas(raw, world)
     meta = {"config": cfg.to_dict(), "step": step, "vocab_size": raw.vocab_size, "scheduler": sched.state_dict(),
             "rng": _per_rank(rng_state(data_gen), world), "elapsed_s": elapsed_s, "twofour_version": __version__}
-    if world > 1 and cfg.fsdp:
+    if world > 1 and cfg.fsdp is not None:
         from torch.distributed.checkpoint.state_dict import get_state_dict  # noqa: PLC0415
 
         model_sd, opt_sd = get_state_dict(raw, opt)  # sharded: each rank's own shards, replicated buffers once
@@ -125,7 +125,7 @@ def resume(ckpt: dict[str, Any], cfg: TrainConfig, raw: torch.nn.Module, opt: to
     """Load ``ckpt`` (:func:`twofour.training.runs.read_checkpoint`'s dict) into the run's model,
     optimizer, schedule and RNGs, before :func:`twofour.sparse.attach`; returns the step it
     resumes at. Every rank calls it."""
-    fsdp = world > 1 and cfg.fsdp
+    fsdp = world > 1 and cfg.fsdp is not None
     saved = len(ckpt["rng"])
     if "sharded" in ckpt:
         from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict  # noqa: PLC0415

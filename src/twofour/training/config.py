@@ -22,6 +22,7 @@ from ..errors import TrainError
 from ..fp8 import E4M3, E5M2, PRECISIONS, ROWWISE, TENSORWISE, Precision
 from ..models.presets import PRESETS
 from ..sparse.recipes import DEFAULT_RECIPE, Recipe, make_recipe, recipe_options
+from .parallel import FSDP_POLICIES
 
 __all__ = ["TrainConfig", "TrainError", "DEFAULT_LR", "Regime", "REGIMES", "lr_at", "resumed_config", "saved_options",
            "option_name", "resolve_device", "LAUNCH_OPTIONS", "ADJUSTABLE_OPTIONS"]
@@ -71,6 +72,7 @@ class TrainConfig:
     recipe_options: dict[str, Any] = field(default_factory=dict)
     precision: str = "bf16"  # a name of twofour.fp8.PRECISIONS: which GEMMs of the sparsified linears run in FP8
     sparse_attention: bool = False
+    n_layer: int | None = None  # None: the preset's number of blocks
     data: str | None = None  # None: the standard library corpus
     vocab_size: int | None = None  # for .bin shards without meta.pkl
     steps: int = 300
@@ -99,7 +101,8 @@ class TrainConfig:
     reschedule: bool = False  # resume with another `steps`: the learning-rate schedule is recomputed over it
     overwrite: bool = False
     device: str = "auto"
-    fsdp: bool = False
+    fsdp: str | None = None  # under torchrun: FSDP2 with this policy (training.parallel.FSDP_POLICIES), else DDP
+    activation_checkpointing: bool = False  # recompute each block's activations in the backward
     step_graphs: bool = True  # the eager step's forward and backward as CUDA graphs (training/graphs.py)
     progress: bool = True
 
@@ -139,10 +142,12 @@ class TrainConfig:
             raise TrainError(f"unknown regime {self.regime!r}; valid regimes: {', '.join(REGIMES)}")
         if self.precision not in PRECISIONS:
             raise TrainError(f"unknown --precision {self.precision!r}; valid precisions: {', '.join(PRECISIONS)}")
+        if self.fsdp is not None and self.fsdp not in FSDP_POLICIES:
+            raise TrainError(f"unknown --fsdp policy {self.fsdp!r}; valid policies: {', '.join(FSDP_POLICIES)}")
         for name in ("steps", "batch_size", "seq_len", "grad_accum", "eval_interval", "eval_iters", "ckpt_interval",
-                     "log_interval", "vocab_size"):
+                     "log_interval", "vocab_size", "n_layer"):
             value = getattr(self, name)
-            if (value is not None or name not in ("grad_accum", "vocab_size")) and (
+            if (value is not None or name not in ("grad_accum", "vocab_size", "n_layer")) and (
                     not isinstance(value, int) or isinstance(value, bool) or value < 1):
                 raise TrainError(f"{option_name(name)} must be a positive integer, got {value!r}")
         self.recipe_object()  # after the integers: a bad --steps is named, not the recipe's total_steps
@@ -237,7 +242,7 @@ LAUNCH_OPTIONS = frozenset({"out_dir", "resume", "reschedule", "overwrite", "sto
 #: How a run executes and reports, not what it trains: a resumed run keeps its checkpoint's value
 #: unless one is given.
 ADJUSTABLE_OPTIONS = frozenset({"log_interval", "eval_interval", "ckpt_interval", "device", "compile", "compile_mode",
-                                "fsdp", "step_graphs", "skip_nonfinite"})
+                                "fsdp", "step_graphs", "skip_nonfinite", "activation_checkpointing"})
 _OPTION_NAMES = {"out_dir": "--out", "recipe_options": "--opt", "bf16": "--no-bf16", "progress": "--no-progress"}
 
 
@@ -255,7 +260,10 @@ def saved_options(d: dict[str, Any]) -> dict[str, Any]:
     that reads older forms. Older versions spelled the precision as recipe options (``fp8``,
     ``fp8_rowwise``, ``fp8_grad_e4m3``, ``fp8_forward``, ``fp8_backward``); they become
     ``precision``, the name of the preset they meant (an FP8 run saved without ``fp8_grad_e4m3``
-    dates from when e5m2 was the default: ``fp8-e5m2``). ``d`` itself where it holds none."""
+    dates from when e5m2 was the default: ``fp8-e5m2``). ``fsdp`` was a switch: on meant FSDP2
+    with float32 weights (the ``fp32`` policy). ``d`` itself where it holds none of these."""
+    if isinstance(d.get("fsdp"), bool):
+        d = {**d, "fsdp": "fp32" if d["fsdp"] else None}
     opts = d.get("recipe_options")
     if not isinstance(opts, dict) or not any(k in opts for k in _FP8_FLAGS):
         return d

@@ -27,7 +27,7 @@ from ..sparse.layer import SparseLinear
 
 log = logging.getLogger("twofour")
 
-__all__ = ["StepGraphs", "WARMUP_STEPS"]
+__all__ = ["StepGraphs", "GradAllReduce", "WARMUP_STEPS"]
 
 #: Eager steps with a route signature before its graph is captured: the dispatch measures each
 #: GEMM's routes on its first call, and cuBLAS and Triton initialize on theirs.
@@ -48,9 +48,10 @@ class StepGraphs:
     """
 
     def __init__(self, model: torch.nn.Module, micro_step: Callable[[torch.Tensor, torch.Tensor, bool], torch.Tensor],
-                 clip: Callable[[], torch.Tensor], warmup: int = WARMUP_STEPS) -> None:
+                 clip: Callable[[], torch.Tensor], warmup: int = WARMUP_STEPS,
+                 reduce: GradAllReduce | None = None) -> None:
         self.model = model
-        self.micro_step, self.clip, self.warmup = micro_step, clip, warmup
+        self.micro_step, self.clip, self.warmup, self.reduce = micro_step, clip, warmup, reduce
         self.layers = [m for m in model.modules() if isinstance(m, SparseLinear)]
         self.params = [p for p in model.parameters() if p.requires_grad]
         self.graphs: dict[tuple, tuple[torch.cuda.CUDAGraph, list, tuple[torch.Tensor, torch.Tensor]]] = {}
@@ -64,6 +65,9 @@ class StepGraphs:
 
     def zero_grad(self) -> None:
         """Zero the gradients in place (graphs hold their addresses), allocating any missing."""
+        if self.reduce is not None:
+            self.reduce.zero_grad()
+            return
         grads = []
         for p in self.params:
             if p.grad is None:
@@ -92,7 +96,10 @@ class StepGraphs:
             sx.copy_(x, non_blocking=True)
             sy.copy_(y, non_blocking=True)
         graph.replay()
-        return outputs
+        if self.reduce is None:
+            return outputs
+        self.reduce()  # the gradients summed over the processes, then clipped (eager: a few launches)
+        return outputs[0], self.clip()
 
     def _capture(self, sig: tuple, batches) -> tuple | None:
         inputs = [(x.clone(), y.clone()) for x, y in batches]
@@ -104,9 +111,9 @@ class StepGraphs:
             with torch.cuda.graph(graph, pool=self.pool):
                 torch._foreach_zero_(grads)
                 loss = torch.zeros((), device=grads[0].device)
-                for i, (x, y) in enumerate(inputs):
-                    loss += self.micro_step(x, y, i == len(inputs) - 1).detach()
-                norm = self.clip()
+                for i, (x, y) in enumerate(inputs):  # with ``reduce``, no micro-batch reduces in the graph
+                    loss += self.micro_step(x, y, self.reduce is None and i == len(inputs) - 1).detach()
+                norm = self.clip() if self.reduce is None else loss
         except Exception as e:  # noqa: BLE001 - any capture failure: the step stays eager from now on
             self.disabled = True
             log.warning("twofour: the training step could not be captured as a CUDA graph (%s: %s); it runs "
@@ -117,3 +124,39 @@ class StepGraphs:
         self.pool = graph.pool()
         self.graphs[sig] = (graph, inputs, (loss, norm))
         return self.graphs[sig]
+
+
+class GradAllReduce:
+    """DDP's gradient average for a captured step, as one collective: the gradients are views
+    of one flat buffer per dtype, which :meth:`__call__` all-reduces after the graph's replay.
+
+    A step captured with DDP's own bucketed all-reduces inside measured slower than the eager
+    DDP step (docs/notes/training-speed.md), so under DDP the graph holds the local forward and
+    backward passes only (every micro-batch under ``no_sync``), and the average runs after it:
+    one launch, no Python per bucket, at the price of not overlapping the backward."""
+
+    def __init__(self, params: Sequence[torch.nn.Parameter], world: int, group=None) -> None:
+        self.params, self.world, self.group = list(params), world, group
+        self.flat: dict[torch.dtype, torch.Tensor] = {}
+        for dtype in {p.dtype for p in self.params}:
+            ps = [p for p in self.params if p.dtype == dtype]
+            self.flat[dtype] = torch.zeros(sum(p.numel() for p in ps), dtype=dtype, device=ps[0].device)
+
+    def zero_grad(self) -> None:
+        """Zero the flat buffers, making each parameter's gradient its view into them again
+        (an eager DDP step may have set another tensor)."""
+        offsets = dict.fromkeys(self.flat, 0)
+        for p in self.params:
+            flat, off = self.flat[p.dtype], offsets[p.dtype]
+            view = flat[off:off + p.numel()].view_as(p)
+            offsets[p.dtype] = off + p.numel()
+            if p.grad is None or p.grad.data_ptr() != view.data_ptr():
+                p.grad = view
+        torch._foreach_zero_(list(self.flat.values()))
+
+    def __call__(self) -> None:
+        import torch.distributed as dist  # noqa: PLC0415
+
+        for flat in self.flat.values():
+            dist.all_reduce(flat, group=self.group)
+            flat.div_(self.world)

@@ -44,8 +44,9 @@ from .checkpoint import check_resumable, resume, save
 from .config import TrainConfig, lr_at, resolve_device
 from .console import Interrupted, Progress, StopRequest
 from .data import TokenData, load_data
-from .graphs import StepGraphs
+from .graphs import GradAllReduce, StepGraphs
 from .lock import RunLock
+from .parallel import checkpoint_blocks, fsdp_policy, grad_norm, shard
 from .runs import CKPT, MetricsLog, checkpoint_path, load_checkpoint, prepare_run_dir, write_summary
 
 __all__ = ["train", "build_model", "evaluate", "val_windows"]
@@ -56,7 +57,7 @@ log = logging.getLogger("twofour")
 def build_model(cfg: TrainConfig, recipe: Recipe, vocab_size: int) -> torch.nn.Module:
     """``cfg``'s preset model with ``recipe`` applied (:func:`twofour.models.build_model`)."""
     return _build_model(cfg.model, recipe, vocab_size=vocab_size, block_size=cfg.seq_len,
-                        sparse_attention=cfg.sparse_attention)
+                        sparse_attention=cfg.sparse_attention, n_layer=cfg.n_layer)
 
 
 def _dist() -> tuple[int, int, int]:
@@ -147,15 +148,15 @@ def _train(cfg: TrainConfig, data: TokenData | None, rank: int, world: int, loca
         check_resumable(ckpt, cfg, out)
 
     torch.manual_seed(cfg.seed)
-    model = build_model(cfg, recipe, data.vocab_size).to(device)
+    fsdp = world > 1 and cfg.fsdp is not None
+    # an FSDP2 run's model is built on its GPU (a large model's init on the CPU takes minutes)
+    with torch.device(device) if fsdp else contextlib.nullcontext():
+        model = build_model(cfg, recipe, data.vocab_size).to(device)
     raw = model  # the unwrapped model: state dicts, recipe state, flip rates
-    fsdp = world > 1 and cfg.fsdp
+    if cfg.activation_checkpointing:
+        checkpoint_blocks(model)
     if fsdp:
-        from torch.distributed.fsdp import fully_shard  # noqa: PLC0415
-
-        for unit in model.fsdp_units():
-            fully_shard(unit)
-        fully_shard(model)
+        shard(model, fsdp_policy(cfg.fsdp))
     decay = [p for p in model.parameters() if p.dim() >= 2]
     no_decay = [p for p in model.parameters() if p.dim() < 2]
     groups = [{"params": decay, "weight_decay": cfg.weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
@@ -167,7 +168,7 @@ def _train(cfg: TrainConfig, data: TokenData | None, rank: int, world: int, loca
     data_gen = torch.Generator().manual_seed(cfg.seed + 7919 * rank)
     start = resume(ckpt, cfg, raw, opt, sched, data_gen, rank, world) if ckpt is not None else 0
     attach(raw, opt)  # masks, refreshes and phases advance once per optimizer step
-    ddp = world > 1 and not cfg.fsdp
+    ddp = world > 1 and not fsdp
     if ddp:  # the recipes' buffers (masks, scales) follow from the weights, equal on every rank: not broadcast
         ids = [local_rank] if device.type == "cuda" else None
         model = torch.nn.parallel.DistributedDataParallel(model, device_ids=ids, broadcast_buffers=False)
@@ -186,10 +187,11 @@ def _train(cfg: TrainConfig, data: TokenData | None, rank: int, world: int, loca
         return loss.detach()
 
     def clip() -> torch.Tensor:  # the gradients clipped, their norm returned
-        return _grad_norm(model, cfg.grad_clip)
-    graphs = None  # one process only: under DDP a captured step measured slower (docs/PERFORMANCE.md)
-    if cfg.step_graphs and device.type == "cuda" and world == 1 and not cfg.compile and not recipe.starts_dense:
-        graphs = StepGraphs(model, micro_step, clip)
+        return grad_norm(model, cfg.grad_clip)
+    graphs = None  # under DDP the graph holds the local passes, the gradients' average runs after it
+    if cfg.step_graphs and device.type == "cuda" and not fsdp and not cfg.compile and not recipe.starts_dense:
+        reduce = GradAllReduce(list(raw.parameters()), world) if ddp else None
+        graphs = StepGraphs(raw, micro_step, clip, reduce=reduce)
 
     metrics = MetricsLog(out, start if ckpt else None) if rank == 0 else None
     if rank == 0:
@@ -294,17 +296,6 @@ def _train(cfg: TrainConfig, data: TokenData | None, rank: int, world: int, loca
     if world > 1:
         dist.barrier()
     return summary
-
-
-def _grad_norm(model: torch.nn.Module, clip: float) -> torch.Tensor:
-    """The gradients' total norm, a tensor on their device (no host sync); clips them to ``clip``
-    when it is set (not 0)."""
-    params = [p for p in model.parameters() if p.grad is not None]
-    if clip:
-        norm = torch.nn.utils.clip_grad_norm_(params, clip)
-    else:
-        norm = torch.nn.utils.get_total_norm([p.grad for p in params])
-    return norm.full_tensor() if isinstance(norm, DTensor) else norm  # FSDP2: the norm over every shard
 
 
 def _everywhere(flag: torch.Tensor, world: int) -> bool:

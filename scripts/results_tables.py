@@ -1,0 +1,203 @@
+"""docs/RESULTS.md's tables, recomputed from the run files under docs/results/.
+
+    PYTHONPATH=src python scripts/results_tables.py                           # print every table
+    PYTHONPATH=src python scripts/results_tables.py --write docs/RESULTS.md   # rewrite the tables in it
+    PYTHONPATH=src python scripts/results_tables.py --check docs/RESULTS.md   # exit 1 if one differs
+    PYTHONPATH=src python scripts/results_tables.py --folder runs/ablation    # one folder's tables
+
+Each table of RESULTS.md sits between ``<!-- table NAME -->`` and ``<!-- /table -->``; :data:`TABLES`
+says how each is computed. Reads only each run's ``summary.json``, ``config.json`` and
+``metrics.csv``: a run is named by its recipe, precision and options and by the settings it changed
+from ``twofour train``'s defaults (``lr``, ``weight_decay`` ...); gaps are paired by seed with the
+baseline run (``dense`` unless named) of the same folder; the code digest is the summary's
+``code.source`` (``not recorded`` for summaries written before it existed).
+"""
+
+from __future__ import annotations
+
+import argparse
+import re
+import sys
+from collections.abc import Callable
+from pathlib import Path
+
+import numpy as np
+from gap_by_eval import gap_series, gap_table, label_of
+
+from twofour.training.compare import run_order
+from twofour.training.runs import read_summary
+
+RESULTS = Path(__file__).resolve().parent.parent / "docs" / "results"
+#: Where the S-STE ablation's run folders go in the repository (scripts/s_ste_ablation.py).
+ABLATION = "s-ste-ablation"
+
+
+def load_runs(folder: Path, by_folder: bool = False) -> list[dict]:
+    """Every finished run directly under ``folder`` (its summary, with ``label``: :func:`label_of`,
+    or with ``by_folder`` the folder's name without its ``-sSEED``), in compare's order."""
+    runs = [s for s in (read_summary(p.parent) for p in sorted(Path(folder).glob("*/summary.json"))) if s]
+    for s in runs:
+        s["label"] = re.sub(r"-s\d+$", "", Path(s["out_dir"]).name) if by_folder else label_of(s)
+    return sorted(runs, key=lambda s: (run_order(s)[0], s["label"], s["seed"]))
+
+
+def digest(summary: dict) -> str:
+    """The code digest a summary records, or ``not recorded``."""
+    return (summary.get("code") or {}).get("source") or "not recorded"
+
+
+def _gaps(runs: list[dict], base: str) -> dict[str, dict[int, float]]:
+    """``{label: {seed: relative gap % of its final val loss to the base's of that seed}}``."""
+    ref = {s["seed"]: s["final_val_loss"] for s in runs if s["label"] == base}
+    out: dict[str, dict[int, float]] = {}
+    for s in runs:
+        if s["label"] != base and s["seed"] in ref and s["final_val_loss"] is not None:
+            out.setdefault(s["label"], {})[s["seed"]] = (s["final_val_loss"] / ref[s["seed"]] - 1) * 100
+    return out
+
+
+def mean_std(values: list[float], unit: str = " %", digits: int = 2) -> str:
+    """``m ± s`` (sample std, n - 1) over several values; one value as itself, saying ``one seed``."""
+    if len(values) == 1:
+        return f"{values[0]:+.{digits}f}{unit} (one seed)"
+    return f"{np.mean(values):+.{digits}f} ± {np.std(values, ddof=1):.{digits}f}{unit}"
+
+
+def runs_table(runs: list[dict], base: str = "dense") -> str:
+    """One row per run: final val loss, relative gap to the base of its seed, flip rates, digest."""
+    gaps = _gaps(runs, base)
+    lines = [f"| run | seed | tokens | final val loss | against {base}, same seed | mean flip rate | code digest |",
+             "|---|---|---|---|---|---|---|"]
+    for s in runs:
+        g = gaps.get(s["label"], {}).get(s["seed"])
+        gap = "-" if s["label"] == base else ("no baseline" if g is None else f"{g:+.2f} %")
+        lines.append(f"| {s['label']} | {s['seed']} | {s['tokens'] / 1e6:.1f}M | {s['final_val_loss']:.4f} | {gap} "
+                     f"| {s['mean_flip_rate']:.2e} | {digest(s)} |")
+    return "\n".join(lines)
+
+
+def summary_table(runs: list[dict], base: str = "dense", versus: tuple[str, ...] = ()) -> str:
+    """One row per run label: seeds, final val loss (mean ± std), the relative gap to the base
+    paired by seed, and the paired gap to each label of ``versus`` (its run of the same seed)."""
+    gaps = _gaps(runs, base)
+    vs = {v: _gaps(runs, v) for v in versus}
+    lines = [f"| run | seeds | final val loss | against {base}, paired by seed |"
+             + "".join(f" against {v}, paired |" for v in versus), "|---|---|---|---|" + "---|" * len(versus)]
+    for label in dict.fromkeys(s["label"] for s in runs):
+        if label == base:
+            continue
+        seeds = sorted(s["seed"] for s in runs if s["label"] == label)
+        loss = [s["final_val_loss"] for s in runs if s["label"] == label]
+        g = list(gaps.get(label, {}).values())
+        row = (f"| {label} | {', '.join(map(str, seeds))} | {mean_std(loss, '', 4).lstrip('+')} "
+               f"| {mean_std(g) if g else 'no baseline'} |")
+        for v in versus:
+            d = list(vs[v].get(label, {}).values())
+            row += f" {'-' if label == v else (mean_std(d) if d else 'no run')} |"
+        lines.append(row)
+    return "\n".join(lines)
+
+
+def claim_table(folders: dict[str, Path]) -> str:
+    """The paper's order (S-STE > SR-STE > STE) against the one each folder's runs give: each
+    recipe's relative gap to dense paired by seed, and their order (smallest gap first)."""
+    lines = ["| experiment | STE | SR-STE | S-STE | order found (smallest gap first) |", "|---|---|---|---|---|",
+             "| paper (S-STE, NeurIPS 2024): GPT-2 124M-774M, 300k steps of 0.5M tokens | - | - | - | "
+             "S-STE > SR-STE > STE |"]
+    for name, folder in folders.items():
+        runs = load_runs(folder)
+        gaps = _gaps(runs, "dense")
+        cells, means = [], {}
+        for recipe in ("ste", "sr-ste", "s-ste"):
+            g = list(gaps.get(recipe, {}).values())
+            cells.append(mean_std(g) if g else "not run")
+            if g:
+                means[recipe.upper()] = np.mean(g)
+        order = " > ".join(sorted(means, key=means.get))
+        lines.append(f"| {name} | " + " | ".join(cells) + f" | {order or '-'} |")
+    return "\n".join(lines)
+
+
+def _folder_tables(folder: Path, base: str = "dense", versus: tuple[str, ...] = (), by_folder: bool = False,
+                   keep: Callable[[str], bool] = lambda label: True) -> str:
+    """A folder's three tables: every run, each label over its seeds, and (unless ``by_folder``)
+    the gap at each evaluation; only the labels ``keep`` accepts, besides the baselines."""
+    runs = [s for s in load_runs(folder, by_folder) if s["label"] in (base, *versus) or keep(s["label"])]
+    parts = [runs_table(runs, base), "", summary_table(runs, base, versus)]
+    if not by_folder:
+        steps, series = gap_series(folder, base)
+        series = {k: v for k, v in series.items() if k in versus or keep(k)}
+        parts += ["", f"The relative gap to {base} at each evaluation, mean over seeds:", "",
+                  gap_table(steps, series)]
+    return "\n".join(parts)
+
+
+def _ablation() -> str:
+    folder = RESULTS / ABLATION
+    if not folder.is_dir():
+        return f"No run files in docs/results/{ABLATION}/ yet: `scripts/s_ste_ablation.py` has not been run."
+    return _folder_tables(folder, "dense", ("s-ste", "ste"))
+
+
+def _claims() -> str:
+    folders = {"gpt2-124m, 200M tokens (docs/results/q124m-ours)": RESULTS / "q124m-ours"}
+    if (RESULTS / ABLATION).is_dir():
+        folders["gpt-10m, ~1 epoch of a held-out corpus (docs/results/s-ste-ablation)"] = RESULTS / ABLATION
+    return claim_table(folders)
+
+
+#: RESULTS.md's tables by name: what fills each ``<!-- table NAME -->`` block.
+TABLES: dict[str, Callable[[], str]] = {
+    "claim": _claims,
+    "ablation": _ablation,
+    "q124m-bf16": lambda: _folder_tables(RESULTS / "q124m-ours", "dense", keep=lambda label: "fp8" not in label),
+    "q124m-fp8": lambda: _folder_tables(RESULTS / "q124m-ours", "s-ste", keep=lambda label: "fp8" in label),
+    "q124m-repeat": lambda: runs_table(load_runs(RESULTS / "q124m-repeat")),
+    "q10m-mvue": lambda: _folder_tables(RESULTS / "q10m-mvue", "s-ste", by_folder=True),
+}
+
+# a block's body never holds another block's start: a missing end marker is left alone, not swallowed
+_BLOCK = re.compile(r"(<!-- table (?P<name>[\w-]+) -->\n)(?P<body>(?:(?!<!-- table ).)*?)(<!-- /table -->)", re.S)
+
+
+def rewrite(text: str) -> str:
+    """``text`` with every marked table recomputed; SystemExit naming a table TABLES lacks."""
+    def fill(m: re.Match) -> str:
+        name = m["name"]
+        if name not in TABLES:
+            raise SystemExit(f"unknown table {name!r}; known: {', '.join(TABLES)}")
+        return m.group(1) + TABLES[name]() + "\n" + m.group(4)
+    return _BLOCK.sub(fill, text)
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--write", type=Path, help="rewrite the marked tables of this markdown file")
+    ap.add_argument("--check", type=Path, help="exit 1 if a marked table of this file differs from its run files")
+    ap.add_argument("--folder", type=Path, help="print the tables of one folder of runs instead")
+    ap.add_argument("--base", default="dense", help="with --folder: the baseline's label (default %(default)s)")
+    ap.add_argument("--versus", nargs="*", default=[], help="with --folder: more labels to pair gaps with (s-ste ste)")
+    args = ap.parse_args()
+    if args.folder:
+        print(_folder_tables(args.folder, args.base, tuple(args.versus)))
+    elif args.write or args.check:
+        path = args.write or args.check
+        old = path.read_text()
+        new = rewrite(old)
+        if args.check:
+            if new != old:
+                print(f"{path}: its tables differ from the run files; run scripts/results_tables.py --write {path}",
+                      file=sys.stderr)
+                return 1
+            print(f"{path}: every table matches the run files")
+        else:
+            path.write_text(new)
+            print(f"{path}: tables rewritten")
+    else:
+        for name, make in TABLES.items():
+            print(f"## {name}\n\n{make()}\n")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,126 @@
+"""How ``twofour train`` spreads a model over the processes of a ``torchrun``: DDP, or FSDP2 as
+an :class:`FSDPPolicy` says, optionally with activation checkpointing of every block.
+
+The sparse layers need nothing of their own here: their masks, S-STE's scale and step counters
+are buffers, replicated on every rank and advanced the same way on each; under FSDP2 a layer's
+mask is refreshed in its forward, from the weight FSDP2 gathered there, so every rank computes
+the same mask with no collective of its own (:func:`twofour.sparse.layer.advance_layers`).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.distributed.tensor import DTensor
+
+from ..errors import TrainError
+
+__all__ = ["FSDPPolicy", "FSDP_POLICIES", "DEFAULT_FSDP", "fsdp_policy", "shard", "checkpoint_blocks", "grad_norm"]
+
+
+@dataclass(frozen=True)
+class FSDPPolicy:
+    """How FSDP2 shards the model: each block a unit (gathered just before it runs), the rest
+    (embeddings, final norm, head) the root unit.
+
+    ``param_dtype``: the dtype weights are gathered in and the forward sees (None: as stored,
+    float32); ``reduce_dtype``: the gradients' dtype in the reduce-scatter; ``reshard``: free a
+    block's gathered weights after its forward and gather them again for its backward (less
+    memory, one more all-gather per block per step) rather than keep them to the backward;
+    ``per_block``: each block a unit, else the whole model one unit (one all-gather and one
+    reduce-scatter a step, the least host work, but every weight gathered for the whole step)."""
+
+    name: str
+    param_dtype: torch.dtype | None
+    reduce_dtype: torch.dtype | None
+    reshard: bool
+    per_block: bool = True
+
+
+#: The policies ``--fsdp NAME`` takes. ``bf16`` (the default) gathers bf16 weights: half the
+#: all-gather bytes of ``fp32`` and no per-step cast under autocast; the masks are then computed
+#: from the bf16 weights the forward multiplies by. ``bf16-keep`` also keeps gathered weights from
+#: forward to backward (ZeRO-2-like memory, for models that fit that way); ``bf16-flat`` gathers
+#: the whole model at once (for models whose weights fit on each GPU: the optimizer state and the
+#: gradients stay sharded).
+FSDP_POLICIES: dict[str, FSDPPolicy] = {p.name: p for p in (
+    FSDPPolicy("bf16", torch.bfloat16, torch.float32, True),
+    FSDPPolicy("bf16-keep", torch.bfloat16, torch.float32, False),
+    FSDPPolicy("fp32", None, None, True),
+    FSDPPolicy("bf16-flat", torch.bfloat16, torch.float32, False, per_block=False),
+)}
+DEFAULT_FSDP = "bf16"
+
+
+def fsdp_policy(name: str) -> FSDPPolicy:
+    """The policy ``name`` names; TrainError listing the names otherwise."""
+    try:
+        return FSDP_POLICIES[name]
+    except KeyError:
+        raise TrainError(f"unknown FSDP policy {name!r}; choose one of {', '.join(FSDP_POLICIES)}") from None
+
+
+def _units(model: nn.Module) -> list[nn.Module]:
+    units = getattr(model, "fsdp_units", None)
+    if units is None:
+        raise TrainError(f"{type(model).__name__} has no fsdp_units(): FSDP2 needs to know its blocks")
+    return list(units())
+
+
+def shard(model: nn.Module, policy: FSDPPolicy, mesh=None) -> nn.Module:
+    """Apply FSDP2 (``fully_shard``) to ``model`` in place as ``policy`` says and return it: each
+    block a unit, then the root. The last block keeps its weights to the backward (which starts
+    with it), as torchtitan does; FSDP2 itself keeps the root's."""
+    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard  # noqa: PLC0415
+
+    mp = MixedPrecisionPolicy(param_dtype=policy.param_dtype, reduce_dtype=policy.reduce_dtype)
+    units = _units(model) if policy.per_block else []
+    for i, unit in enumerate(units):
+        fully_shard(unit, mesh=mesh, mp_policy=mp, reshard_after_forward=policy.reshard and i < len(units) - 1)
+    fully_shard(model, mesh=mesh, mp_policy=mp)
+    return model
+
+
+def checkpoint_blocks(model: nn.Module) -> nn.Module:
+    """Recompute each block's activations in the backward instead of keeping them (activation
+    checkpointing): the memory a deep model at a large batch needs, for about a third more
+    compute. In place, before :func:`shard`; returns ``model``."""
+    from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import (  # noqa: PLC0415
+        CheckpointImpl,
+        checkpoint_wrapper,
+    )
+
+    blocks = _units(model)
+    for child in list(model.modules()):
+        for attr, sub in list(child.named_children()):
+            if any(sub is b for b in blocks):
+                setattr(child, attr, checkpoint_wrapper(sub, checkpoint_impl=CheckpointImpl.NO_REENTRANT))
+    return model
+
+
+def grad_norm(model: nn.Module, clip: float) -> torch.Tensor:
+    """The gradients' total norm, a tensor on their device (no host sync); clips them to ``clip``
+    when it is set (not 0). Under FSDP2 from the local shards: one norm per shard, one
+    all-reduce, the scale applied in place (no DTensor op per gradient, which costs the host)."""
+    params = [p for p in model.parameters() if p.grad is not None]
+    if params and all(isinstance(p.grad, DTensor) for p in params):
+        return _sharded_grad_norm([p.grad for p in params], clip)
+    if clip:
+        return torch.nn.utils.clip_grad_norm_(params, clip)
+    return torch.nn.utils.get_total_norm([p.grad for p in params])
+
+
+def _sharded_grad_norm(grads: list[DTensor], clip: float) -> torch.Tensor:
+    """:func:`grad_norm` of FSDP2's sharded gradients (each sharded over the whole group, as
+    :func:`shard` leaves them): sum of the shards' squared norms over the ranks, then the root."""
+    local = [g.to_local() for g in grads]
+    total = torch.stack([n.float() for n in torch._foreach_norm(local)]).square().sum()
+    group = grads[0].device_mesh.get_group()
+    dist.all_reduce(total, group=group)
+    norm = total.sqrt()
+    if clip:
+        torch._foreach_mul_(local, (clip / (norm + 1e-6)).clamp(max=1.0))  # clip_grad_norm_'s rule
+    return norm

@@ -1,0 +1,143 @@
+"""Spreading a run over processes: the FSDP2 policies and their options, activation
+checkpointing, and the sparse layers' masks under FSDP2 (one CPU process over gloo)."""
+
+import contextlib
+import os
+import socket
+
+import pytest
+import torch
+import torch.distributed as dist
+
+import twofour
+from twofour.cli import build_parser
+from twofour.errors import TrainError
+from twofour.functional import mask_24
+from twofour.models import build_model
+from twofour.sparse import sparse_layers
+from twofour.training import TrainConfig
+from twofour.training.parallel import DEFAULT_FSDP, FSDP_POLICIES, checkpoint_blocks, fsdp_policy, grad_norm, shard
+
+
+def _train_args(*extra):
+    return build_parser().parse_args(["train", *extra])
+
+
+def test_fsdp_takes_a_policy_by_name():
+    assert _train_args().fsdp is None
+    assert _train_args("--fsdp").fsdp == DEFAULT_FSDP
+    assert _train_args("--fsdp", "fp32").fsdp == "fp32"
+    assert _train_args("--fsdp", "--no-fsdp").fsdp is None
+    with pytest.raises(SystemExit):
+        _train_args("--fsdp", "fp64")
+    with pytest.raises(TrainError, match="unknown --fsdp policy 'fp64'"):
+        TrainConfig(fsdp="fp64").validate()
+    with pytest.raises(TrainError, match="unknown FSDP policy"):
+        fsdp_policy("fp64")
+    assert fsdp_policy("bf16").param_dtype == torch.bfloat16 and fsdp_policy("fp32").param_dtype is None
+    assert set(FSDP_POLICIES) >= {"bf16", "bf16-keep", "fp32", "bf16-flat"}
+
+
+def test_an_old_config_with_fsdp_on_reads_as_the_fp32_policy():
+    """``fsdp`` was a switch; on meant float32 weights gathered, which the fp32 policy keeps."""
+    saved = TrainConfig().to_dict()
+    assert TrainConfig.from_dict({**saved, "fsdp": True}).fsdp == "fp32"
+    assert TrainConfig.from_dict({**saved, "fsdp": False}).fsdp is None
+    assert TrainConfig.from_dict({**saved, "fsdp": "bf16-keep"}).fsdp == "bf16-keep"
+
+
+def test_n_layer_sets_the_number_of_blocks():
+    assert len(build_model("llama-tiny", "s-ste", vocab_size=64, block_size=32, n_layer=2).h) == 2
+    assert _train_args("--n-layer", "3").n_layer == 3
+    with pytest.raises(TrainError, match="--n-layer must be a positive integer"):
+        TrainConfig(n_layer=0).validate()
+
+
+def test_activation_checkpointing_gives_the_same_loss_and_gradients():
+    def run(ckpt: bool):
+        torch.manual_seed(0)
+        m = build_model("tiny", "s-ste", vocab_size=64, block_size=32)
+        if ckpt:
+            checkpoint_blocks(m)
+        x = torch.randint(0, 64, (2, 33), generator=torch.Generator().manual_seed(1))
+        loss = m(x[:, :-1], x[:, 1:])[1]
+        loss.backward()
+        return loss.detach(), {n.replace("._checkpoint_wrapped_module", ""): p.grad for n, p in m.named_parameters()}
+
+    loss, grads = run(False)
+    loss_ck, grads_ck = run(True)
+    assert torch.equal(loss, loss_ck) and grads.keys() == grads_ck.keys()
+    for name, g in grads.items():
+        torch.testing.assert_close(grads_ck[name], g, msg=name)
+
+
+@contextlib.contextmanager
+def _one_process_group():
+    """A process group of this process alone (gloo), for FSDP2 on the CPU."""
+    if dist.is_initialized():
+        pytest.skip("a process group is already initialized")
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    env = {"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port)}
+    old = {k: os.environ.get(k) for k in env}
+    os.environ.update(env)
+    dist.init_process_group("gloo", rank=0, world_size=1)
+    try:
+        yield
+    finally:
+        dist.destroy_process_group()
+        for k, v in old.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
+
+
+@pytest.mark.parametrize("policy", ["fp32", "bf16"])
+def test_fsdp2_masks_follow_the_weights_they_multiply(policy):
+    """Under FSDP2 a sharded layer's mask is refreshed where its weight is gathered: after each
+    optimizer step the mask a state dict holds, and the one the next forward uses, is the top-2
+    of the weight (in the policy's gathered dtype), and the flips are counted."""
+    pytest.importorskip("torch.distributed.fsdp")
+    with _one_process_group():
+        torch.manual_seed(0)
+        model = build_model("tiny", "ste", vocab_size=64, block_size=32)
+        shard(model, fsdp_policy(policy))
+        opt = torch.optim.AdamW(model.parameters(), lr=3e-2)
+        twofour.attach(model, opt)
+        x = torch.randint(0, 64, (4, 33), generator=torch.Generator().manual_seed(2))
+        flips = 0
+        for _ in range(3):
+            model(x[:, :-1], x[:, 1:])[1].backward()
+            opt.step()
+            opt.zero_grad()
+            layers = [layer for _, layer in sparse_layers(model)]
+            flips += sum(int(layer.flips) for layer in layers)
+        sd = model.state_dict()  # settles the refresh the last step left for the next forward
+        dt = fsdp_policy(policy).param_dtype or torch.float32
+        for name, _ in sparse_layers(model):
+            w = sd[name + ".weight"]
+            w = (w.full_tensor() if hasattr(w, "full_tensor") else w).to(dt)
+            assert torch.equal(sd[name + ".mask"], mask_24(w)), name
+        assert flips > 0  # the large learning rate moves weights across the threshold
+
+
+@pytest.mark.parametrize("policy", ["bf16", "bf16-flat"])
+def test_fsdp2_gradient_norm_and_clip_match_torchs(policy):
+    """grad_norm's sharded path gives clip_grad_norm_'s norm and clipped gradients."""
+    with _one_process_group():
+        torch.manual_seed(0)
+        model = build_model("tiny", "s-ste", vocab_size=64, block_size=32)
+        shard(model, fsdp_policy(policy))
+        x = torch.randint(0, 64, (4, 33), generator=torch.Generator().manual_seed(2))
+        model(x[:, :-1], x[:, 1:])[1].backward()
+        grads = [p.grad for p in model.parameters()]
+        want = torch.nn.utils.get_total_norm(grads).full_tensor()
+        torch.testing.assert_close(grad_norm(model, 0.0), want)
+        before = [g.full_tensor().clone() for g in grads]
+        torch.testing.assert_close(grad_norm(model, 0.5), want)  # the norm before clipping, as torch returns
+        scale = 0.5 / (want + 1e-6)
+        for g, b in zip(grads, before):
+            torch.testing.assert_close(g.full_tensor(), b * scale)
+        torch.testing.assert_close(grad_norm(model, 0.0), torch.tensor(0.5), atol=1e-5, rtol=1e-4)
