@@ -135,13 +135,13 @@ def _runs(root: Path, corpus: str, device: str) -> Path:
     ``full`` (8 steps on 2), ``part`` (stopped at 4 on 2, copied to ``one``, ``two`` and
     ``full-disk``, then resumed on 2, killed mid-save at step 8, resumed again), ``full-disk``
     (resumed on 2, rank 1's write of step 8 fails), ``back`` (stopped at 4 in one process,
-    resumed on 2). Returns ``root``."""
+    resumed on 2 with activation checkpointing). Returns ``root``."""
     from twofour.training.loop import train  # noqa: PLC0415
 
     one_process = dataclasses.replace(_cfg(corpus, root / "back", device), fsdp=None, stop_at=4)
     train(one_process)
     _spawn((_cfg(corpus, root / "full", device), None), (_cfg(corpus, root / "part", device, stop_at=4), None),
-           (_cfg(corpus, root / "back", device, resume=True), None))
+           (_cfg(corpus, root / "back", device, resume=True, activation_checkpointing=True), None))
     for name in ("one", "two", "full-disk"):
         shutil.copytree(root / "part", root / name)
     with pytest.raises(mp.ProcessExitedException):  # rank 0 dies between writing step 8 and switching to it

@@ -111,7 +111,8 @@ def _keyed(opt_sd: dict[str, Any], raw: torch.nn.Module, opt: torch.optim.Optimi
     """``opt_sd`` (a ``ckpt.pt``'s optimizer state) with its parameters named by their model
     names (``by_name``, as DCP's state dicts under FSDP2 have them) or numbered in the optimizer's
     order (as ``Optimizer.state_dict`` has them); the same dict when they are already so."""
-    names = {id(p): n for n, p in raw.named_parameters()}
+    # the names state dicts use: activation checkpointing's wrapper left out, as its hooks leave it out
+    names = {id(p): n.replace("_checkpoint_wrapped_module.", "") for n, p in raw.named_parameters()}
     order = [names[id(p)] for g in opt.param_groups for p in g["params"]]
     key = dict(enumerate(order)) if by_name else {n: i for i, n in enumerate(order)}
     if not all(p in key for g in opt_sd["param_groups"] for p in g["params"]):
