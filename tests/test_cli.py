@@ -17,7 +17,7 @@ from twofour import dispatch
 from twofour.cli import build_parser, main
 from twofour.functional import mask_24
 from twofour.sparse import sparse_layers
-from twofour.training.runs import pyplot, source_digest
+from twofour.training.runs import pyplot, read_checkpoint, source_digest
 
 SMALL = ["--model", "tiny", "--steps", "8", "--batch-size", "4", "--seq-len", "32", "--eval-interval", "4",
          "--eval-iters", "2", "--log-interval", "1", "--no-progress"]
@@ -333,8 +333,9 @@ def test_torchrun_two_processes(tmp_path, corpus, model, fsdp):
     assert res.stdout.count("final train loss") == 1  # only rank 0 reports
     s = json.loads((out / "summary.json").read_text())
     assert s["tokens"] == 8 * 4 * 32 * 2
-    ck = torch.load(out / "ckpt.pt", weights_only=True)
+    ck = read_checkpoint(out)  # FSDP2: the sharded ckpt/, every rank's shards; DDP: ckpt.pt
     assert len(ck["rng"]) == 2 and ck["step"] == 8
+    assert ("sharded" in ck) == fsdp and (out / "ckpt.pt").exists() != fsdp
 
 
 def test_resume_takes_the_runs_settings(tmp_path, corpus, capsys):

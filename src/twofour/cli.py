@@ -156,21 +156,23 @@ def _given(a: argparse.Namespace) -> set[str]:
 def _cmd_train(a: argparse.Namespace) -> int:
     from .training.config import resumed_config  # noqa: PLC0415
     from .training.loop import train  # noqa: PLC0415
-    from .training.runs import CKPT, read_checkpoint  # noqa: PLC0415
+    from .training.runs import CKPT, checkpoint_path, read_checkpoint  # noqa: PLC0415
 
     cfg = _config(a, a.recipe)
     if a.resume:  # the run's own settings, from its checkpoint; options given must agree with them
-        cfg = resumed_config(read_checkpoint(Path(a.out) / CKPT)["config"], cfg, _given(a))
+        cfg = resumed_config(read_checkpoint(Path(a.out))["config"], cfg, _given(a))
         if cfg.reschedule and "steps" in _given(a):
             print(f"--reschedule: the learning-rate schedule now spans {cfg.steps} steps", file=sys.stderr)
     s = train(cfg)
     if s:
+        found = checkpoint_path(s["out_dir"])  # ckpt.pt, or an FSDP2 run's sharded ckpt/
+        ckpt = CKPT if found is None or found.name == CKPT else f"{found.parent.name}/ (sharded)"
         val, loss = (f"{s[k]:.4f}" if s[k] is not None else "n/a" for k in ("final_val_loss", "final_train_loss"))
         print(f"\n{s['recipe']} on {s['model']}: {s['steps']} steps, {s['tokens']:,} tokens\n"
               f"  final train loss {loss}, val loss {val}\n"
               f"  {s['tokens_per_s']:,.0f} tokens/s, "
               f"flip rate {s['final_flip_rate']:.2e} (mean {s['mean_flip_rate']:.2e})\n"
-              f"  outputs: {s['out_dir']}/ (metrics.csv, ckpt.pt, summary.json{', curves.png' if s['plot'] else ''})")
+              f"  outputs: {s['out_dir']}/ (metrics.csv, {ckpt}, summary.json{', curves.png' if s['plot'] else ''})")
     return 0
 
 
@@ -341,7 +343,7 @@ def _explicit(parser: argparse.ArgumentParser, argv: list[str]) -> list[str]:
 def _interrupted(args: argparse.Namespace, e: KeyboardInterrupt) -> str:
     """What an interrupt left behind, and how to go on."""
     from .training.console import Interrupted  # noqa: PLC0415
-    from .training.runs import CKPT  # noqa: PLC0415
+    from .training.runs import checkpoint_path  # noqa: PLC0415
 
     if args.command not in ("train", "compare"):
         return "interrupted"
@@ -349,7 +351,7 @@ def _interrupted(args: argparse.Namespace, e: KeyboardInterrupt) -> str:
              if args.command == "compare" else f"`twofour train --out {args.out} --resume` continues")
     if isinstance(e, Interrupted):
         return f"interrupted; step {e.step} is saved in {e.checkpoint}: {again}"
-    if args.command == "train" and (Path(args.out) / CKPT).exists():
+    if args.command == "train" and checkpoint_path(args.out) is not None:
         return f"interrupted; the last checkpoint in {args.out} is intact: {again}"
     if args.command == "compare":
         return f"interrupted; {again}"

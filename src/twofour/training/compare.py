@@ -20,7 +20,7 @@ from .config import LAUNCH_OPTIONS, TrainConfig
 from .data import load_data
 from .lock import RunLock
 from .loop import train
-from .runs import CKPT, METRICS, pyplot, read_config, read_metrics, read_summary
+from .runs import METRICS, checkpoint_path, pyplot, read_config, read_metrics, read_summary
 
 log = logging.getLogger("twofour")
 
@@ -116,12 +116,12 @@ def _continue(cfg: TrainConfig, overwrite: bool) -> TrainConfig:
     started over if it died before its first checkpoint; a folder holding another run is
     refused unless ``overwrite``."""
     out = Path(cfg.out_dir)
-    if overwrite or not any((out / name).exists() for name in (CKPT, METRICS)):
+    if overwrite or (checkpoint_path(out) is None and not (out / METRICS).exists()):
         return cfg
     if not _same_run(read_config(out), cfg):
         raise TrainError(f"{out} holds a run with other settings; choose another --out, or --overwrite to "
                          "retrain every run of the comparison")
-    if (out / CKPT).exists():
+    if checkpoint_path(out) is not None:
         return dataclasses.replace(cfg, resume=True)
     return dataclasses.replace(cfg, overwrite=True)  # died before its first checkpoint: nothing to keep
 

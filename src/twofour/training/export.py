@@ -16,6 +16,7 @@ from .config import TrainConfig
 from .data import is_shard_folder, read_meta
 from .loop import build_model
 from .runs import read_checkpoint
+from .sharded import load_model
 
 __all__ = ["export", "run_codec"]
 
@@ -48,7 +49,10 @@ def export(run: str | Path, out: str | Path | None = None, dtype: str = "bfloat1
     try:
         cfg = TrainConfig.from_dict(ckpt["config"])
         model = build_model(cfg, cfg.recipe_object(), ckpt["vocab_size"])
-        model.load_state_dict(ckpt["model"])
+        if "sharded" in ckpt:  # an FSDP2 run's: its shards read into the whole model here, one process
+            load_model(Path(ckpt["sharded"]), model)
+        else:
+            model.load_state_dict(ckpt["model"])
     except TrainError:
         raise
     except Exception as e:

@@ -3,13 +3,15 @@ one function, read top to bottom: set up, then for each optimizer step, micro-ba
 step, log, evaluate, checkpoint.
 
 Runs on the CPU, one GPU, or several through ``torchrun`` (DDP by default, FSDP2 with
-``fsdp=True``); only rank 0 logs and writes. Checkpoints are atomic and hold everything a
-bit-identical resume needs on the CPU (model and recipe state, optimizer, scheduler, data
-position and RNG states). Between log lines (every ``log_interval`` steps) the loop never
-waits for the GPU. Ctrl-C or SIGTERM finishes the current step and checkpoints it before
-stopping. A step whose loss or gradient norm is not finite stops the run at the next log line,
-before any checkpoint is written from it (with ``skip_nonfinite``, up to that many such steps are
-skipped instead). The run folder is locked meanwhile (:class:`twofour.training.lock.RunLock`).
+``fsdp=True``); only rank 0 logs and writes, except that every rank of an FSDP2 run writes its
+shards of the checkpoint (:mod:`twofour.training.checkpoint`). Checkpoints are atomic and hold
+everything a bit-identical resume needs (model and recipe state, optimizer, scheduler, data
+position and RNG states); a run resumes on another world size too, not bit-exact. Between log
+lines (every ``log_interval`` steps) the loop never waits for the GPU. Ctrl-C or SIGTERM
+finishes the current step and checkpoints it before stopping. A step whose loss or gradient
+norm is not finite stops the run at the next log line, before any checkpoint is written from it
+(with ``skip_nonfinite``, up to that many such steps are skipped instead). The run folder is
+locked meanwhile (:class:`twofour.training.lock.RunLock`).
 The options live in :mod:`twofour.training.config`, the run folder in
 :mod:`twofour.training.runs`, the terminal output and signal handling in
 :mod:`twofour.training.console`.
@@ -38,26 +40,14 @@ from ..models.presets import build_model as _build_model
 from ..sparse.convert import attach, sparse_layers
 from ..sparse.optim import STEPAdamW
 from ..sparse.recipes import Recipe
-from ..version import __version__
+from .checkpoint import check_resumable, resume, save
 from .config import TrainConfig, lr_at, resolve_device
 from .console import Interrupted, Progress, StopRequest
 from .data import TokenData, load_data
 from .graphs import GradAllReduce, StepGraphs
 from .lock import RunLock
 from .parallel import checkpoint_blocks, fsdp_policy, grad_norm, shard
-from .runs import (
-    CKPT,
-    MetricsLog,
-    full_state_dicts,
-    load_checkpoint,
-    load_state_dicts,
-    prepare_run_dir,
-    read_summary,
-    rng_state,
-    save_checkpoint,
-    set_rng_state,
-    write_summary,
-)
+from .runs import CKPT, MetricsLog, checkpoint_path, load_checkpoint, prepare_run_dir, write_summary
 
 __all__ = ["train", "build_model", "evaluate", "val_windows"]
 
@@ -153,9 +143,9 @@ def _train(cfg: TrainConfig, data: TokenData | None, rank: int, world: int, loca
         out = prepare_run_dir(cfg)
     if world > 1:
         dist.barrier()
-    ckpt = load_checkpoint(out / CKPT, cfg) if cfg.resume else None
+    ckpt = load_checkpoint(out, cfg) if cfg.resume else None  # ckpt.pt, or the sharded ckpt/'s meta.pt
     if ckpt is not None:
-        _check_resumable(ckpt, cfg, world, out)
+        check_resumable(ckpt, cfg, out)
 
     torch.manual_seed(cfg.seed)
     fsdp = world > 1 and cfg.fsdp is not None
@@ -176,14 +166,7 @@ def _train(cfg: TrainConfig, data: TokenData | None, rank: int, world: int, loca
         opt = torch.optim.AdamW(groups, lr=cfg.peak_lr, betas=cfg.betas, fused=device.type == "cuda")
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: lr_at(cfg, s) / cfg.peak_lr)
     data_gen = torch.Generator().manual_seed(cfg.seed + 7919 * rank)
-    start = 0
-    if ckpt is not None:
-        load_state_dicts(raw, opt, ckpt["model"], ckpt["optimizer"], fsdp)
-        sched.load_state_dict(ckpt["scheduler"])
-        start = ckpt["step"]
-        sched.last_epoch = start - 1
-        sched.step()  # this step's lr from cfg's schedule (a new one under --reschedule)
-        set_rng_state(ckpt["rng"][rank], data_gen)
+    start = resume(ckpt, cfg, raw, opt, sched, data_gen, rank, world) if ckpt is not None else 0
     attach(raw, opt)  # masks, refreshes and phases advance once per optimizer step
     ddp = world > 1 and not fsdp
     if ddp:  # the recipes' buffers (masks, scales) follow from the weights, equal on every rank: not broadcast
@@ -295,10 +278,11 @@ def _train(cfg: TrainConfig, data: TokenData | None, rank: int, world: int, loca
                 if saving or stopping:
                     if not _finite_weights(raw, world, device):
                         raise TrainError(_diverged(f"the weights are not finite after step {done}", out, saved))
-                    _checkpoint(out, cfg, raw, opt, sched, done, data_gen, rank, world, time.perf_counter() - t_start)
+                    written = save(out, cfg, raw, opt, sched, done, data_gen, rank, world,
+                                   time.perf_counter() - t_start)
                     saved = done
                 if stopping:
-                    raise Interrupted(done, out / CKPT)
+                    raise Interrupted(done, written)
                 flips.zero_()
                 # evaluation and checkpoints stay out of the window's time
                 t_window, window_steps, window_skipped = time.perf_counter(), 0, 0
@@ -334,57 +318,7 @@ def _diverged(what: str, out: Path, saved: int | None) -> str:
     if saved is None:
         return (f"training diverged: {what}; no checkpoint was written: start again with a lower --lr, or with "
                 "--skip-nonfinite N to skip up to N such steps")
-    return (f"training diverged: {what}; the last good checkpoint (step {saved}) is kept in {out / CKPT}: "
+    return (f"training diverged: {what}; the last good checkpoint (step {saved}) is kept in "
+            f"{checkpoint_path(out) or out / CKPT}: "
             f"`twofour train --out {out} --resume --skip-nonfinite N` goes on from it, skipping up to N such steps, "
             "or start again with a lower --lr")
-
-
-def _check_resumable(ckpt: dict[str, Any], cfg: TrainConfig, world: int, out: Path) -> None:
-    """Raise TrainError if the checkpoint can't go on as ``cfg`` asks."""
-    step = ckpt["step"]
-    if len(ckpt["rng"]) != world:
-        raise TrainError(f"the checkpoint in {out} was written by {len(ckpt['rng'])} process(es); resume it "
-                         f"with as many (this is {world})")
-    if cfg.stop_at is not None and step >= cfg.stop_at:
-        raise TrainError(f"--stop-at {cfg.stop_at} is not after the checkpoint's step {step}")
-    if step > cfg.steps or (step == cfg.steps and read_summary(out) is not None):
-        raise TrainError(f"the run in {out} has done {step} of {cfg.steps} steps; to train it further, "
-                         f"resume with --steps larger than {step} and --reschedule")
-
-
-def _check_replicas(raw: torch.nn.Module, world: int) -> None:
-    """Raise if any rank's masks, scales or step counters differ from rank 0's."""
-    sums = []
-    for _, layer in sparse_layers(raw):
-        if layer.mask is None:
-            continue
-        m = layer.mask.flatten().long()
-        w = torch.arange(m.numel(), device=m.device) % 9973
-        sums += [m.sum(), (m * w).sum(), layer.step.long()]
-        if layer.beta is not None:
-            sums.append((layer.beta.double() * 1e9).round().long())
-    if not sums:
-        return
-    mine = torch.stack(sums)
-    everyone = [torch.empty_like(mine) for _ in range(world)]
-    dist.all_gather(everyone, mine)
-    bad = [r for r, t in enumerate(everyone) if not torch.equal(t, everyone[0])]
-    if bad:
-        raise TrainError(f"recipe state of rank(s) {bad} differs from rank 0's: masks diverged across replicas")
-
-
-def _checkpoint(out: Path, cfg: TrainConfig, raw, opt, sched, step: int, data_gen, rank: int, world: int,
-                elapsed_s: float) -> None:
-    """Every rank takes part (replica check, FSDP gathers, RNG states); rank 0 writes."""
-    if world > 1:
-        _check_replicas(raw, world)
-    model_sd, opt_sd = full_state_dicts(raw, opt, world > 1 and cfg.fsdp is not None)
-    rng = [rng_state(data_gen)]
-    if world > 1:  # every rank's data position and RNG states, kept by rank 0
-        rng = [None] * world
-        dist.all_gather_object(rng, rng_state(data_gen))
-    if rank == 0:
-        save_checkpoint(out / CKPT, {"config": cfg.to_dict(), "step": step,
-                                     "vocab_size": raw.vocab_size, "model": model_sd, "optimizer": opt_sd,
-                                     "scheduler": sched.state_dict(), "rng": rng, "elapsed_s": elapsed_s,
-                                     "twofour_version": __version__})

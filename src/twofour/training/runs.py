@@ -1,9 +1,10 @@
-"""A run folder and what it holds: ``ckpt.pt`` (written atomically, read safely), ``metrics.csv``
+"""A run folder and what it holds: ``ckpt.pt`` (written atomically, read safely) or, for FSDP2
+runs, the sharded ``ckpt/`` (:mod:`twofour.training.sharded`), ``metrics.csv``
 (plus TensorBoard when it is installed), ``config.json``, ``summary.json`` and ``curves.png``.
 
 Public: :func:`prepare_run_dir`, :func:`save_checkpoint`, :func:`read_checkpoint`,
-:func:`load_checkpoint`, :func:`rng_state`, :func:`set_rng_state`, :func:`full_state_dicts`,
-:func:`load_state_dicts`, :class:`MetricsLog`, :func:`read_metrics`, :func:`read_config`,
+:func:`load_checkpoint`, :func:`checkpoint_path`, :func:`rng_state`, :func:`set_rng_state`,
+:func:`full_state_dicts`, :func:`load_state_dicts`, :class:`MetricsLog`, :func:`read_metrics`, :func:`read_config`,
 :func:`read_summary`, :func:`pyplot`, :func:`plot_run`, :func:`write_summary`,
 :func:`source_digest`.
 
@@ -18,9 +19,7 @@ import csv
 import hashlib
 import json
 import os
-import pickle
 import random
-import re
 import shutil
 from pathlib import Path
 from typing import Any
@@ -32,9 +31,11 @@ from .. import dispatch
 from ..errors import TrainError
 from ..inference.format import MODEL_CONFIG, WEIGHTS
 from .config import TrainConfig, resumed_config, saved_options
+from .sharded import META, SHARDED, load_plain, read_meta, sharded_folder
 
 __all__ = ["CKPT", "METRICS", "FIELDS", "WEIGHTS", "MODEL_CONFIG", "prepare_run_dir", "save_checkpoint",
-           "read_checkpoint", "load_checkpoint", "rng_state", "set_rng_state", "full_state_dicts", "load_state_dicts",
+           "read_checkpoint", "load_checkpoint", "checkpoint_path", "rng_state", "set_rng_state", "full_state_dicts",
+           "load_state_dicts",
            "MetricsLog", "read_metrics", "read_config", "read_summary", "pyplot", "plot_run", "write_summary",
            "source_digest"]
 
@@ -42,8 +43,9 @@ CKPT = "ckpt.pt"
 METRICS = "metrics.csv"
 FIELDS = ["step", "tokens", "lr", "train_loss", "val_loss", "flip_rate", "tokens_per_s", "elapsed_s"]
 #: What a run (and ``twofour export`` of it, in either weights format) leaves in its folder: a
-#: folder holding any of them is refused without ``--overwrite``, which removes them.
-_OUTPUTS = (CKPT, CKPT + ".tmp", METRICS, "curves.png", "summary.json", "config.json", WEIGHTS,
+#: folder holding any of them is refused without ``--overwrite``, which removes them (the
+#: sharded checkpoint's folder ``ckpt/`` with all it holds).
+_OUTPUTS = (CKPT, CKPT + ".tmp", SHARDED, METRICS, "curves.png", "summary.json", "config.json", WEIGHTS,
             str(Path(WEIGHTS).with_suffix(".pt")), MODEL_CONFIG)
 
 
@@ -57,9 +59,9 @@ def prepare_run_dir(cfg: TrainConfig) -> Path:
         raise TrainError(f"output folder {out} exists and is not a folder")
     present = [n for n in (*_OUTPUTS, "tb") if (out / n).exists()]
     if cfg.resume:
-        if not (out / CKPT).exists():
-            raise TrainError(f"--resume: no checkpoint {out / CKPT} to resume from")
-    elif {CKPT, METRICS} & set(present) and not cfg.overwrite:
+        if checkpoint_path(out) is None:
+            raise TrainError(f"--resume: no checkpoint {out / CKPT} (or sharded {out / SHARDED}) to resume from")
+    elif {CKPT, SHARDED, METRICS} & set(present) and not cfg.overwrite:
         raise TrainError(f"{out} already holds a run; pass --resume to continue it, --overwrite to replace it, "
                          "or choose another --out")
     elif present and not cfg.overwrite:
@@ -74,7 +76,10 @@ def prepare_run_dir(cfg: TrainConfig) -> Path:
         raise TrainError(f"cannot write to output folder {out}: {e.strerror or e}") from None
     if cfg.overwrite and not cfg.resume:
         for name in _OUTPUTS:
-            (out / name).unlink(missing_ok=True)
+            if (out / name).is_dir() and not (out / name).is_symlink():
+                shutil.rmtree(out / name)
+            else:
+                (out / name).unlink(missing_ok=True)
         shutil.rmtree(out / "tb", ignore_errors=True)  # TensorBoard's event files
     return out
 
@@ -149,28 +154,36 @@ def save_checkpoint(path: Path, payload: dict[str, Any]) -> None:
         raise TrainError(f"cannot write the checkpoint {tmp}: {why}{kept}") from None
 
 
+def checkpoint_path(out: str | Path) -> Path | None:
+    """The newest checkpoint in run folder ``out``: ``ckpt.pt``, or the sharded checkpoint's step
+    folder; None when it holds neither. Both are there only when a run was killed just after
+    writing one form and before removing the other: the later step wins (``ckpt.pt`` on a tie)."""
+    out = Path(out)
+    single = out / CKPT if (out / CKPT).is_file() else None
+    sharded = sharded_folder(out)
+    if single is None or sharded is None:
+        return single or sharded
+    with contextlib.suppress(TrainError):
+        if read_meta(sharded)["step"] > read_checkpoint(single)["step"]:
+            return sharded
+    return single
+
+
 def read_checkpoint(path: str | Path) -> dict[str, Any]:
-    """A twofour checkpoint (a run folder or the file itself), loaded with ``weights_only=True``:
-    tensors and plain data only, so a crafted file can't run code. Raises TrainError."""
+    """A twofour checkpoint (a run folder, ``ckpt.pt`` or a sharded checkpoint's step folder),
+    loaded with ``weights_only=True``: tensors and plain data only, so a crafted file can't run
+    code. A sharded checkpoint's dict holds its ``meta.pt`` and, under ``"sharded"``, the step
+    folder whose model and optimizer :mod:`twofour.training.sharded` loads. Raises TrainError."""
     path = Path(path)
     if path.is_dir():
-        path = path / CKPT
+        if (path / META).is_file():
+            return {**read_meta(path), "sharded": str(path)}
+        path = checkpoint_path(path) or path / CKPT
+        if path.is_dir():
+            return {**read_meta(path), "sharded": str(path)}
     if not path.exists():
         raise TrainError(f"no checkpoint at {path}")
-    try:
-        # mmap: tensors are read when used, so reading a large checkpoint's settings is cheap
-        ckpt = torch.load(path, map_location="cpu", weights_only=True, mmap=True)
-    except pickle.UnpicklingError as e:
-        found = re.search(r"GLOBAL ([\w.]+)", str(e))
-        names = f" ({found.group(1)})" if found else ""
-        raise TrainError(f"{path} is refused and was not loaded: it holds code{names}, not only tensors and plain "
-                         "data, and unpickling it could run that code") from None
-    except Exception as e:
-        raise TrainError(f"checkpoint {path} is unreadable or corrupt ({type(e).__name__}); "
-                         "start again with --overwrite or another --out") from None
-    if not isinstance(ckpt, dict) or not {"config", "model", "step"} <= set(ckpt):
-        raise TrainError(f"{path} is not a twofour training checkpoint")
-    return ckpt
+    return load_plain(path, {"config", "model", "step"}, "training checkpoint")
 
 
 def load_checkpoint(path: str | Path, cfg: TrainConfig) -> dict[str, Any]:

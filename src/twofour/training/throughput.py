@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import contextlib
 import shlex
+import shutil
 import statistics
 import subprocess
 import sys
@@ -14,6 +15,7 @@ from collections.abc import Sequence
 from pathlib import Path
 
 from .runs import CKPT, read_summary
+from .sharded import SHARDED
 
 __all__ = ["train_throughput", "throughput_table", "TRAIN_BATCH"]
 
@@ -38,6 +40,7 @@ def _train_once(cmd: list[str], out: Path) -> float:
     if summary is None:
         raise RuntimeError(f"twofour train wrote no summary in {out}: {shlex.join(cmd)}")
     (out / CKPT).unlink(missing_ok=True)  # a bench needs no checkpoint, and a 774M one is ~9 GB
+    shutil.rmtree(out / SHARDED, ignore_errors=True)  # an FSDP2 run's
     return float(summary["tokens_per_s"])
 
 

@@ -1,0 +1,179 @@
+"""The sharded checkpoint of an FSDP2 run, written through ``torch.distributed.checkpoint`` (DCP):
+every rank writes its own shards of the model and optimizer, nothing is gathered on one rank.
+
+Layout in the run folder::
+
+    ckpt/latest             the name of the newest complete checkpoint, written last
+    ckpt/step-00000008/     DCP's files (.metadata, __<rank>_0.distcp) and meta.pt
+
+``meta.pt`` (written by rank 0, tensors and plain data only) holds the rest: config, step,
+scheduler, every rank's RNG states and data position, the optimizer's non-tensor extras, elapsed
+time, version. A save writes a new step folder, then replaces ``latest`` (``os.replace``, atomic)
+and only then removes the older step folders: a run killed at any moment leaves ``latest`` naming a
+complete checkpoint, and the folders it does not name (a partial save) are removed at the next save.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import pickle
+import re
+import shutil
+import warnings
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from ..errors import TrainError
+
+__all__ = ["SHARDED", "META", "sharded_folder", "save_sharded", "load_sharded", "load_plain", "read_meta",
+           "load_model"]
+
+SHARDED = "ckpt"
+LATEST = "latest"
+META = "meta.pt"
+
+
+def sharded_folder(out: str | Path) -> Path | None:
+    """The complete sharded checkpoint in run folder ``out`` (the step folder ``latest`` names), or
+    None when there is none."""
+    pointer = Path(out) / SHARDED / LATEST
+    if not pointer.is_file():
+        return None
+    folder = pointer.parent / pointer.read_text().strip()
+    return folder if (folder / META).is_file() else None
+
+
+def _fsync(path: Path) -> None:
+    """Flush a file's or a folder's entry to the disk (folders: where the OS allows it)."""
+    with contextlib.suppress(OSError):
+        fd = os.open(path, os.O_RDONLY)
+        try:
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+
+
+def _agree(ok: bool, world: int) -> bool:
+    """Whether ``ok`` holds on every rank (a collective when ``world`` > 1)."""
+    if world == 1:
+        return ok
+    flag = torch.tensor([int(ok)])
+    if dist.get_backend() == "nccl":
+        flag = flag.cuda()
+    dist.all_reduce(flag, op=dist.ReduceOp.MIN)
+    return bool(flag.item())
+
+
+def save_sharded(out: Path, step: int, state: dict[str, Any], meta: dict[str, Any] | None, rank: int,
+                 world: int) -> Path:
+    """Write ``state`` (sharded model and optimizer state dicts) with DCP from every rank and
+    ``meta`` (rank 0's) into ``out/ckpt/step-<step>``, then point ``latest`` at it; returns the
+    folder. Every rank calls it. TrainError on every rank when any rank's write fails; the
+    previous checkpoint is then intact."""
+    from torch.distributed.checkpoint import CheckpointException, save  # noqa: PLC0415
+
+    root = out / SHARDED
+    folder = root / f"step-{step:08d}"
+    if rank == 0:
+        shutil.rmtree(folder, ignore_errors=True)  # a partial save of this step, killed before the switch
+        root.mkdir(exist_ok=True)
+        folder.mkdir()
+    if world > 1:
+        dist.barrier()
+    why = None
+    try:
+        save(state, checkpoint_id=str(folder))  # collective: a failure on any rank raises on every rank
+        if rank == 0:
+            _write_meta(folder, meta)
+    except (Exception, CheckpointException) as e:  # DCP's wraps every rank's errors: a BaseException
+        why = _why(e)
+    if not _agree(why is None, world):
+        kept = "; the previous checkpoint is intact" if sharded_folder(out) else ""
+        raise TrainError(f"cannot write the sharded checkpoint {folder}: {why or 'another rank failed'}{kept}")
+    if rank == 0:
+        _switch(root, folder.name)
+    return folder
+
+
+def _why(e: BaseException) -> str:
+    """One line on what failed: the first failing rank's own error inside DCP's CheckpointException."""
+    failures = getattr(e, "failures", None)
+    if failures:
+        rank, (e, _) = min(failures.items(), key=lambda kv: kv[0])
+        return f"rank {rank}: {_why(e)}"
+    if isinstance(e, OSError) and e.strerror:
+        return e.strerror
+    return (str(e).splitlines() or [type(e).__name__])[0][:200] or type(e).__name__
+
+
+def _write_meta(folder: Path, meta: dict[str, Any] | None) -> None:
+    """``meta.pt`` into the step folder, flushed to the disk."""
+    with (folder / META).open("wb") as fh:
+        torch.save(meta, fh)
+        fh.flush()
+        os.fsync(fh.fileno())
+    _fsync(folder)
+
+
+def _switch(root: Path, name: str) -> None:
+    """Point ``latest`` at step folder ``name`` (atomic), then remove every other step folder."""
+    tmp = root / (LATEST + ".tmp")
+    tmp.write_text(name + "\n")
+    _fsync(tmp)
+    os.replace(tmp, root / LATEST)
+    _fsync(root)
+    for old in root.glob("step-*"):
+        if old.name != name:
+            shutil.rmtree(old, ignore_errors=True)
+
+
+def load_plain(path: Path, required: set[str], what: str) -> dict[str, Any]:
+    """The dict in file ``path`` (``what`` names it in errors), loaded with ``weights_only=True``:
+    tensors and plain data only, so a crafted file can't run code; TrainError when it is refused,
+    unreadable, or lacks a ``required`` key."""
+    try:
+        # mmap: tensors are read when used, so reading a large checkpoint's settings is cheap
+        d = torch.load(path, map_location="cpu", weights_only=True, mmap=True)
+    except pickle.UnpicklingError as e:
+        found = re.search(r"GLOBAL ([\w.]+)", str(e))
+        names = f" ({found.group(1)})" if found else ""
+        raise TrainError(f"{path} is refused and was not loaded: it holds code{names}, not only tensors and plain "
+                         "data, and unpickling it could run that code") from None
+    except Exception as e:
+        raise TrainError(f"checkpoint {path} is unreadable or corrupt ({type(e).__name__}); "
+                         "start again with --overwrite or another --out") from None
+    if not isinstance(d, dict) or not required <= set(d):
+        raise TrainError(f"{path} is not a twofour {what}")
+    return d
+
+
+def read_meta(folder: Path) -> dict[str, Any]:
+    """A step folder's ``meta.pt``: config, step, RNG states and the rest (:func:`load_plain`)."""
+    return load_plain(folder / META, {"config", "step", "rng"}, "sharded checkpoint's meta.pt")
+
+
+def load_sharded(folder: Path, state: dict[str, Any], alone: bool = False) -> None:
+    """Fill ``state`` (state dicts shaped as this run holds them: sharded under FSDP2, whole
+    otherwise) in place from the checkpoint in ``folder``; DCP reshards to this run's world size.
+    Every rank calls it; a process without a process group (or ``alone``) reads it by itself."""
+    from torch.distributed.checkpoint import CheckpointException, load  # noqa: PLC0415
+
+    try:
+        with warnings.catch_warnings():  # "assuming ... a single process": meant so
+            warnings.simplefilter("ignore", UserWarning)
+            load(state, checkpoint_id=str(folder), no_dist=alone or not dist.is_initialized())
+    except (Exception, CheckpointException) as e:
+        why = _why(e)
+        raise TrainError(f"cannot read the sharded checkpoint {folder}: {why}") from None
+
+
+def load_model(folder: Path, model: torch.nn.Module) -> None:
+    """Load the model's weights and buffers alone from a sharded checkpoint into ``model`` (one
+    process, whole tensors): how ``twofour export`` reads an FSDP2 run."""
+    sd = model.state_dict()
+    load_sharded(folder, {"model": sd}, alone=True)
+    model.load_state_dict(sd)
