@@ -133,7 +133,7 @@ def preset_train_step(preset: str, batch: int, recipe: Recipe, *, transposed_out
     with torch.device("cuda"):  # initialized on the GPU: a 1B model's init on the CPU takes a while
         model = PRESETS[preset].build(block_size=1024, vocab_size=vocab_size,
                                       **({"n_layer": n_layer} if n_layer else {}))
-    if recipe.sparse or recipe.fp8:
+    if recipe.sparse or recipe.precision.fp8:
         sparsify(model, recipe, include=FFN_PATTERNS, transposed_output=FFN_IN_PATTERNS if transposed_output else ())
     opt = torch.optim.AdamW(model.parameters(), lr=1e-4, fused=True)
     if advance:
