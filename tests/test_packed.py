@@ -4,9 +4,11 @@ plain torch (the kernel under Triton's interpreter on the CPU)."""
 import pytest
 import torch
 
+from twofour import dispatch
 from twofour.functional import mask_24, soft_threshold_24, transposable_mask_24
 from twofour.inference.packed import check_positions, pack_24
-from twofour.kernels.gemv24 import CONFIGS, HAS_TRITON, MAX_TOKENS, Config, configs_for, gemv24, reference
+from twofour.kernels import gemv24 as gemv_module
+from twofour.kernels.gemv24 import CONFIGS, DOT_MIN, HAS_TRITON, MAX_TOKENS, Config, configs_for, gemv24, reference
 from twofour.kernels.layout import (
     compress_codes,
     compress_reference,
@@ -131,8 +133,8 @@ def test_gemv_kernel_split_k_matches_reference(device):
         x = torch.randn(tokens, 288, device=device).half()
         for b in (bias, None):
             for config in [Config("pairs", 8, 32, 4, 2), Config("pairs", 16, 32, 4, 9),
-                           Config("quad_dot", 16, 64, 4, 4), Config("quad_dot", 32, 128, 4, 3),
-                           Config("quad_dot", 16, 64, 4, 9)]:
+                           Config("quad_dot", 16, 128, 4, 2), Config("quad_dot", 32, 128, 4, 3),
+                           Config("quad_dot", 16, 128, 4, 9)]:
                 _check_gemv(x, values, positions, b, config, 2e-3)
             if tokens == 1:
                 for config in [Config("quad", 8, 64, 2, 4), Config("quad", 16, 128, 4, 2), Config("quad", 8, 64, 2, 5)]:
@@ -145,7 +147,7 @@ def test_gemv_kernel_reads_strided_input_and_any_tile(device):
     values, positions = (t.to(device) for t in pack_24(w))
     x = torch.randn(128, 4, device=device).half().t()  # column-major (4, 128)
     for config in [Config("pairs", 4, 256, 2), Config("pairs", 32, 64, 4, 3), Config("quad_dot", 16, 256, 4),
-                   Config("quad_dot", 64, 64, 4, 2)]:
+                   Config("quad_dot", 64, 128, 4, 2)]:
         _check_gemv(x, values, positions, None, config, 2e-3)
     for config in [Config("quad", 8, 256, 2), Config("quad", 32, 64, 4, 3)]:
         _check_gemv(x[:1], values, positions, None, config, 2e-3)
@@ -160,6 +162,67 @@ def test_gemv_configs_per_token_count():
         assert kinds == want  # past 8 tokens no pairs tile fits
         assert {c.kernel for c in configs_for(tokens, quad=False)} == {"pairs"}
     assert len({c.name for c in CONFIGS}) == len(CONFIGS)
+
+
+def test_gemv_configs_build_only_dots_triton_accepts():
+    """Triton refuses a tl.dot with a dimension under 16 on the GPU (the interpreter doesn't check):
+    every shipped quad_dot configuration is at or above it, and a smaller one can't be made."""
+    dots = [c.dot_shape for c in CONFIGS if c.kernel == "quad_dot"]
+    assert dots and all(min(d) >= DOT_MIN for d in dots)
+    assert all(c.dot_shape is None for c in CONFIGS if c.kernel != "quad_dot")
+    for bad in [("quad_dot", 16, 64, 4), ("quad_dot", 8, 128, 4), ("quad", 16, 100, 4), ("pairs", 12, 64, 4),
+                ("pairs", 16, 2, 4), ("quad_dot", 64, 256, 4, 0), ("gemm", 16, 128, 4)]:
+        with pytest.raises(ValueError, match="gemv24 Config"):
+            Config(*bad)
+
+
+@needs_triton
+@pytest.mark.parametrize("tokens", [1, 5, MAX_TOKENS])
+def test_gemv_launch_gives_tl_dot_at_least_16(tokens, monkeypatch):
+    """What each measured quad_dot configuration hands the kernel: tokens padded to 16, rows and
+    quads a step (tl.dot's M, N, K) all >= 16, whatever the split."""
+    seen = []
+
+    class Recorder:
+        def __getitem__(self, grid):
+            return lambda *args, **kw: seen.append((kw["BO"], kw["BT"], kw["BQ"]) if "BQ" in kw else None)
+
+    monkeypatch.setattr(gemv_module, "quad_kernels", lambda: {"quad": Recorder(), "quad_dot": Recorder()})
+    monkeypatch.setattr(gemv_module, "_sum_splits", Recorder())  # the partials' sum: recorded apart
+    values, positions = pack_24(random_24((96, 1376), dtype=torch.float16))
+    x, y = torch.zeros(tokens, 1376, dtype=torch.float16), torch.empty(tokens, 96, dtype=torch.float16)
+    dot = [c for c in configs_for(tokens) if c.kernel == "quad_dot"]
+    for config in dot:
+        gemv_module.launch(x, values, positions, None, y, config)
+    dots = [shape for shape in seen if shape is not None]
+    assert len(dots) == len(dot) and all(min(shape) >= DOT_MIN for shape in dots)
+
+
+def test_gemv_choice_is_looked_up_once_per_shape(monkeypatch):
+    """The measured configuration is kept per shape, token bucket, dtype and bias, so a decoding step
+    does not rebuild the candidates at every call; a choice set or cleared, or another
+    TWOFOUR_GEMM mode, looks it up again, and a capture's unmeasured stand-in is not kept."""
+    calls = []
+    monkeypatch.setattr(gemv_module, "_choose", lambda *a: calls.append(a) or CONFIGS[len(calls) % len(CONFIGS)])
+    monkeypatch.setattr(gemv_module, "_chosen", {})
+    monkeypatch.setattr(dispatch, "can_measure", lambda: True)  # as on a GPU outside a capture
+    values, positions = pack_24(random_24((32, 64), dtype=torch.float16))
+    x, y = torch.zeros(3, 64, dtype=torch.float16), torch.empty(3, 32, dtype=torch.float16)
+    first = gemv_module._config(x, values, positions, None, y, True)
+    assert gemv_module._config(x[:4], values, positions, None, y, True) == first and len(calls) == 1
+    gemv_module._config(x[:1], values, positions, None, y, True)  # another token bucket
+    gemv_module._config(x, values, positions, y[0], y, True)  # with a bias
+    assert len(calls) == 3
+    dispatch.clear_choices()
+    gemv_module._config(x, values, positions, None, y, True)
+    with dispatch.override(gemm="dense"):
+        gemv_module._config(x, values, positions, None, y, True)
+    assert len(calls) == 5
+    monkeypatch.setattr(dispatch, "can_measure", lambda: False)
+    monkeypatch.setattr(gemv_module, "_chosen", {})
+    for _ in range(2):
+        gemv_module._config(x, values, positions, None, y, True)
+    assert len(calls) == 7
 
 
 @needs_triton

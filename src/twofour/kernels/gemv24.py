@@ -43,16 +43,13 @@ if HAS_TRITON:  # the reference path needs no Triton
     from .gemv24_quad import _store_rows, _sum_splits
 
 __all__ = ["gemv24", "reference", "MAX_TOKENS", "HAS_TRITON", "CONFIGS", "Config", "configs_for", "launch",
-           "triton_kernels"]
+           "triton_kernels", "DOT_MIN"]
 
 #: The most tokens (rows of x) the kernels take; more go to cuSPARSELt's GEMM.
 MAX_TOKENS = 16
 
 
-class Config(NamedTuple):
-    """One launch of a 2:4 GEMV: the kernel variant, rows of y per program, inputs per loop step,
-    warps, input splits (split-K) and software-pipeline stages."""
-
+class _Launch(NamedTuple):
     kernel: str
     rows: int
     inputs: int
@@ -60,9 +57,46 @@ class Config(NamedTuple):
     split: int = 1
     stages: int = 3
 
+
+#: tl.dot's smallest M, N and K for 16-bit operands (Triton refuses to build a smaller one on the GPU;
+#: its interpreter does not check, so :func:`dot_shape` is what the CPU tests check)
+DOT_MIN = 16
+_DOT_TOKENS = DOT_MIN  # the quad_dot kernel pads the tokens to tl.dot's smallest N
+_STEP = {"quad": 8, "quad_dot": 8, "pairs": 4}  # inputs a step must be a multiple of: a quad, a group
+
+
+def _pow2(v: int) -> bool:
+    return v >= 1 and v & (v - 1) == 0
+
+
+class Config(_Launch):
+    """One launch of a 2:4 GEMV: the kernel variant, rows of y per program, inputs per loop step,
+    warps, input splits (split-K) and software-pipeline stages. Checked when made, so that no
+    configuration reaches the GPU that Triton can't build (a ``tl.dot`` under :data:`DOT_MIN`)."""
+
+    __slots__ = ()
+
+    def __new__(cls, kernel: str, rows: int, inputs: int, warps: int, split: int = 1, stages: int = 3) -> Config:
+        if kernel not in _STEP:
+            raise ValueError(f"gemv24 Config: kernel must be one of {', '.join(_STEP)}, got {kernel!r}")
+        if not (_pow2(rows) and _pow2(inputs) and _pow2(warps) and inputs % _STEP[kernel] == 0
+                and split >= 1 and stages >= 1):
+            raise ValueError(f"gemv24 Config: rows, inputs (a multiple of {_STEP[kernel]}) and warps must be powers "
+                             f"of two, split and stages >= 1; got {kernel} {rows}x{inputs} w{warps} s{split} p{stages}")
+        if kernel == "quad_dot" and min(rows, inputs // 8) < DOT_MIN:
+            raise ValueError(f"gemv24 Config: quad_dot's tl.dot needs >= {DOT_MIN} rows and >= {DOT_MIN} quads "
+                             f"({8 * DOT_MIN} inputs) a step; got {rows}x{inputs}")
+        return super().__new__(cls, kernel, rows, inputs, warps, split, stages)
+
     @property
     def name(self) -> str:
         return f"{self.kernel} {self.rows}x{self.inputs} w{self.warps} s{self.split} p{self.stages}"
+
+    @property
+    def dot_shape(self) -> tuple[int, int, int] | None:
+        """(M, N, K) of each ``tl.dot`` the launch builds: (rows, padded tokens, quads a step) for
+        ``quad_dot``; None for the kernels without one."""
+        return (self.rows, _DOT_TOKENS, self.inputs // 8) if self.kernel == "quad_dot" else None
 
 
 _SPLITS = (1, 2, 3, 4, 6, 8)  # 3 and 6: fewer partial waves where the bands are not a multiple of the SMs
@@ -76,7 +110,6 @@ CONFIGS = tuple(
     + [Config("quad_dot", r, i, w, s, p) for r, i, w, p in ((64, 256, 4, 3), (64, 512, 4, 2), (128, 256, 8, 3),
                                                             (64, 256, 4, 4)) for s in _SPLITS]
     + [Config("pairs", r, i, w, s) for r, i, w, s in ((16, 256, 4, 1), (8, 256, 4, 4))])
-_DOT_TOKENS = 16  # tl.dot's smallest N: the quad_dot kernel pads the tokens to it
 
 
 def _block_tokens(t: int) -> int:
@@ -267,9 +300,27 @@ def gemv24(x: torch.Tensor, values: torch.Tensor, positions: torch.Tensor, bias:
     bias = None if bias is None else bias.contiguous()
     y = torch.empty(t, n, dtype=x.dtype, device=x.device)
     if config is None:
-        config = _choose(x, values, positions, bias, y, quad) if x.is_cuda else _INTERPRETER_CONFIG
+        config = _config(x, values, positions, bias, y, quad) if x.is_cuda else _INTERPRETER_CONFIG
     launch(x, values, positions, bias, y, config)
     return y
+
+
+_chosen: dict[tuple, Config] = {}
+dispatch.on_choice_change(lambda: _chosen.clear())  # a choice set or cleared is looked up again
+
+
+def _config(x, values, positions, bias, y, quad: bool) -> Config:
+    """The measured configuration (:func:`_choose`), kept per shape once measured or recorded: a
+    decoding step calls the GEMV per layer, and rebuilding the ~60 candidates and their dispatch key
+    at each call costs tens of microseconds of host time, more than the kernel at Llama-7B's shapes,
+    which the dispatch's own timing of the inference routes then counts against ``sparse_gemv``."""
+    where = (values.shape[0], x.shape[1], _block_tokens(x.shape[0]), x.dtype, bias is not None, quad, dispatch.gemm)
+    hit = _chosen.get(where)
+    if hit is None:
+        hit = _choose(x, values, positions, bias, y, quad)
+        if dispatch.can_measure():  # measured or recorded: not a CUDA-graph capture's stand-in
+            _chosen[where] = hit
+    return hit
 
 
 def _choose(x, values, positions, bias, y, quad: bool) -> Config:
