@@ -10,7 +10,9 @@ decoding step (GPU, under 5 minutes on an H100).
    enough copies of the weight to exceed the L2 cache (a decoding step streams every layer's
    weight once: none is in L2), median of 10 replays: dense (``F.linear``, cuBLAS), cuSPARSELt
    (``SparseInferenceLinear``'s ``sparse`` route, tokens padded to 8), every GEMV configuration,
-   and the one the dispatch measures and keeps (``gemv24`` with no config). GB/s counts the
+   and the one the dispatch measures and keeps (``gemv24`` with no config); and cuSPARSELt and that
+   GEMV timed as ``SparseInferenceLinear``'s dispatch times its routes (``dispatch.median_ms``:
+   eager calls on one weight copy, host time counted where it is longer than the kernel's). GB/s counts the
    weight bytes read (dense: 2 bytes an entry; 2:4: values + positions, 0.5625x); ``% copy``: of
    the copy bandwidth measured here (bytes read + written by a 256 MB copy).
 3. The bound of a Llama-7B decoding step at batch 1 / 8 / 64: bytes a step reads (every linear's
@@ -104,6 +106,10 @@ def time_shape(k: int, n: int, gen: torch.Generator, bad: set[str]) -> dict:
                                         for (_, v, p, _), y in zip(ws, ys)])
         row["configs"] = cfgs
         row["dispatch"] = cycled_us([lambda v=v, p=p, x=x: gemv24(x, v, p) for _, v, p, _ in ws])
+        # as the inference layer's dispatch times its routes: eager calls, host time counted where longer
+        _, v, p, lin = ws[0]
+        row["eager"] = {"cusparselt": 1e3 * dispatch.median_ms(lin.routes(x)["sparse"]),
+                        "gemv": 1e3 * dispatch.median_ms(lambda v=v, p=p, x=x: gemv24(x, v, p))}
         res["tokens"][t] = row
     del ws
     torch.cuda.empty_cache()
@@ -138,7 +144,7 @@ def main() -> None:
         out["shapes"][name] = {"errors": errs}
     print("\n### Time per call (us), weights cycled past L2; GB/s of weight bytes read, % of copy bandwidth\n")
     print(md_head("shape", "tokens", "dense us (GB/s, % copy)", "cuSPARSELt us", "best GEMV us (GB/s, % copy)",
-                  "best config", "dispatch us", "dense / best 2:4"))
+                  "best config", "dispatch us", "eager cuSPARSELt / GEMV us", "dense / best 2:4"))
     for name, k, n in SHAPES:
         r = time_shape(k, n, gen, bad)
         out["shapes"][name].update(r)
@@ -148,6 +154,7 @@ def main() -> None:
             gbd, gbs = r["dense_bytes"] / du / 1e3, r["sparse_bytes"] / bu / 1e3
             print(md_row(f"{name} {k}->{n}", t, f"{du:.1f} ({gbd:,.0f}, {gbd / bw:.0%})", f"{row['cusparselt']:.1f}",
                          f"{bu:.1f} ({gbs:,.0f}, {gbs / bw:.0%})", best, f"{row['dispatch']:.1f}",
+                         f"{row['eager']['cusparselt']:.1f} / {row['eager']['gemv']:.1f}",
                          f"{du / min(bu, row['cusparselt'], row['dispatch']):.2f}x"), flush=True)
     print("\n### Every configuration (us), per shape and tokens\n")
     for name, s in out["shapes"].items():
