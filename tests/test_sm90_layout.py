@@ -75,6 +75,72 @@ def test_missing_toolchain_is_one_line(monkeypatch, tmp_path):
     assert "\n" not in str(ex.value)
 
 
+def _no_build_here(monkeypatch, tmp_path) -> list:
+    """A toolchain that exists only by name, an empty cache, no prebuilt library; the list
+    collects every build() call instead of compiling."""
+    monkeypatch.delenv("TWOFOUR_SM90_LIB", raising=False)
+    monkeypatch.setenv("TWOFOUR_CACHE", str(tmp_path))
+    monkeypatch.setattr(builder, "toolchain", lambda: builder.Toolchain(tmp_path / "nvcc", tmp_path))
+    monkeypatch.setattr(builder, "_key", lambda tc, configs: "k")
+    calls = []
+    monkeypatch.setattr(builder, "build", lambda *a, **kw: calls.append(kw) or tmp_path / "built.so")
+    return calls
+
+
+def test_library_is_built_only_when_asked(monkeypatch, tmp_path):
+    """No compile at first use by default (minutes of nvcc inside a training step): a one-line
+    error naming the ways to build; with build_missing the builder runs; a cached build or
+    TWOFOUR_SM90_LIB is returned as it is."""
+    calls = _no_build_here(monkeypatch, tmp_path)
+    with pytest.raises(RuntimeError, match="not built .*python -m twofour.kernels.cutlass") as ex:
+        builder.library_path()
+    assert "\n" not in str(ex.value) and calls == []
+    assert builder.library_path(build_missing=True) == tmp_path / "built.so" and len(calls) == 1
+    cached = tmp_path / "sm90" / "k" / builder.LIB_NAME
+    cached.parent.mkdir(parents=True)
+    cached.touch()
+    assert builder.library_path() == cached and len(calls) == 1
+    monkeypatch.setenv("TWOFOUR_SM90_LIB", str(tmp_path / "pre.so"))
+    assert builder.library_path() == tmp_path / "pre.so" and len(calls) == 1
+
+
+def test_build_command_line(monkeypatch, tmp_path, capsys):
+    from twofour.kernels.cutlass import __main__ as cli
+
+    calls = []
+    monkeypatch.setattr(cli, "build", lambda configs, out_dir, jobs: calls.append((configs, out_dir, jobs)) or
+                        tmp_path / builder.LIB_NAME)
+    cli.main(["--jobs", "3", "--out", str(tmp_path)])
+    assert calls == [(builder.CONFIGS, str(tmp_path), 3)]
+    assert str(tmp_path / builder.LIB_NAME) in capsys.readouterr().out
+
+
+def test_unbuilt_route_is_skipped_and_logged_once_per_process(monkeypatch, tmp_path, caplog):
+    """Where the library is not built, the forward's sm90 candidate is dropped at once, with one
+    warning for the whole process, whatever the number of shapes and calls; nothing is compiled
+    unless dispatch.build_kernels allows it."""
+    from twofour import dispatch
+    from twofour.kernels import ops
+
+    calls = _no_build_here(monkeypatch, tmp_path)
+    monkeypatch.setattr(dispatch, "_failures", {})
+    monkeypatch.setattr(sm90, "_lib", None)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (9, 0))
+    with caplog.at_level("WARNING", logger="twofour"), dispatch.override(build_kernels=False):
+        for _ in range(3):
+            for m, k in ((64, 256), (128, 512), (256, 1280)):
+                a = cslt.compress_reference(_pruned(m, k))
+                assert not ops.sm90_ok(a, torch.randn(8, k).bfloat16(), m, None)
+    warned = [r for r in caplog.records if "sm90" in r.getMessage()]
+    assert len(warned) == 1 and "not built" in warned[0].getMessage() and calls == []
+    assert list(dispatch.failures()) == [("sm90-cutlass", "load")]
+    monkeypatch.setattr(dispatch, "_failures", {})
+    with dispatch.override(build_kernels=True):  # opted in: the builder runs (its stand-in makes no file)
+        assert not sm90.available() and len(calls) == 1
+    assert not dispatch.build_kernels
+
+
 def _toolchain_or_skip():
     try:
         return builder.toolchain()

@@ -2,7 +2,8 @@
 
     PYTHONPATH=src python benchmarks/gemm/cutlass_sm90.py [--tokens 16384] [--ncu] [--quick]
 
-1. Builds the library (``twofour.kernels.cutlass``; ``TWOFOUR_SM90_LIB`` loads one built before)
+1. Builds the library if it is not built yet (``twofour.kernels.cutlass``, minutes of nvcc;
+   ``TWOFOUR_SM90_LIB`` loads one built before)
    and checks the layout: twofour's compression (cuSPARSELt's buffer, metadata reordered) against
    CUTLASS's own compressor, byte for byte.
 2. Checks every configuration's product against the dense one on random inputs, odd token counts
@@ -167,6 +168,7 @@ def main() -> None:
     if args.ncu_child:
         return ncu_child(args.ncu_child)
     t0 = time.time()
+    dispatch.set_build_kernels(True)  # a benchmark of this route builds it (training does not, by default)
     if not sm90.available():
         sys.exit(f"the sm90 2:4 GEMM is not available here (an H100/H200 and the kernels extra are needed): "
                  f"{dispatch.failures()}")

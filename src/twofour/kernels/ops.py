@@ -174,8 +174,9 @@ _sm90_meta: dict[int, tuple[int, int, torch.Tensor, torch.Tensor]] = {}
 
 def sm90_ok(a: torch.Tensor, x2: torch.Tensor, m: int, bias: torch.Tensor | None) -> bool:
     """CUTLASS's sm90 2:4 GEMM can run ``x2 @ W^T`` here: no bias, bf16, x2 row-major, K a
-    multiple of 128 and M of 8, an sm90 GPU and the library (built at first use; the first failure
-    is logged once and the route skipped from then on)."""
+    multiple of 128 and M of 8, an sm90 GPU and the library loaded (built beforehand, or at first
+    use only under ``TWOFOUR_BUILD_KERNELS=1``; the first failure is logged once and the route
+    skipped from then on)."""
     return (bias is None and x2.dtype == torch.bfloat16 and a.dtype == torch.uint8 and order(x2) == "row"
             and x2.shape[0] > 0 and _sm90_layout.supported_shape(m, x2.shape[1])
             and not dispatch.failed((_SM90_ROUTE, m, x2.shape[1])) and _sm90.available(x2.device))

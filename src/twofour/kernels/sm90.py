@@ -37,12 +37,13 @@ def _declare(lib: ctypes.CDLL) -> None:
 
 
 def load(path: str | None = None) -> ctypes.CDLL:
-    """The library (built or found at first call; ``path`` loads that file instead). Loading needs
-    no GPU: the host-side layout probe runs anywhere."""
+    """The library (found at first call, and built then only where
+    :data:`twofour.dispatch.build_kernels` allows; ``path`` loads that file instead). Loading
+    needs no GPU: the host-side layout probe runs anywhere."""
     global _lib
     with _lock:
         if _lib is None or path is not None:
-            lib = ctypes.CDLL(str(path or library_path()))
+            lib = ctypes.CDLL(str(path or library_path(dispatch.build_kernels)))
             _declare(lib)
             if path is not None:
                 return lib
@@ -57,8 +58,9 @@ def configs(lib: ctypes.CDLL | None = None) -> list[GemmConfig]:
 
 
 def available(device: torch.device | int | None = None) -> bool:
-    """The route can run here: an sm90 GPU and a library that builds and loads (the first failure
-    is logged once and remembered)."""
+    """The route can run here: an sm90 GPU and a library that loads (built beforehand, or now where
+    :data:`twofour.dispatch.build_kernels` allows). The first failure is logged once per process
+    and remembered: later calls, at any shape, return False at once."""
     if dispatch.failed(_ROUTE) or not torch.cuda.is_available():
         return False
     if torch.cuda.get_device_capability(device) != (9, 0):

@@ -3,10 +3,12 @@
 pointers, sizes, a stream; cudart linked statically), so that the same file loads under any torch
 through ctypes (:mod:`twofour.kernels.sm90`).
 
-Compiled at first use into a per-user cache keyed by the sources, the configurations, the flags
-and the compiler, with the pip-only toolchain of the ``kernels`` extra: ``nvcc`` from
-``nvidia-cuda-nvcc`` and the CUTLASS headers from ``nvidia-cutlass`` (``TWOFOUR_NVCC`` and
-``TWOFOUR_CUTLASS`` point elsewhere; ``TWOFOUR_SM90_LIB`` names a library built beforehand).
+Compiled into a per-user cache keyed by the sources, the configurations, the flags and the
+compiler, with the pip-only toolchain of the ``kernels`` extra: ``nvcc`` from ``nvidia-cuda-nvcc``
+and the CUTLASS headers from ``nvidia-cutlass`` (``TWOFOUR_NVCC`` and ``TWOFOUR_CUTLASS`` point
+elsewhere; ``TWOFOUR_SM90_LIB`` names a library built beforehand). The build takes minutes, so it
+runs only when asked: ``python -m twofour.kernels.cutlass``, or at first use where
+``TWOFOUR_BUILD_KERNELS=1`` (:data:`twofour.dispatch.build_kernels`).
 """
 
 from __future__ import annotations
@@ -184,7 +186,18 @@ def build(configs: tuple[GemmConfig, ...] = CONFIGS, out_dir: Path | None = None
     return lib
 
 
-def library_path() -> Path:
-    """The library to load: ``TWOFOUR_SM90_LIB`` if set, else the cached build (built now if missing)."""
+def library_path(build_missing: bool = False) -> Path:
+    """The library to load: ``TWOFOUR_SM90_LIB`` if set, else the cached build; one not built yet
+    is compiled now only with ``build_missing`` (minutes), else RuntimeError (one line)."""
     prebuilt = os.environ.get("TWOFOUR_SM90_LIB")
-    return Path(prebuilt) if prebuilt else build()
+    if prebuilt:
+        return Path(prebuilt)
+    tc = toolchain()
+    lib = _cache_root() / _key(tc, CONFIGS) / LIB_NAME
+    if lib.is_file():
+        return lib
+    if build_missing:
+        return build(tc=tc)
+    raise RuntimeError(f"the sm90 2:4 GEMM library is not built (minutes of nvcc): run `python -m "
+                       f"twofour.kernels.cutlass` once, or set TWOFOUR_BUILD_KERNELS=1 to build it at first use "
+                       f"or TWOFOUR_SM90_LIB to a built {LIB_NAME}")

@@ -1,0 +1,28 @@
+"""Build the CUTLASS sm90 2:4 GEMM library into the cache, where the dispatch finds it (minutes of
+nvcc; the ``kernels`` extra's toolchain):
+
+    python -m twofour.kernels.cutlass [--jobs N] [--out DIR]
+"""
+
+from __future__ import annotations
+
+import argparse
+import time
+
+from . import CONFIGS, build
+
+
+def main(argv: list[str] | None = None) -> None:
+    """Compile and link every configuration, print the library's path."""
+    ap = argparse.ArgumentParser(prog="python -m twofour.kernels.cutlass", description=__doc__.splitlines()[0])
+    ap.add_argument("--jobs", type=int, default=None, help="nvcc processes at once (default: one per CPU core)")
+    ap.add_argument("--out", default=None, help="folder for the library instead of the cache "
+                                                "(then load it with TWOFOUR_SM90_LIB)")
+    args = ap.parse_args(argv)
+    t0 = time.time()
+    lib = build(CONFIGS, out_dir=args.out, jobs=args.jobs)
+    print(f"{lib} ({time.time() - t0:.0f} s)")
+
+
+if __name__ == "__main__":
+    main()
