@@ -136,7 +136,8 @@ def _ablation() -> str:
     folder = RESULTS / ABLATION
     if not folder.is_dir():
         return f"No run files in docs/results/{ABLATION}/ yet: `scripts/s_ste_ablation.py` has not been run."
-    return _folder_tables(folder, "dense", ("s-ste", "ste"))
+    # the doubled-lr runs paired with each other too: the one comparison of the recipes at that lr
+    return _folder_tables(folder, "dense", ("s-ste", "ste", "ste lr=0.002"))
 
 
 def _claims() -> str:

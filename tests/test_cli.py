@@ -33,8 +33,8 @@ def test_train_writes_its_outputs(tmp_path, corpus, capsys):
     out = tmp_path / "run"
     key = "dw-mvue:96x128x32:Brow:bfloat16:dense|sparse"  # a pinned choice is one the run made
     dispatch.set_choice(key, "dense")
-    try:
-        assert main(["train", *SMALL, "--data", corpus, "--out", str(out)]) == 0
+    try:  # s-ste: MVUE on, so the run consults the pinned dW choice
+        assert main(["train", *SMALL, "--data", corpus, "--out", str(out), "--recipe", "s-ste"]) == 0
     finally:
         dispatch.clear_choices()
     for name in ("metrics.csv", "ckpt.pt", "summary.json", "curves.png", "config.json"):
@@ -282,7 +282,7 @@ def test_never_overwrites_and_checks_checkpoints(tmp_path, corpus, capsys):
     assert main(args) == 0
     before = (out / "ckpt.pt").read_bytes()
     assert "already holds a run" in error_of(args, capsys)
-    assert "--recipe ste contradicts" in error_of([*args, "--resume", "--recipe", "ste"], capsys)
+    assert "--recipe s-ste contradicts" in error_of([*args, "--resume", "--recipe", "s-ste"], capsys)
     assert (out / "ckpt.pt").read_bytes() == before
     (out / "ckpt.pt").write_bytes(before[: len(before) // 2])  # a torn file
     assert "corrupt" in error_of([*args, "--resume"], capsys)

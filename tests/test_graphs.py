@@ -100,7 +100,7 @@ def test_training_loop_replays_graphs_and_resumes(tmp_path):
 
     args = ["train", "--model", "tiny", "--batch-size", "4", "--seq-len", "64", "--steps", "12",
             "--eval-interval", "6", "--eval-iters", "2", "--ckpt-interval", "6", "--no-progress",
-            "--out", str(tmp_path / "run")]
+            "--recipe", "s-ste", "--out", str(tmp_path / "run")]  # MVUE's draws inside the graph
     assert main(args + ["--stop-at", "6"]) == 0
     assert main(args + ["--resume"]) == 0
     summary = json.loads((tmp_path / "run" / "summary.json").read_text())

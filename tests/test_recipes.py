@@ -10,7 +10,7 @@ from twofour.sparse.recipes import RECIPES, Recipe, make_recipe, recipe_options
 
 def test_names_and_defaults():
     assert RECIPES == ("dense", "ste", "sr-ste", "s-ste", "t-sr-ste", "step")
-    assert make_recipe() == make_recipe("s-ste")
+    assert make_recipe() == make_recipe("ste")  # the smaller gap to dense in docs/RESULTS.md
     s = make_recipe("s-ste")
     assert s.pruning is SOFT and s.mvue and s.precision == BF16 and not s.precision.fp8 and s.decay == 0
     assert s.beta_interval == 0 and make_recipe("s-ste", beta_interval=100).beta_interval == 100

@@ -18,7 +18,7 @@ def test_default_converts_every_linear_but_the_head():
     assert type(model.lm_head) is nn.Linear and model.lm_head.weight is model.wte.weight
     # the same parameter objects: an optimizer made before sparsify stays valid
     assert all(p is params[n] for n, p in model.named_parameters())
-    assert all(m.recipe.name == "s-ste" for _, m in twofour.sparse_layers(model))
+    assert all(m.recipe.name == twofour.DEFAULT_RECIPE for _, m in twofour.sparse_layers(model))
 
 
 def test_include_exclude_patterns():

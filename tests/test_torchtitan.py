@@ -111,7 +111,7 @@ def test_attention_by_pattern_and_fp8_precision():
     model, _ = build(jc)
     attn = model.layers["0"].attention
     assert all(isinstance(getattr(attn, n), twofour.SparseLinear) for n in ("wq", "wk", "wv", "wo"))
-    assert attn.wq.recipe.name == "s-ste" and attn.wq.recipe.precision.fp8
+    assert attn.wq.recipe.name == twofour.DEFAULT_RECIPE and attn.wq.recipe.precision.fp8  # the default recipe
 
 
 def test_float8_listed_after_twofour_skips_the_sparse_layers():

@@ -269,8 +269,8 @@ def build_parser() -> argparse.ArgumentParser:
                                 allow_abbrev=False)
     p.add_argument("--version", action="version", version=f"%(prog)s {__version__}")
     sub = p.add_subparsers(dest="command", required=True)
-    t = sub.add_parser("train", help="train a GPT or Llama-style model with a recipe (default: tiny, s-ste, "
-                       "Python stdlib corpus)",
+    t = sub.add_parser("train", help="train a GPT or Llama-style model with a recipe (default: tiny, "
+                       f"{DEFAULT_RECIPE}, Python stdlib corpus)",
                        epilog=REGIME_HELP, formatter_class=argparse.RawDescriptionHelpFormatter, allow_abbrev=False)
     t.add_argument("--recipe", default=DEFAULT_RECIPE, help=f"{', '.join(RECIPES)} (default %(default)s)")
     _run_args(t, "runs/train")

@@ -31,7 +31,7 @@ RECIPE_BUFFERS = ("step", "flips", "dense", "beta", "mask")
 
 
 class SparseLinear(nn.Linear):
-    """A drop-in ``nn.Linear`` trained with a 2:4 recipe (default S-STE).
+    """A drop-in ``nn.Linear`` trained with a 2:4 recipe (default :data:`~twofour.DEFAULT_RECIPE`).
 
     ``weight`` is the dense master; :meth:`effective_weight` is what the forward uses. Call
     :meth:`advance` once per optimizer step (``twofour.attach(model, optimizer)`` does it for
