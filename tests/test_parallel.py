@@ -12,7 +12,6 @@ import torch.distributed as dist
 import twofour
 from twofour.cli import build_parser
 from twofour.errors import TrainError
-from twofour.functional import mask_24
 from twofour.models import build_model
 from twofour.sparse import sparse_layers
 from twofour.training import TrainConfig
@@ -94,21 +93,24 @@ def _one_process_group():
                 os.environ[k] = v
 
 
-@pytest.mark.parametrize("policy", ["fp32", "bf16"])
-def test_fsdp2_masks_follow_the_weights_they_multiply(policy):
+@pytest.mark.parametrize(("policy", "recipe", "steps"), [("fp32", "ste", 3), ("bf16", "ste", 3),
+                                                       ("bf16", "t-sr-ste", 4)])
+def test_fsdp2_masks_follow_the_weights_they_multiply(policy, recipe, steps):
     """Under FSDP2 a sharded layer's mask is refreshed where its weight is gathered: after each
-    optimizer step the mask a state dict holds, and the one the next forward uses, is the top-2
-    of the weight (in the policy's gathered dtype), and the flips are counted."""
+    optimizer step the mask a state dict holds, and the one the next forward uses, is the
+    recipe's mask of the weight (in the policy's gathered dtype), and the flips are counted, also
+    for a mask refreshed every other step (read by the loop after the next step)."""
     pytest.importorskip("torch.distributed.fsdp")
     with _one_process_group():
         torch.manual_seed(0)
-        model = build_model("tiny", "ste", vocab_size=64, block_size=32)
+        options = {"mask_interval": 2} if recipe == "t-sr-ste" else {}
+        model = build_model("tiny", twofour.make_recipe(recipe, **options), vocab_size=64, block_size=32)
         shard(model, fsdp_policy(policy))
         opt = torch.optim.AdamW(model.parameters(), lr=3e-2)
         twofour.attach(model, opt)
         x = torch.randint(0, 64, (4, 33), generator=torch.Generator().manual_seed(2))
         flips = 0
-        for _ in range(3):
+        for _ in range(steps):
             model(x[:, :-1], x[:, 1:])[1].backward()
             opt.step()
             opt.zero_grad()
@@ -116,10 +118,10 @@ def test_fsdp2_masks_follow_the_weights_they_multiply(policy):
             flips += sum(int(layer.flips) for layer in layers)
         sd = model.state_dict()  # settles the refresh the last step left for the next forward
         dt = fsdp_policy(policy).param_dtype or torch.float32
-        for name, _ in sparse_layers(model):
+        for name, layer in sparse_layers(model):
             w = sd[name + ".weight"]
             w = (w.full_tensor() if hasattr(w, "full_tensor") else w).to(dt)
-            assert torch.equal(sd[name + ".mask"], mask_24(w)), name
+            assert torch.equal(sd[name + ".mask"], layer.pruner.mask(w)), name
         assert flips > 0  # the large learning rate moves weights across the threshold
 
 

@@ -200,7 +200,7 @@ def export_checkpoint(checkpoint: str | Path, out: str | Path, dtype: torch.dtyp
 
     with tempfile.TemporaryDirectory() as tmp:
         dcp_to_torch_save(str(checkpoint), Path(tmp) / "full.pt")
-        full = torch.load(Path(tmp) / "full.pt", weights_only=True)
+        full = torch.load(Path(tmp) / "full.pt", weights_only=True, mmap=True)  # tensors read when used
     states = full["model"] if isinstance(full.get("model"), dict) else full  # nested, or torchtitan's flat layout
     weights = {k: v for k, v in states.items() if isinstance(v, torch.Tensor)}
     layers = sorted(k.removesuffix(".mask") for k in weights

@@ -169,7 +169,7 @@ def _tune(plan: _cs.Plan, a: torch.Tensor, b: torch.Tensor, out: torch.Tensor, b
 
 
 _SM90_ROUTE = "sm90-cutlass"
-_sm90_meta: dict[int, tuple[int, int, torch.Tensor, torch.Tensor]] = {}
+_sm90_meta: dict[int, tuple[int, int, torch.Tensor]] = {}  # id(buffer) -> (data_ptr, version, E); no view of it
 
 
 def sm90_ok(a: torch.Tensor, x2: torch.Tensor, m: int, bias: torch.Tensor | None) -> bool:
@@ -190,11 +190,11 @@ def _sm90_operand(a: torch.Tensor, m: int, k: int) -> tuple[torch.Tensor, torch.
         return _sm90_layout.from_cusparselt(a, m, k)
     hit = _sm90_meta.get(id(a))
     if hit is not None and hit[0] == a.data_ptr() and hit[1] == a._version:
-        return hit[2], hit[3]
+        return _sm90_layout.values_of(a, m, k), hit[2]
     values, e = _sm90_layout.from_cusparselt(a, m, k)
-    if hit is None:
+    if hit is None:  # the entry holds no view of ``a`` (that would keep it alive): it goes with ``a``
         weakref.finalize(a, _sm90_meta.pop, id(a), None)
-    _sm90_meta[id(a)] = (a.data_ptr(), a._version, values, e)
+    _sm90_meta[id(a)] = (a.data_ptr(), a._version, e)
     return values, e
 
 

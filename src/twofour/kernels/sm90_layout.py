@@ -23,7 +23,7 @@ import torch
 from .layout import _codes_from_meta, group_codes
 
 __all__ = ["supported_shape", "meta_bytes", "pack_meta", "unpack_meta", "compress_reference", "decompress_reference",
-           "from_cusparselt", "split"]
+           "from_cusparselt", "split", "values_of"]
 
 ATOM_M, ATOM_K = 64, 128  # one metadata atom: 64 rows x 128 columns (32 groups)
 _PAD_CODE = 4  # padding rows: "keep 0 and 1" of zeros
@@ -101,8 +101,13 @@ def from_cusparselt(buf: torch.Tensor, m: int, k: int, dtype: torch.dtype = torc
     _check(m, k)
     size = torch.finfo(dtype).bits // 8
     nval = m * k // 2 * size
-    values = buf[:nval].view(dtype).reshape(m, k // 2)
-    return values, pack_meta(_codes_from_meta(buf[nval:], m, k, size))
+    return values_of(buf, m, k, dtype), pack_meta(_codes_from_meta(buf[nval:], m, k, size))
+
+
+def values_of(buf: torch.Tensor, m: int, k: int, dtype: torch.dtype = torch.bfloat16) -> torch.Tensor:
+    """The values (M, K/2) of a compressed buffer in either layout: a view, at its start."""
+    nval = m * k // 2 * (torch.finfo(dtype).bits // 8)
+    return buf[:nval].view(dtype).reshape(m, k // 2)
 
 
 def split(buf: torch.Tensor, m: int, k: int, dtype: torch.dtype = torch.bfloat16) -> tuple[torch.Tensor, torch.Tensor]:
@@ -110,4 +115,4 @@ def split(buf: torch.Tensor, m: int, k: int, dtype: torch.dtype = torch.bfloat16
     (``kernels/compress.py``, ``layout=SM90``): values first, then E."""
     _check(m, k)
     nval = m * k // 2 * (torch.finfo(dtype).bits // 8)
-    return buf[:nval].view(dtype).reshape(m, k // 2), buf[nval:nval + meta_bytes(m, k)]
+    return values_of(buf, m, k, dtype), buf[nval:nval + meta_bytes(m, k)]

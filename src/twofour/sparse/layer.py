@@ -114,7 +114,8 @@ class SparseLinear(nn.Linear):
         # a mask refresh due at the last optimizer step but left to the next forward, where an
         # FSDP2 shard's whole weight is gathered anyway (:func:`advance_layers`)
         self._refresh_pending = False
-        self._gathered_dtype: torch.dtype | None = None
+        self._fresh_flips = False  # flips written by a refresh in the forward since the last step
+        self.gathered_dtype: torch.dtype | None = None  # FSDP2: the dtype its forward gathers the weight in
 
     @property
     def _keeps_state(self) -> bool:
@@ -241,9 +242,9 @@ class SparseLinear(nn.Linear):
     def _refresh_gathered(self) -> None:
         """The pending refresh, in the forward: the weight is whole here (FSDP2 gathered it, the
         same on every rank), so each rank computes the same mask without a collective of its own."""
-        self._refresh_pending = False
+        self._refresh_pending, self._fresh_flips = False, True
         w = self.weight.detach()
-        self._gathered_dtype = w.dtype
+        self.gathered_dtype = w.dtype
         if self._fused_refresh_ok():
             ops.refresh_masks_([w], [self.mask], [self.flips])
         else:
@@ -260,7 +261,7 @@ class SparseLinear(nn.Linear):
         w = self.weight.detach()
         if hasattr(w, "full_tensor"):
             w = w.full_tensor()
-        self._refresh_mask_torch(w if self._gathered_dtype is None else w.to(self._gathered_dtype))
+        self._refresh_mask_torch(w if self.gathered_dtype is None else w.to(self.gathered_dtype))
 
     @torch.no_grad()
     def add_masked_decay_(self) -> None:
@@ -328,9 +329,14 @@ def advance_layers(layers: Iterable[SparseLinear], sparse_phase: bool | None = N
     torch._foreach_add_([layer.step for layer in moved], 1)
     due = [layer for layer in moved if layer._refresh_due()]
     due_set = set(due)
-    idle = [layer.flips for layer in moved if layer not in due_set and layer.flips is not None]
+    # a layer not refreshed this step counts no flips, unless its forward just counted the last
+    # step's (a refresh left to the forward): those stay for the loop to read once
+    idle = [layer.flips for layer in moved if layer not in due_set and layer.flips is not None
+            and not layer._fresh_flips]
     if idle:
         torch._foreach_zero_(idle)
+    for layer in moved:
+        layer._fresh_flips = False
     fused = [layer for layer in due if layer._fused_refresh_ok()]
     fused_set = set(fused)
     if fused:

@@ -115,9 +115,15 @@ class StepGraphs:
                     loss += self.micro_step(x, y, self.reduce is None and i == len(inputs) - 1).detach()
                 norm = self.clip() if self.reduce is None else loss
         except Exception as e:  # noqa: BLE001 - any capture failure: the step stays eager from now on
+            failure = e
+        else:
+            failure = None
+        if self.reduce is not None and not self.reduce.everywhere(failure is None, grads[0].device):
+            failure = failure or RuntimeError("another process could not capture its step")  # all go eager together
+        if failure is not None:
             self.disabled = True
             log.warning("twofour: the training step could not be captured as a CUDA graph (%s: %s); it runs "
-                        "eagerly from now on", type(e).__name__, (str(e).splitlines() or [""])[0])
+                        "eagerly from now on", type(failure).__name__, (str(failure).splitlines() or [""])[0])
             torch.cuda.synchronize()
             self.zero_grad()
             return None
@@ -157,6 +163,17 @@ class GradAllReduce:
     def __call__(self) -> None:
         import torch.distributed as dist  # noqa: PLC0415
 
+        avg = dist.get_backend(self.group) == "nccl"  # NCCL averages in the collective: no pass after it
         for flat in self.flat.values():
-            dist.all_reduce(flat, group=self.group)
-            flat.div_(self.world)
+            dist.all_reduce(flat, op=dist.ReduceOp.AVG if avg else dist.ReduceOp.SUM, group=self.group)
+            if not avg:
+                flat.div_(self.world)
+
+    def everywhere(self, ok: bool, device: torch.device) -> bool:
+        """Whether ``ok`` holds on every process (a capture that failed on one rank makes every
+        rank's step eager: the eager and the replayed step reduce the gradients differently)."""
+        import torch.distributed as dist  # noqa: PLC0415
+
+        flag = torch.tensor([int(ok)], device=device)
+        dist.all_reduce(flag, op=dist.ReduceOp.MIN, group=self.group)
+        return bool(flag.item())

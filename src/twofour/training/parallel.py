@@ -17,6 +17,7 @@ from torch import nn
 from torch.distributed.tensor import DTensor
 
 from ..errors import TrainError
+from ..sparse.layer import SparseLinear
 
 __all__ = ["FSDPPolicy", "FSDP_POLICIES", "DEFAULT_FSDP", "fsdp_policy", "shard", "checkpoint_blocks", "grad_norm"]
 
@@ -81,6 +82,9 @@ def shard(model: nn.Module, policy: FSDPPolicy, mesh=None) -> nn.Module:
     for i, unit in enumerate(units):
         fully_shard(unit, mesh=mesh, mp_policy=mp, reshard_after_forward=policy.reshard and i < len(units) - 1)
     fully_shard(model, mesh=mesh, mp_policy=mp)
+    for layer in model.modules():  # the dtype their forward sees the weight in: a mask saved
+        if isinstance(layer, SparseLinear):  # before any forward is computed from it too
+            layer.gathered_dtype = policy.param_dtype or layer.weight.dtype
     return model
 
 

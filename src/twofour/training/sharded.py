@@ -78,13 +78,16 @@ def save_sharded(out: Path, step: int, state: dict[str, Any], meta: dict[str, An
 
     root = out / SHARDED
     folder = root / f"step-{step:08d}"
-    if rank == 0:
-        shutil.rmtree(folder, ignore_errors=True)  # a partial save of this step, killed before the switch
-        root.mkdir(exist_ok=True)
-        folder.mkdir()
-    if world > 1:
-        dist.barrier()
     why = None
+    if rank == 0:
+        try:
+            shutil.rmtree(folder, ignore_errors=True)  # a partial save of this step, killed before the switch
+            root.mkdir(exist_ok=True)
+            folder.mkdir()
+        except OSError as e:  # told to every rank below, not raised on rank 0 alone (the others would wait)
+            why = _why(e)
+    if not _agree(why is None, world):
+        raise TrainError(f"cannot create the sharded checkpoint's folder {folder}: {why or 'rank 0 failed'}")
     try:
         save(state, checkpoint_id=str(folder))  # collective: a failure on any rank raises on every rank
         if rank == 0:
@@ -95,7 +98,13 @@ def save_sharded(out: Path, step: int, state: dict[str, Any], meta: dict[str, An
         kept = "; the previous checkpoint is intact" if sharded_folder(out) else ""
         raise TrainError(f"cannot write the sharded checkpoint {folder}: {why or 'another rank failed'}{kept}")
     if rank == 0:
-        _switch(root, folder.name)
+        try:
+            _switch(root, folder.name)
+        except OSError as e:
+            why = _why(e)
+    if not _agree(why is None, world):  # every rank learns whether the new checkpoint is the one to resume
+        raise TrainError(f"cannot switch {root} to {folder.name}: {why or 'rank 0 failed'}; the previous "
+                         "checkpoint is intact")
     return folder
 
 
