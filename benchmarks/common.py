@@ -14,6 +14,8 @@ Only twofour's public names are used here and in the scripts (``tests/test_bench
 from __future__ import annotations
 
 import collections
+import contextlib
+import multiprocessing as mp
 import os
 import platform
 import re
@@ -33,6 +35,28 @@ from twofour.sparse import Recipe, attach, sparsify
 from twofour.training.config import CUDA_GRAPH_MODES
 
 LEAD_CYCLES = 150_000  # about 80 us of device time at Hopper's clocks: longer than a call's launch
+
+
+def _spin(stop) -> None:
+    x = 0
+    while not stop.is_set():
+        x += 1
+
+
+@contextlib.contextmanager
+def busy_cpus(n: int):
+    """``n`` processes that each keep a CPU core busy while the block runs (as a data loader's
+    workers would): a step that slows beside them is bound by the host."""
+    stop = mp.Event()
+    procs = [mp.Process(target=_spin, args=(stop,), daemon=True) for _ in range(n)]
+    for p in procs:
+        p.start()
+    try:
+        yield
+    finally:
+        stop.set()
+        for p in procs:
+            p.join()
 
 
 def bench_ms(fn: Callable[[], object], *, warmup: int = 25, rep: int = 100) -> float:

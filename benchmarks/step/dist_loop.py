@@ -22,9 +22,9 @@ from __future__ import annotations
 
 import argparse
 import gc
-import multiprocessing as mp
 import os
 import statistics
+import sys
 import tempfile
 import time
 from pathlib import Path
@@ -35,11 +35,8 @@ import torch.distributed as dist
 from twofour.training import TrainConfig, train
 from twofour.training.data import load_data
 
-
-def _spin(stop) -> None:
-    x = 0
-    while not stop.is_set():
-        x += 1
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # benchmarks/: common.py
+from common import busy_cpus  # noqa: E402
 
 
 def _value(text: str):
@@ -119,20 +116,13 @@ def main() -> None:
                 for recipe in recipes:
                     if _agree(time.perf_counter() - t0 > a.deadline):
                         continue
-                    stop = mp.Event()
-                    procs = [mp.Process(target=_spin, args=(stop,), daemon=True) for _ in range(busy)]
-                    for p in procs:
-                        p.start()
                     try:
-                        tps = run_once(fields, recipe, a, data, out)
+                        with busy_cpus(busy):
+                            tps = run_once(fields, recipe, a, data, out)
                     except Exception as e:  # noqa: BLE001 - reported, the other runs go on
                         tps = None
                         if rank == 0:
                             print(f"{label} {recipe}: failed: {type(e).__name__}: {str(e)[:300]}", flush=True)
-                    finally:
-                        stop.set()
-                        for p in procs:
-                            p.join()
                     if rank == 0 and tps:
                         results.setdefault((label, recipe), []).append(tps)
                         print(f"rep {rep} {label} {recipe}: {tps:,.0f} tokens/s "

@@ -19,10 +19,11 @@ from __future__ import annotations
 import argparse
 import cProfile
 import io
-import multiprocessing as mp
 import pstats
 import statistics
+import sys
 import time
+from pathlib import Path
 
 import torch
 from torch.profiler import ProfilerActivity, profile
@@ -31,11 +32,8 @@ import twofour
 from twofour.models import build_model
 from twofour.training.graphs import StepGraphs
 
-
-def _spin(stop) -> None:
-    x = 0
-    while not stop.is_set():
-        x += 1
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # benchmarks/: common.py
+from common import busy_cpus  # noqa: E402
 
 
 def _step_fn(preset: str, recipe: str, batch: int, seq: int, graphed: bool = False):
@@ -157,11 +155,7 @@ def main() -> None:
             print(check(args.preset, r, batches[0], args.seq), flush=True)
     rows = []
     for busy in ([0, args.busy] if args.busy else [0]):
-        stop = mp.Event()
-        procs = [mp.Process(target=_spin, args=(stop,), daemon=True) for _ in range(busy)]
-        for p in procs:
-            p.start()
-        try:
+        with busy_cpus(busy):
             for b in batches:
                 res = {}
                 for graphed in (False, True) if args.graphs else (False,):
@@ -177,10 +171,6 @@ def main() -> None:
                         rows.append((busy, b, name, m["wall_ms"], m["issue_ms"], m["busy_ms"],
                                      b * args.seq / m["wall_ms"] * 1e3, res[recipes[0]]["wall_ms"] / m["wall_ms"]))
                         print(rows[-1], flush=True)
-        finally:
-            stop.set()
-            for p in procs:
-                p.join()
     print("\n| busy procs | batch | recipe | wall ms/step | issue ms/step | GPU busy ms/step | GPU busy % | tokens/s "
           f"| vs {recipes[0]} |\n|---|---|---|---|---|---|---|---|---|")
     for busy, b, r, wall, issue, gpu, tps, ratio in rows:

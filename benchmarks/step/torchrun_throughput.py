@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import multiprocessing as mp
 import os
 import statistics
 import subprocess
@@ -25,11 +24,8 @@ import sys
 import tempfile
 from pathlib import Path
 
-
-def _spin(stop) -> None:
-    x = 0
-    while not stop.is_set():
-        x += 1
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # benchmarks/: common.py
+from common import busy_cpus  # noqa: E402
 
 
 def run_once(gpus: int, args: list[str], out: Path, timeout: float) -> float | None:
@@ -71,11 +67,7 @@ def main() -> None:
     results: dict[tuple, list[float]] = {}
     with tempfile.TemporaryDirectory() as tmp:
         for busy in (int(b) for b in a.busy.split(",")):
-            stop = mp.Event()
-            procs = [mp.Process(target=_spin, args=(stop,), daemon=True) for _ in range(busy)]
-            for p in procs:
-                p.start()
-            try:
+            with busy_cpus(busy):
                 for rep in range(a.repeats):
                     for b in batches:
                         for v in variants:
@@ -88,10 +80,6 @@ def main() -> None:
                                 if tps is not None:
                                     results.setdefault(key, []).append(tps)
                                 print(key, rep, tps, flush=True)
-            finally:
-                stop.set()
-                for p in procs:
-                    p.join()
     ratios_head = " | ".join(f"{r} / {recipes[0]}" for r in recipes[1:])
     lines = [f"{a.gpus} GPUs, torchrun, `twofour train --model {a.model} --seq-len {a.seq_len} --steps {a.steps}` "
              f"(--batch-size per GPU), median (min-max) tokens/s of {a.repeats} runs", "",

@@ -24,6 +24,7 @@ from collections.abc import Callable, Sequence
 import torch
 
 from ..sparse.layer import SparseLinear
+from .parallel import everywhere
 
 log = logging.getLogger("twofour")
 
@@ -118,7 +119,7 @@ class StepGraphs:
             failure = e
         else:
             failure = None
-        if self.reduce is not None and not self.reduce.everywhere(failure is None, grads[0].device):
+        if self.reduce is not None and not everywhere(failure is None, self.reduce.world, self.reduce.group):
             failure = failure or RuntimeError("another process could not capture its step")  # all go eager together
         if failure is not None:
             self.disabled = True
@@ -142,7 +143,10 @@ class GradAllReduce:
     one launch, no Python per bucket, at the price of not overlapping the backward."""
 
     def __init__(self, params: Sequence[torch.nn.Parameter], world: int, group=None) -> None:
+        import torch.distributed as dist  # noqa: PLC0415
+
         self.params, self.world, self.group = list(params), world, group
+        self.avg = dist.get_backend(group) == "nccl"  # NCCL averages in the collective: no pass after it
         self.flat: dict[torch.dtype, torch.Tensor] = {}
         for dtype in {p.dtype for p in self.params}:
             ps = [p for p in self.params if p.dtype == dtype]
@@ -163,17 +167,7 @@ class GradAllReduce:
     def __call__(self) -> None:
         import torch.distributed as dist  # noqa: PLC0415
 
-        avg = dist.get_backend(self.group) == "nccl"  # NCCL averages in the collective: no pass after it
         for flat in self.flat.values():
-            dist.all_reduce(flat, op=dist.ReduceOp.AVG if avg else dist.ReduceOp.SUM, group=self.group)
-            if not avg:
+            dist.all_reduce(flat, op=dist.ReduceOp.AVG if self.avg else dist.ReduceOp.SUM, group=self.group)
+            if not self.avg:
                 flat.div_(self.world)
-
-    def everywhere(self, ok: bool, device: torch.device) -> bool:
-        """Whether ``ok`` holds on every process (a capture that failed on one rank makes every
-        rank's step eager: the eager and the replayed step reduce the gradients differently)."""
-        import torch.distributed as dist  # noqa: PLC0415
-
-        flag = torch.tensor([int(ok)], device=device)
-        dist.all_reduce(flag, op=dist.ReduceOp.MIN, group=self.group)
-        return bool(flag.item())

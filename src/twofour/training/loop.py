@@ -46,7 +46,7 @@ from .console import Interrupted, Progress, StopRequest
 from .data import TokenData, load_data
 from .graphs import GradAllReduce, StepGraphs
 from .lock import RunLock
-from .parallel import checkpoint_blocks, fsdp_policy, grad_norm, shard
+from .parallel import checkpoint_blocks, everywhere, fsdp_policy, grad_norm, shard
 from .runs import CKPT, MetricsLog, checkpoint_path, load_checkpoint, prepare_run_dir, write_summary
 
 __all__ = ["train", "build_model", "evaluate", "val_windows"]
@@ -231,7 +231,7 @@ def _train(cfg: TrainConfig, data: TokenData | None, rank: int, world: int, loca
                 ok = torch.isfinite(step_loss + norm)  # NaN or inf in either
                 lr = sched.get_last_lr()[0]
                 done, window_steps = step + 1, window_steps + 1
-                if cfg.skip_nonfinite and not _everywhere(ok, world):  # one host sync a step, only when allowed
+                if cfg.skip_nonfinite and not everywhere(ok, world):  # one host sync a step, only when allowed
                     skipped, window_skipped = skipped + 1, window_skipped + 1
                     if skipped > cfg.skip_nonfinite:
                         raise TrainError(_diverged(f"the loss or gradient norm is not finite at step {done}, after "
@@ -298,18 +298,10 @@ def _train(cfg: TrainConfig, data: TokenData | None, rank: int, world: int, loca
     return summary
 
 
-def _everywhere(flag: torch.Tensor, world: int) -> bool:
-    """Whether ``flag`` (a 0-dim bool tensor) is true on every rank (one host sync)."""
-    flag = flag.to(torch.int32)
-    if world > 1:
-        dist.all_reduce(flag, op=dist.ReduceOp.MIN)
-    return bool(flag.item())
-
-
 def _finite_weights(raw: torch.nn.Module, world: int, device: torch.device) -> bool:
     """Whether every parameter, on every rank, is finite: checked before each checkpoint."""
     flags = [torch.isfinite(p.to_local() if isinstance(p, DTensor) else p).all() for p in raw.parameters()]
-    return _everywhere(torch.stack(flags).all() if flags else torch.ones((), dtype=torch.bool, device=device), world)
+    return everywhere(torch.stack(flags).all() if flags else torch.ones((), dtype=torch.bool, device=device), world)
 
 
 def _diverged(what: str, out: Path, saved: int | None) -> str:

@@ -19,7 +19,8 @@ from torch.distributed.tensor import DTensor
 from ..errors import TrainError
 from ..sparse.layer import SparseLinear
 
-__all__ = ["FSDPPolicy", "FSDP_POLICIES", "DEFAULT_FSDP", "fsdp_policy", "shard", "checkpoint_blocks", "grad_norm"]
+__all__ = ["FSDPPolicy", "FSDP_POLICIES", "DEFAULT_FSDP", "fsdp_policy", "shard", "checkpoint_blocks", "grad_norm",
+           "everywhere"]
 
 
 @dataclass(frozen=True)
@@ -128,3 +129,14 @@ def _sharded_grad_norm(grads: list[DTensor], clip: float) -> torch.Tensor:
     if clip:
         torch._foreach_mul_(local, (clip / (norm + 1e-6)).clamp(max=1.0))  # clip_grad_norm_'s rule
     return norm
+
+
+def everywhere(ok: bool | torch.Tensor, world: int, group=None) -> bool:
+    """Whether ``ok`` (a bool, or a 0-dim tensor on its device) holds on every rank: one
+    all-reduce and one host sync when ``world`` > 1 (every rank must call it)."""
+    flag = ok.to(torch.int32) if isinstance(ok, torch.Tensor) else torch.tensor(int(ok))
+    if world > 1:
+        if flag.device.type == "cpu" and dist.get_backend(group) == "nccl":
+            flag = flag.cuda()
+        dist.all_reduce(flag, op=dist.ReduceOp.MIN, group=group)
+    return bool(flag.item())

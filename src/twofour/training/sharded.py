@@ -28,6 +28,7 @@ import torch
 import torch.distributed as dist
 
 from ..errors import TrainError
+from .parallel import everywhere
 
 __all__ = ["SHARDED", "META", "sharded_folder", "save_sharded", "load_sharded", "load_plain", "read_meta",
            "load_model"]
@@ -57,17 +58,6 @@ def _fsync(path: Path) -> None:
             os.close(fd)
 
 
-def _agree(ok: bool, world: int) -> bool:
-    """Whether ``ok`` holds on every rank (a collective when ``world`` > 1)."""
-    if world == 1:
-        return ok
-    flag = torch.tensor([int(ok)])
-    if dist.get_backend() == "nccl":
-        flag = flag.cuda()
-    dist.all_reduce(flag, op=dist.ReduceOp.MIN)
-    return bool(flag.item())
-
-
 def save_sharded(out: Path, step: int, state: dict[str, Any], meta: dict[str, Any] | None, rank: int,
                  world: int) -> Path:
     """Write ``state`` (sharded model and optimizer state dicts) with DCP from every rank and
@@ -86,7 +76,7 @@ def save_sharded(out: Path, step: int, state: dict[str, Any], meta: dict[str, An
             folder.mkdir()
         except OSError as e:  # told to every rank below, not raised on rank 0 alone (the others would wait)
             why = _why(e)
-    if not _agree(why is None, world):
+    if not everywhere(why is None, world):
         raise TrainError(f"cannot create the sharded checkpoint's folder {folder}: {why or 'rank 0 failed'}")
     try:
         save(state, checkpoint_id=str(folder))  # collective: a failure on any rank raises on every rank
@@ -94,7 +84,7 @@ def save_sharded(out: Path, step: int, state: dict[str, Any], meta: dict[str, An
             _write_meta(folder, meta)
     except (Exception, CheckpointException) as e:  # DCP's wraps every rank's errors: a BaseException
         why = _why(e)
-    if not _agree(why is None, world):
+    if not everywhere(why is None, world):
         kept = "; the previous checkpoint is intact" if sharded_folder(out) else ""
         raise TrainError(f"cannot write the sharded checkpoint {folder}: {why or 'another rank failed'}{kept}")
     if rank == 0:
@@ -102,7 +92,7 @@ def save_sharded(out: Path, step: int, state: dict[str, Any], meta: dict[str, An
             _switch(root, folder.name)
         except OSError as e:
             why = _why(e)
-    if not _agree(why is None, world):  # every rank learns whether the new checkpoint is the one to resume
+    if not everywhere(why is None, world):  # every rank learns whether the new checkpoint is the one to resume
         raise TrainError(f"cannot switch {root} to {folder.name}: {why or 'rank 0 failed'}; the previous "
                          "checkpoint is intact")
     return folder
