@@ -93,18 +93,22 @@ def _one_process_group():
                 os.environ[k] = v
 
 
-@pytest.mark.parametrize(("policy", "recipe", "steps"), [("fp32", "ste", 3), ("bf16", "ste", 3),
-                                                       ("bf16", "t-sr-ste", 4)])
-def test_fsdp2_masks_follow_the_weights_they_multiply(policy, recipe, steps):
+@pytest.mark.parametrize(("policy", "recipe", "steps", "compiled"), [
+    ("fp32", "ste", 3, False), ("bf16", "ste", 3, False), ("bf16", "t-sr-ste", 4, False), ("bf16", "ste", 3, True)])
+def test_fsdp2_masks_follow_the_weights_they_multiply(policy, recipe, steps, compiled):
     """Under FSDP2 a sharded layer's mask is refreshed where its weight is gathered: after each
     optimizer step the mask a state dict holds, and the one the next forward uses, is the
     recipe's mask of the weight (in the policy's gathered dtype), and the flips are counted, also
-    for a mask refreshed every other step (read by the loop after the next step)."""
+    for a mask refreshed every other step (read by the loop after the next step), and also in
+    blocks compiled whole (``fullgraph``, as torchtitan compiles them) before sharding."""
     pytest.importorskip("torch.distributed.fsdp")
     with _one_process_group():
         torch.manual_seed(0)
         options = {"mask_interval": 2} if recipe == "t-sr-ste" else {}
         model = build_model("tiny", twofour.make_recipe(recipe, **options), vocab_size=64, block_size=32)
+        if compiled:
+            for i, block in enumerate(model.h):
+                model.h[i] = torch.compile(block, fullgraph=True, backend="aot_eager")
         shard(model, fsdp_policy(policy))
         opt = torch.optim.AdamW(model.parameters(), lr=3e-2)
         twofour.attach(model, opt)

@@ -1,35 +1,72 @@
 #!/usr/bin/env bash
-# The scale-out measurements on 2 GPUs of one host, in one command (about 9 minutes on 2 H100s):
-#   1. the sharded FSDP2 checkpoint's GPU test (save on 2 GPUs, resume bit-exact);
-#   2. FSDP2 policies against DDP at gpt2-124m, 16 x 1024 per GPU, dense and s-ste;
-#   3. llama-1b and the Llama-3-8B shape (8 blocks) under FSDP2, dense and s-ste;
-#   4. torchtitan's Llama 3 1B, dense and with twofour's converter, and its save + resume.
-# Each part has its own time limit; results go to $OUT (default /tmp/scale_out).
-#   bash benchmarks/step/scale_out.sh          (needs nvmath-python; torchtitan's wheels for part 4)
+# The scale-out measurements on 2 GPUs of one host. PARTS chooses (default: all, more than the 10
+# minutes one device call allows; each part has its own time limit):
+#   nccl   the collectives' bandwidth at the sizes these runs move (nccl_bw.py)
+#   dcp    the sharded FSDP2 checkpoint's GPU test (save on 2 GPUs, a kill mid-save, resume bit-exact)
+#   host   where an FSDP2 step's time goes against DDP's, gpt2-124m 16 x 1024 (fsdp_host.py)
+#   loop   the real loop (dist_loop.py): DDP against FSDP2 at gpt2-124m 16 x 1024 and gpt2-774m 8 x 1024
+#   llama  llama-1b and the Llama-3-8B shape (8 blocks) under FSDP2, eager and compiled
+#   titan  torchtitan's Llama 3 1B, dense and with twofour's converter, eager and compiled
+# Results go to $OUT (default /tmp/scale_out), at most 8 files: pytest.txt, host.md, loop.md,
+# llama.md, nccl.md, torchtitan.md, torchtitan_steps.txt and log.txt (everything else each part printed).
+#   PARTS="dcp host loop" bash benchmarks/step/scale_out.sh     (needs nvmath-python; torchtitan's wheels for titan)
 set -uo pipefail
 cd "$(dirname "$0")/../.."
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1 TMPDIR=/dev/shm PYTHONUNBUFFERED=1
 export PYTHONPATH=$PWD/src${PYTHONPATH:+:$PYTHONPATH}
 OUT=${OUT:-/tmp/scale_out}; mkdir -p "$OUT"
-RUN="python3 -m torch.distributed.run --standalone --nproc-per-node 2 benchmarks/step/dist_loop.py"
+PARTS=${PARTS:-nccl dcp host loop llama titan}
+TORCHRUN="python3 -m torch.distributed.run --standalone --nproc-per-node 2"
+LOOP="$TORCHRUN benchmarks/step/dist_loop.py"
+LOG=$OUT/log.txt
+has() { [[ " $PARTS " == *" $1 "* ]]; }
+nvidia-smi topo -m >> "$LOG" 2>&1
 
-echo "== 1. sharded checkpoint on 2 GPUs"
-timeout 110 python3 -m pytest -q -m gpu -rs -p no:cacheprovider tests/test_sharded_checkpoint.py > "$OUT/pytest.txt" 2>&1
-tail -3 "$OUT/pytest.txt"
+if has nccl; then
+  echo "== nccl: collectives' bandwidth"
+  timeout 60 $TORCHRUN benchmarks/step/nccl_bw.py > "$OUT/nccl.md" 2>> "$LOG"; cat "$OUT/nccl.md"
+fi
 
-echo "== 2. FSDP2 policies against DDP, gpt2-124m"
-M=model=gpt2-124m
-timeout 150 $RUN --case "ddp16 $M batch_size=16" --case "fsdp16-bf16 $M batch_size=16 fsdp=bf16" \
-  --case "fsdp16-flat $M batch_size=16 fsdp=bf16-flat" --deadline 105 --out "$OUT/fsdp.md" > "$OUT/fsdp.log" 2>&1
-grep -E "^rep|failed" "$OUT/fsdp.log" | tail -4; cat "$OUT/fsdp.md" 2>/dev/null
+if has dcp; then
+  echo "== dcp: sharded checkpoint on 2 GPUs"
+  timeout 200 python3 -m pytest -q -m gpu -rs -p no:cacheprovider tests/test_sharded_checkpoint.py > "$OUT/pytest.txt" 2>&1
+  tail -3 "$OUT/pytest.txt"
+fi
 
-echo "== 3. llama-1b and the 8B shape under FSDP2"
-timeout 160 $RUN --case "llama-1b model=llama-1b batch_size=8 fsdp=bf16" \
-  --case "llama-8b-8blocks model=llama-8b n_layer=8 batch_size=4 fsdp=bf16" --steps 20 --deadline 100 \
-  --out "$OUT/big.md" > "$OUT/big.log" 2>&1
-grep -E "^rep|failed|Error" "$OUT/big.log" | tail -4; cat "$OUT/big.md" 2>/dev/null
+if has host; then
+  echo "== host: FSDP2's step against DDP's, gpt2-124m"
+  timeout 200 $TORCHRUN benchmarks/step/fsdp_host.py --model gpt2-124m --batch 16 \
+    --variants "${HOST_VARIANTS:-ddp,fsdp:bf16,fsdp:bf16-flat,fsdp:bf16+compile,ddp+compile}" \
+    --out "$OUT/host.md" >> "$LOG" 2>&1
+  cat "$OUT/host.md" 2>/dev/null
+fi
 
-echo "== 4. torchtitan"
-RUNS=${RUNS:-1B:eager} STEPS=${STEPS:-20} BUDGET=${BUDGET:-70} timeout 170 bash benchmarks/step/torchtitan_run.sh \
-  > "$OUT/torchtitan.txt" 2>&1
-tail -25 "$OUT/torchtitan.txt"
+if has loop; then
+  echo "== loop: DDP against FSDP2, gpt2-124m and gpt2-774m"
+  M=model=gpt2-124m; L=model=gpt2-774m
+  timeout 190 $LOOP --case "ddp16 $M batch_size=16" --case "fsdp16 $M batch_size=16 fsdp=${FSDP:-bf16}" \
+    --case "ddp8-774m $L batch_size=8" --case "fsdp8-774m $L batch_size=8 fsdp=${FSDP:-bf16}" \
+    --steps 20 --deadline 140 --out "$OUT/loop.md" >> "$LOG" 2>&1
+  cat "$OUT/loop.md" 2>/dev/null
+fi
+
+if has llama; then
+  echo "== llama: llama-1b and the 8B shape under FSDP2"
+  timeout ${LLAMA_S:-280} $LOOP --case "llama-1b model=llama-1b batch_size=8 fsdp=bf16" \
+    --case "llama-1b-compiled model=llama-1b batch_size=8 fsdp=bf16 compile=true" \
+    --case "llama-8b-8blocks model=llama-8b n_layer=8 batch_size=4 fsdp=bf16" \
+    --case "llama-8b-8blocks-compiled model=llama-8b n_layer=8 batch_size=4 fsdp=bf16 compile=true" \
+    --steps 20 --deadline $((${LLAMA_S:-280} - 60)) --out "$OUT/llama.md" >> "$LOG" 2>&1
+  cat "$OUT/llama.md" 2>/dev/null
+fi
+
+if has titan; then
+  echo "== titan: torchtitan Llama 3 1B"
+  TT=/tmp/scale_out_titan; rm -rf "$TT"
+  OUT=$TT RESUME=0 RUNS=${RUNS:-1B:eager 1B:compiled} STEPS=${STEPS:-30} BUDGET=${BUDGET:-240} \
+    timeout 330 bash benchmarks/step/torchtitan_run.sh >> "$LOG" 2>&1
+  cp "$TT/torchtitan_run.md" "$OUT/torchtitan.md" 2>/dev/null && cat "$OUT/torchtitan.md"
+  for f in "$TT"/*.log; do  # each run's logged steps, colours removed
+    echo "## $(basename "$f" .log)"; sed 's/\x1b\[[0-9;]*m//g' "$f" | grep -E "step: |Error|error" | cut -c1-220
+  done > "$OUT/torchtitan_steps.txt" 2>&1
+fi

@@ -238,6 +238,15 @@ class SparseLinear(nn.Linear):
         self.flips.copy_((new != self.mask).sum())
         self.mask.copy_(new)
 
+    def _refresh_traced(self) -> None:
+        """:meth:`_refresh_gathered` inside a compiled graph (``torch.compile``, also ``fullgraph``
+        as torchtitan compiles its blocks): the plain-torch mask, written in place on the buffers."""
+        self._refresh_pending, self._fresh_flips = False, True
+        w = self.weight.detach()
+        self.gathered_dtype = w.dtype
+        with torch.no_grad():
+            self._refresh_mask_torch(w)
+
     @torch.compiler.disable  # a kernel launch and buffer writes, once a step: eager under torch.compile
     def _refresh_gathered(self) -> None:
         """The pending refresh, in the forward: the weight is whole here (FSDP2 gathered it, the
@@ -305,7 +314,10 @@ class SparseLinear(nn.Linear):
         :data:`twofour.sparse.routes.ROUTES` that applies: the fused linear+activation (GPU fast
         path with MVUE, eager), FP8, dense, the fast path eager or compiled, else the reference."""
         if self._refresh_pending:
-            self._refresh_gathered()
+            if torch.compiler.is_compiling():
+                self._refresh_traced()
+            else:
+                self._refresh_gathered()
         return route_for(self, x, act).run(self, x, act)
 
     def extra_repr(self) -> str:
