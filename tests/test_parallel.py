@@ -100,13 +100,14 @@ def test_fsdp2_masks_follow_the_weights_they_multiply(policy, recipe, steps, com
     optimizer step the mask a state dict holds, and the one the next forward uses, is the
     recipe's mask of the weight (in the policy's gathered dtype), and the flips are counted, also
     for a mask refreshed every other step (read by the loop after the next step), and also in
-    blocks compiled whole (``fullgraph``, as torchtitan compiles them) before sharding."""
+    blocks checkpointed and compiled whole (``fullgraph``), as torchtitan shards them."""
     pytest.importorskip("torch.distributed.fsdp")
     with _one_process_group():
         torch.manual_seed(0)
         options = {"mask_interval": 2} if recipe == "t-sr-ste" else {}
         model = build_model("tiny", twofour.make_recipe(recipe, **options), vocab_size=64, block_size=32)
         if compiled:
+            checkpoint_blocks(model)
             for i, block in enumerate(model.h):
                 model.h[i] = torch.compile(block, fullgraph=True, backend="aot_eager")
         shard(model, fsdp_policy(policy))
@@ -123,6 +124,7 @@ def test_fsdp2_masks_follow_the_weights_they_multiply(policy, recipe, steps, com
         sd = model.state_dict()  # settles the refresh the last step left for the next forward
         dt = fsdp_policy(policy).param_dtype or torch.float32
         for name, layer in sparse_layers(model):
+            name = name.replace("._checkpoint_wrapped_module", "")  # as the wrapper's state dict names it
             w = sd[name + ".weight"]
             w = (w.full_tensor() if hasattr(w, "full_tensor") else w).to(dt)
             assert torch.equal(sd[name + ".mask"], layer.pruner.mask(w)), name

@@ -9,10 +9,14 @@ collectives do not hide behind compute.
 from __future__ import annotations
 
 import os
-import statistics
+import sys
+from pathlib import Path
 
 import torch
 import torch.distributed as dist
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # benchmarks/: common.py
+from common import steps_ms  # noqa: E402
 
 # (collective, dtype, bytes each rank holds whole): gpt2-124m's block is 7.1M weights, gpt2-774m's 19.7M
 CASES = [("all_gather", torch.bfloat16, 7.1e6 * 2), ("all_gather", torch.bfloat16, 19.7e6 * 2),
@@ -20,19 +24,12 @@ CASES = [("all_gather", torch.bfloat16, 7.1e6 * 2), ("all_gather", torch.bfloat1
          ("all_reduce", torch.float32, 85e6 * 4)]
 
 
-def time_ms(fn, reps: int = 20) -> float:
+def time_ms(fn) -> float:
+    """Median ms of one call over 20, after 3 warm-up calls."""
     for _ in range(3):
         fn()
     torch.cuda.synchronize()
-    times = []
-    for _ in range(reps):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        fn()
-        end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end))
-    return statistics.median(times)
+    return steps_ms(fn, n=20)
 
 
 def main() -> None:
