@@ -112,6 +112,7 @@ def advance(model: nn.Module, optimizer: torch.optim.Optimizer | None = None) ->
 
 
 _HOOKED: weakref.WeakSet = weakref.WeakSet()  # the FSDP2 units that already carry the refresh hook
+_WALKED: weakref.WeakSet = weakref.WeakSet()  # the models whose units were all looked at
 
 
 def _refresh_where_gathered(model: nn.Module) -> None:
@@ -120,10 +121,13 @@ def _refresh_where_gathered(model: nn.Module) -> None:
     gathered weight, eagerly, before the unit's forward. So a unit compiled whole (torchtitan
     compiles each block with ``fullgraph``, activation checkpointing inside it) never meets a
     refresh in its traced code. Installed once per unit."""
+    if model in _WALKED:  # once per model, not a walk over its modules every step
+        return
     try:
         from torch.distributed.fsdp import FSDPModule  # noqa: PLC0415
     except ImportError:
         return
+    _WALKED.add(model)
     for unit in model.modules():
         if not isinstance(unit, FSDPModule) or unit in _HOOKED:
             continue
