@@ -238,19 +238,11 @@ class SparseLinear(nn.Linear):
         self.flips.copy_((new != self.mask).sum())
         self.mask.copy_(new)
 
-    def _refresh_traced(self) -> None:
-        """:meth:`_refresh_gathered` inside a compiled graph (``torch.compile``, also ``fullgraph``
-        as torchtitan compiles its blocks): the plain-torch mask, written in place on the buffers."""
-        self._refresh_pending, self._fresh_flips = False, True
-        w = self.weight.detach()
-        self.gathered_dtype = w.dtype
-        with torch.no_grad():
-            self._refresh_mask_torch(w)
-
     @torch.compiler.disable  # a kernel launch and buffer writes, once a step: eager under torch.compile
     def _refresh_gathered(self) -> None:
-        """The pending refresh, in the forward: the weight is whole here (FSDP2 gathered it, the
-        same on every rank), so each rank computes the same mask without a collective of its own."""
+        """The pending refresh, before the forward (the unit's hook, :func:`twofour.advance`) or in
+        it: the weight is whole here (FSDP2 gathered it, the same on every rank), so each rank
+        computes the same mask without a collective of its own."""
         self._refresh_pending, self._fresh_flips = False, True
         w = self.weight.detach()
         self.gathered_dtype = w.dtype
@@ -313,11 +305,8 @@ class SparseLinear(nn.Linear):
         alone reads the output, as in an FFN) ``act(x W_eff^T + b)``, by the first route of
         :data:`twofour.sparse.routes.ROUTES` that applies: the fused linear+activation (GPU fast
         path with MVUE, eager), FP8, dense, the fast path eager or compiled, else the reference."""
-        if self._refresh_pending:
-            if torch.compiler.is_compiling():
-                self._refresh_traced()
-            else:
-                self._refresh_gathered()
+        if self._refresh_pending:  # unless advance(model)'s hook on the FSDP2 unit applied it already
+            self._refresh_gathered()
         return route_for(self, x, act).run(self, x, act)
 
     def extra_repr(self) -> str:
