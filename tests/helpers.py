@@ -1,5 +1,7 @@
 """Small shared pieces for the tests: a tiny GPT or Llama and a few optimizer steps on random tokens."""
 
+import socket
+
 import torch
 
 import twofour
@@ -35,3 +37,10 @@ def batches(n, batch=8, seq=32, vocab=64, seed=1, period=16):
         noise = torch.rand(toks.shape, generator=g) < 0.05
         toks = torch.where(noise, torch.randint(0, vocab, toks.shape, generator=g), toks)
         yield toks[:, :-1], toks[:, 1:]
+
+
+def free_port() -> int:
+    """A TCP port free on this host now, for a process group's rendezvous."""
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]

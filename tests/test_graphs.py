@@ -11,6 +11,8 @@ import twofour
 from twofour.models import build_model
 from twofour.training.graphs import WARMUP_STEPS, StepGraphs
 
+from .helpers import free_port
+
 pytestmark = pytest.mark.gpu
 
 
@@ -113,16 +115,13 @@ def test_ddp_graphed_steps_train_as_eager_ones(tmp_path, recipe):
     """Under torchrun on 2 GPUs the captured step (local passes in the graph, one all-reduce after
     it) trains as DDP's eager step does: the same losses to bf16 rounding, replicas equal."""
     import os
-    import socket
     import subprocess
     import sys
 
     losses = {}
     for graphed in (True, False):
         out = tmp_path / f"run-{graphed}"
-        with socket.socket() as sock:
-            sock.bind(("127.0.0.1", 0))
-            port = str(sock.getsockname()[1])
+        port = str(free_port())
         cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-port", port,
                "-m", "twofour", "train", "--model", "tiny", "--recipe", recipe, "--batch-size", "4", "--seq-len", "64",
                "--steps", "12", "--log-interval", "1", "--eval-interval", "12", "--eval-iters", "2",

@@ -3,7 +3,6 @@ checkpointing, and the sparse layers' masks under FSDP2 (one CPU process over gl
 
 import contextlib
 import os
-import socket
 
 import pytest
 import torch
@@ -16,6 +15,8 @@ from twofour.models import build_model
 from twofour.sparse import sparse_layers
 from twofour.training import TrainConfig
 from twofour.training.parallel import DEFAULT_FSDP, FSDP_POLICIES, checkpoint_blocks, fsdp_policy, grad_norm, shard
+
+from .helpers import free_port
 
 
 def _train_args(*extra):
@@ -75,10 +76,7 @@ def _one_process_group():
     """A process group of this process alone (gloo), for FSDP2 on the CPU."""
     if dist.is_initialized():
         pytest.skip("a process group is already initialized")
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        port = sock.getsockname()[1]
-    env = {"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port)}
+    env = {"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(free_port())}
     old = {k: os.environ.get(k) for k in env}
     os.environ.update(env)
     dist.init_process_group("gloo", rank=0, world_size=1)

@@ -7,7 +7,6 @@ import dataclasses
 import logging
 import os
 import shutil
-import socket
 from pathlib import Path
 
 import pytest
@@ -21,6 +20,8 @@ from twofour.training.parallel import DEFAULT_FSDP
 from twofour.training.runs import CKPT, checkpoint_path, read_checkpoint
 from twofour.training.sharded import SHARDED, sharded_folder
 
+from .helpers import free_port
+
 
 def _fsdp_on_cpu() -> bool:
     """Whether this torch has FSDP2 and DCP's state-dict helpers and a gloo backend."""
@@ -33,12 +34,6 @@ def _fsdp_on_cpu() -> bool:
 
 
 pytestmark = pytest.mark.skipif(not _fsdp_on_cpu(), reason="needs FSDP2 (fully_shard), DCP and gloo")
-
-
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
 
 
 def _worker(rank: int, world: int, jobs: list[tuple[dict, tuple[str, int] | None, int]]) -> None:
@@ -99,7 +94,7 @@ def _worker(rank: int, world: int, jobs: list[tuple[dict, tuple[str, int] | None
 def _spawn(*jobs: tuple[TrainConfig, tuple[str, int] | None]) -> None:
     """Run ``jobs`` (config, fault) one after another in one pair of spawned processes; CPU runs
     see no GPU (else the loop would pick NCCL for them)."""
-    plan = [(cfg.to_dict(), fault, _free_port()) for cfg, fault in jobs]
+    plan = [(cfg.to_dict(), fault, free_port()) for cfg, fault in jobs]
     cpu, seen = jobs[0][0].device == "cpu", os.environ.get("CUDA_VISIBLE_DEVICES")
     if cpu:
         os.environ["CUDA_VISIBLE_DEVICES"] = ""  # read by the children as they start

@@ -41,7 +41,7 @@ def setup(variant: str, recipe: str, a, device):
     torch.manual_seed(0)
     with torch.device(device):
         model = build_model(a.model, make_recipe(recipe), vocab_size=256, block_size=a.seq_len,
-                            n_layer=a.n_layer).to(device)
+                            n_layer=a.n_layer)
     raw = model
     if "compile" in extras:  # each block its own compiled module, FSDP2's hooks around it
         for i, block in enumerate(model.h):

@@ -35,7 +35,8 @@ import torch
 
 __all__ = ["fast", "gemm", "build_kernels", "set_fast", "set_gemm", "set_build_kernels", "override", "GEMM_MODES",
            "choice_key", "can_measure",
-           "median_ms", "choose", "measure", "recorded", "choices", "choice_lines", "set_choice", "clear_choices",
+           "median_ms", "choose", "measure", "recorded", "choices", "choice_lines", "set_choice",
+           "clear_choices",
            "on_choice_change", "failed", "record_failure", "working", "failures", "clear_failures"]
 
 log = logging.getLogger("twofour")

@@ -24,7 +24,7 @@ distributed checkpoint saves and restores them with the weights.
 import argparse
 import tempfile
 import types
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 from pathlib import Path
 from typing import Any
 
@@ -88,6 +88,7 @@ class TwoFour:
     mask_interval: int | None = None
     dense_finetune: float | None = None
     bf16_finetune: float | None = None
+    beta_interval: int | None = None
 
 
 @dataclass
@@ -97,7 +98,8 @@ class JobConfig:
     twofour: TwoFour = field(default_factory=TwoFour)
 
 
-_OPTIONS = ("mvue", "decay", "mask_interval", "dense_finetune", "bf16_finetune")
+#: The recipe options of the section: every field but the recipe, its precision and the layers it covers.
+_OPTIONS = tuple(f.name for f in fields(TwoFour) if f.name not in ("recipe", "precision", "include", "exclude"))
 
 
 def recipe_from_config(cfg: TwoFour, total_steps: int) -> Recipe:
@@ -198,25 +200,25 @@ def export_checkpoint(checkpoint: str | Path, out: str | Path, dtype: torch.dtyp
     from safetensors.torch import save_file  # noqa: PLC0415
     from torch.distributed.checkpoint.format_utils import dcp_to_torch_save  # noqa: PLC0415
 
-    with tempfile.TemporaryDirectory() as tmp:
+    with tempfile.TemporaryDirectory() as tmp:  # its file mapped while the tensors are read
         dcp_to_torch_save(str(checkpoint), Path(tmp) / "full.pt")
         full = torch.load(Path(tmp) / "full.pt", weights_only=True, mmap=True)  # tensors read when used
-    states = full["model"] if isinstance(full.get("model"), dict) else full  # nested, or torchtitan's flat layout
-    weights = {k: v for k, v in states.items() if isinstance(v, torch.Tensor)}
-    layers = sorted(k.removesuffix(".mask") for k in weights
-                    if k.endswith(".mask") and k.removesuffix("mask") + "weight" in weights)
-    if not layers:
-        raise TrainError(f"{checkpoint}: no 2:4 layer (a '.mask' beside a '.weight') in this checkpoint")
-    sparse = []
-    for name in layers:
-        w, mask, beta = weights[f"{name}.weight"], weights[f"{name}.mask"], weights.get(f"{name}.beta")
-        if bool(weights.get(f"{name}.dense", torch.tensor(False))):
-            continue  # in a dense phase (STEP's first, a final dense fine-tune): its weight as it is
-        weights[f"{name}.weight"] = SOFT.effective(w, beta, mask) if beta is not None else w * mask
-        sparse.append(name)
-    model = {k: (v.to(dtype) if dtype is not None and v.is_floating_point() else v).contiguous()
-             for k, v in weights.items() if k.rsplit(".", 1)[-1] not in RECIPE_BUFFERS}
-    save_file(model, str(out), metadata={"twofour_sparse_layers": ",".join(sparse)})
+        states = full["model"] if isinstance(full.get("model"), dict) else full  # nested, or torchtitan's flat
+        weights = {k: v for k, v in states.items() if isinstance(v, torch.Tensor)}
+        layers = sorted(k.removesuffix(".mask") for k in weights
+                        if k.endswith(".mask") and k.removesuffix("mask") + "weight" in weights)
+        if not layers:
+            raise TrainError(f"{checkpoint}: no 2:4 layer (a '.mask' beside a '.weight') in this checkpoint")
+        sparse = []
+        for name in layers:
+            w, mask, beta = weights[f"{name}.weight"], weights[f"{name}.mask"], weights.get(f"{name}.beta")
+            if bool(weights.get(f"{name}.dense", torch.tensor(False))):
+                continue  # in a dense phase (STEP's first, a final dense fine-tune): its weight as it is
+            weights[f"{name}.weight"] = SOFT.effective(w, beta, mask) if beta is not None else w * mask
+            sparse.append(name)
+        model = {k: (v.to(dtype) if dtype is not None and v.is_floating_point() else v).contiguous()
+                 for k, v in weights.items() if k.rsplit(".", 1)[-1] not in RECIPE_BUFFERS}
+        save_file(model, str(out), metadata={"twofour_sparse_layers": ",".join(sparse)})
     return sparse
 
 

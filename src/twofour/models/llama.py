@@ -30,7 +30,7 @@ class LlamaBlock(Block):
     def __init__(self, cfg: LlamaConfig):
         nn.Module.__init__(self)
         self.ln_1 = nn.RMSNorm(cfg.n_embd, eps=cfg.norm_eps)
-        self.attn = CausalSelfAttention(cfg.n_embd, cfg.n_head, bias=False, n_kv_head=cfg.n_kv_head)
+        self.attn = CausalSelfAttention(cfg.n_embd, cfg.n_head, bias=False, n_kv_head=cfg.kv_heads)
         self.ln_2 = nn.RMSNorm(cfg.n_embd, eps=cfg.norm_eps)
         self.mlp = GatedMLP(cfg.n_embd, cfg.hidden)
 
@@ -44,8 +44,6 @@ class Llama(_LanguageModel):
         if cfg.n_embd % cfg.n_head or (cfg.n_embd // cfg.n_head) % 2:
             raise ValueError(f"n_embd={cfg.n_embd} must be divisible by n_head={cfg.n_head} into an even head size "
                              "(rotary positions rotate pairs)")
-        if cfg.n_head % cfg.kv_heads:
-            raise ValueError(f"n_head={cfg.n_head} must be a multiple of n_kv_head={cfg.kv_heads}")
         if cfg.hidden < 1:
             raise ValueError(f"the FFN width must be positive, got {cfg.hidden}")
         self.cfg = cfg

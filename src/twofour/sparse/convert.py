@@ -107,7 +107,7 @@ def advance(model: nn.Module, optimizer: torch.optim.Optimizer | None = None) ->
     sparse_phase = optimizer.switched if isinstance(optimizer, STEPAdamW) else None
     layers = [layer for _, layer in sparse_layers(model)]
     advance_layers(layers, sparse_phase)
-    if any(layer._refresh_pending for layer in layers):
+    if model not in _WALKED and any(layer._refresh_pending for layer in layers):
         _refresh_where_gathered(model)
 
 
@@ -121,8 +121,6 @@ def _refresh_where_gathered(model: nn.Module) -> None:
     gathered weight, eagerly, before the unit's forward. So a unit compiled whole (torchtitan
     compiles each block with ``fullgraph``, activation checkpointing inside it) never meets a
     refresh in its traced code. Installed once per unit."""
-    if model in _WALKED:  # once per model, not a walk over its modules every step
-        return
     try:
         from torch.distributed.fsdp import FSDPModule  # noqa: PLC0415
     except ImportError:

@@ -108,6 +108,11 @@ class SparseLinear(nn.Linear):
         state = self._initial_state(self.weight.detach()) if self._keeps_state else {}
         for name in RECIPE_BUFFERS:
             self.register_buffer(name, state.get(name))  # None (not in the state dict) if unused
+        self._reset_host_state()
+        self.gathered_dtype: torch.dtype | None = None  # FSDP2: the dtype its forward gathers the weight in
+
+    def _reset_host_state(self) -> None:
+        """The host-side state of step 0: step count, phases, no cached 2:4 weight, nothing pending."""
         self._step, self._dense = 0, not self.recipe.sparse or self.recipe.starts_dense
         self._fp8 = self._fp8_phase()
         self.compressed = CompressedWeight()
@@ -115,7 +120,6 @@ class SparseLinear(nn.Linear):
         # FSDP2 shard's whole weight is gathered anyway (:func:`advance_layers`)
         self._refresh_pending = False
         self._fresh_flips = False  # flips written by a refresh in the forward since the last step
-        self.gathered_dtype: torch.dtype | None = None  # FSDP2: the dtype its forward gathers the weight in
 
     @property
     def _keeps_state(self) -> bool:
@@ -150,9 +154,7 @@ class SparseLinear(nn.Linear):
             return
         for name, value in self._initial_state(self.weight.detach()).items():
             getattr(self, name).copy_(value)
-        self._step, self._dense = 0, not self.recipe.sparse or self.recipe.starts_dense
-        self._fp8 = self._fp8_phase()
-        self.compressed = CompressedWeight()  # no cached 2:4 weight of the old values
+        self._reset_host_state()  # no cached 2:4 weight of the old values
 
     def _load_from_state_dict(self, state_dict, prefix, local_metadata, strict, missing_keys,
                               unexpected_keys, error_msgs):
@@ -239,13 +241,15 @@ class SparseLinear(nn.Linear):
         self.mask.copy_(new)
 
     @torch.compiler.disable  # a kernel launch and buffer writes, once a step: eager under torch.compile
-    def _refresh_gathered(self) -> None:
+    def _refresh_gathered(self, w: torch.Tensor | None = None) -> None:
         """The pending refresh, before the forward (the unit's hook, :func:`twofour.advance`) or in
         it: the weight is whole here (FSDP2 gathered it, the same on every rank), so each rank
-        computes the same mask without a collective of its own."""
+        computes the same mask without a collective of its own. ``w``: the whole weight gathered
+        elsewhere (:meth:`settle`). Its flips stay for the loop to read at the next step."""
         self._refresh_pending, self._fresh_flips = False, True
-        w = self.weight.detach()
-        self.gathered_dtype = w.dtype
+        if w is None:
+            w = self.weight.detach()
+            self.gathered_dtype = w.dtype
         if self._fused_refresh_ok():
             ops.refresh_masks_([w], [self.mask], [self.flips])
         else:
@@ -258,11 +262,10 @@ class SparseLinear(nn.Linear):
         forward would compute. A collective on a sharded weight: every rank must call it."""
         if not self._refresh_pending:
             return
-        self._refresh_pending = False
         w = self.weight.detach()
         if hasattr(w, "full_tensor"):
             w = w.full_tensor()
-        self._refresh_mask_torch(w if self.gathered_dtype is None else w.to(self.gathered_dtype))
+        self._refresh_gathered(w if self.gathered_dtype is None else w.to(self.gathered_dtype))
 
     @torch.no_grad()
     def add_masked_decay_(self) -> None:
@@ -332,12 +335,13 @@ def advance_layers(layers: Iterable[SparseLinear], sparse_phase: bool | None = N
     due_set = set(due)
     # a layer not refreshed this step counts no flips, unless its forward just counted the last
     # step's (a refresh left to the forward): those stay for the loop to read once
-    idle = [layer.flips for layer in moved if layer not in due_set and layer.flips is not None
-            and not layer._fresh_flips]
+    idle = []
+    for layer in moved:
+        if layer not in due_set and layer.flips is not None and not layer._fresh_flips:
+            idle.append(layer.flips)
+        layer._fresh_flips = False
     if idle:
         torch._foreach_zero_(idle)
-    for layer in moved:
-        layer._fresh_flips = False
     fused = [layer for layer in due if layer._fused_refresh_ok()]
     fused_set = set(fused)
     if fused:
@@ -350,4 +354,5 @@ def advance_layers(layers: Iterable[SparseLinear], sparse_phase: bool | None = N
         else:
             layer._refresh_mask_torch()
     for layer in moved:
-        layer._refit_beta()
+        if layer.recipe.beta_interval:
+            layer._refit_beta()

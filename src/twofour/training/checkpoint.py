@@ -24,7 +24,7 @@ from ..errors import TrainError
 from ..sparse.convert import sparse_layers
 from ..version import __version__
 from .config import TrainConfig
-from .runs import CKPT, full_state_dicts, load_state_dicts, read_summary, rng_state, save_checkpoint, set_rng_state
+from .runs import CKPT, load_state_dicts, read_summary, rng_state, save_checkpoint, set_rng_state
 from .sharded import SHARDED, load_sharded, save_sharded
 
 __all__ = ["save", "resume", "check_resumable", "check_replicas", "data_seed"]
@@ -100,7 +100,7 @@ def save(out: Path, cfg: TrainConfig, raw: torch.nn.Module, opt: torch.optim.Opt
         if rank == 0:
             (out / CKPT).unlink(missing_ok=True)  # an older one-file checkpoint (a resume from it)
         return folder
-    model_sd, opt_sd = full_state_dicts(raw, opt, False)
+    model_sd, opt_sd = raw.state_dict(), opt.state_dict()
     if rank == 0:
         save_checkpoint(out / CKPT, {**meta, "model": model_sd, "optimizer": opt_sd})
         shutil.rmtree(out / SHARDED, ignore_errors=True)  # an older sharded checkpoint (a resume from it)
@@ -137,7 +137,8 @@ def resume(ckpt: dict[str, Any], cfg: TrainConfig, raw: torch.nn.Module, opt: to
         extra = ckpt.get("optimizer_extra", [{}])[rank if saved == world else 0]
     else:  # keyed by parameter names under FSDP2, by numbers otherwise: as this run needs it
         load_state_dicts(raw, opt, ckpt["model"], _keyed(ckpt["optimizer"], raw, opt, fsdp), fsdp)
-        extra = {k: v for k, v in ckpt["optimizer"].items() if k not in _OPT_ENTRIES}
+        # loaded whole above, except where DCP's set_state_dict (FSDP2) leaves them out
+        extra = {k: v for k, v in ckpt["optimizer"].items() if k not in _OPT_ENTRIES} if fsdp else {}
     if extra:  # DCP's optimizer state dicts leave them out
         opt.load_state_dict({**opt.state_dict(), **extra})
     start = ckpt["step"]

@@ -5,7 +5,8 @@ At small batches a step's GPU work takes less time than the host needs to issue 
 2:4 layers issue more than dense ones (compression, MVUE, the GEMM dispatch), so the sparse
 step waits on the host (``benchmarks/step/host_bound.py`` measures it). :class:`StepGraphs`
 records the forward and backward passes of all the step's micro-batches and the gradient clip
-as one CUDA graph, and replays it with each step's batches copied into its static inputs. The
+as one CUDA graph (under DDP the clip runs after the replay, behind one all-reduce:
+:class:`GradAllReduce`), and replays it with each step's batches copied into its static inputs. The
 optimizer step, the masks' refresh (``twofour.attach``'s hook) and the schedule stay eager: they
 are a few launches, and they keep the recipes' host-side state (step counts, phases) exact.
 
@@ -22,6 +23,7 @@ import logging
 from collections.abc import Callable, Sequence
 
 import torch
+import torch.distributed as dist
 
 from ..sparse.layer import SparseLinear
 from .parallel import everywhere
@@ -40,21 +42,23 @@ class StepGraphs:
 
     ``micro_step(x, y, last)`` runs one micro-batch's forward and backward eagerly and returns
     its loss (already divided by the number of micro-batches; ``last``: the micro-batch on which
-    DDP reduces the gradients); ``clip()`` clips the gradients and returns their norm. :meth:`step`
+    DDP would reduce the gradients, never set under ``world`` > 1, where :class:`GradAllReduce`
+    averages them after the replay); ``clip()`` clips the gradients and returns their norm. :meth:`step`
     runs both for a step's batches, replaying a graph where one is captured for the current
     signature, and returns the summed loss and the norm, or None where this step must run eagerly
     (the caller then runs it as it would without graphs, with :meth:`zero_grad` instead of
     ``optimizer.zero_grad``).
-    ``warmup``: eager steps of a signature before its capture.
+    ``warmup``: eager steps of a signature before its capture; ``world``: the DDP processes.
     """
 
     def __init__(self, model: torch.nn.Module, micro_step: Callable[[torch.Tensor, torch.Tensor, bool], torch.Tensor],
-                 clip: Callable[[], torch.Tensor], warmup: int = WARMUP_STEPS,
-                 reduce: GradAllReduce | None = None) -> None:
+                 clip: Callable[[], torch.Tensor], warmup: int = WARMUP_STEPS, world: int = 1) -> None:
         self.model = model
-        self.micro_step, self.clip, self.warmup, self.reduce = micro_step, clip, warmup, reduce
+        self.micro_step, self.clip, self.warmup = micro_step, clip, warmup
         self.layers = [m for m in model.modules() if isinstance(m, SparseLinear)]
         self.params = [p for p in model.parameters() if p.requires_grad]
+        # under DDP (``world`` > 1) the gradients' average runs after each replay
+        self.reduce = GradAllReduce(self.params, world) if world > 1 else None
         self.graphs: dict[tuple, tuple[torch.cuda.CUDAGraph, list, tuple[torch.Tensor, torch.Tensor]]] = {}
         self.seen: dict[tuple, int] = {}
         self.pool = None
@@ -114,7 +118,7 @@ class StepGraphs:
                 loss = torch.zeros((), device=grads[0].device)
                 for i, (x, y) in enumerate(inputs):  # with ``reduce``, no micro-batch reduces in the graph
                     loss += self.micro_step(x, y, self.reduce is None and i == len(inputs) - 1).detach()
-                norm = self.clip() if self.reduce is None else loss
+                norm = self.clip() if self.reduce is None else None  # under DDP: clipped after the all-reduce
         except Exception as e:  # noqa: BLE001 - any capture failure: the step stays eager from now on
             failure = e
         else:
@@ -143,30 +147,28 @@ class GradAllReduce:
     one launch, no Python per bucket, at the price of not overlapping the backward."""
 
     def __init__(self, params: Sequence[torch.nn.Parameter], world: int, group=None) -> None:
-        import torch.distributed as dist  # noqa: PLC0415
-
         self.params, self.world, self.group = list(params), world, group
         self.avg = dist.get_backend(group) == "nccl"  # NCCL averages in the collective: no pass after it
         self.flat: dict[torch.dtype, torch.Tensor] = {}
         for dtype in {p.dtype for p in self.params}:
             ps = [p for p in self.params if p.dtype == dtype]
             self.flat[dtype] = torch.zeros(sum(p.numel() for p in ps), dtype=dtype, device=ps[0].device)
+        offsets = dict.fromkeys(self.flat, 0)
+        self.views = []  # each parameter's gradient: its slice of the flat buffer, made once
+        for p in self.params:
+            off = offsets[p.dtype]
+            self.views.append(self.flat[p.dtype][off:off + p.numel()].view_as(p))
+            offsets[p.dtype] = off + p.numel()
 
     def zero_grad(self) -> None:
         """Zero the flat buffers, making each parameter's gradient its view into them again
         (an eager DDP step may have set another tensor)."""
-        offsets = dict.fromkeys(self.flat, 0)
-        for p in self.params:
-            flat, off = self.flat[p.dtype], offsets[p.dtype]
-            view = flat[off:off + p.numel()].view_as(p)
-            offsets[p.dtype] = off + p.numel()
-            if p.grad is None or p.grad.data_ptr() != view.data_ptr():
+        for p, view in zip(self.params, self.views):
+            if p.grad is not view:
                 p.grad = view
         torch._foreach_zero_(list(self.flat.values()))
 
     def __call__(self) -> None:
-        import torch.distributed as dist  # noqa: PLC0415
-
         for flat in self.flat.values():
             dist.all_reduce(flat, op=dist.ReduceOp.AVG if self.avg else dist.ReduceOp.SUM, group=self.group)
             if not self.avg:

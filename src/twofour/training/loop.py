@@ -44,7 +44,7 @@ from .checkpoint import check_resumable, resume, save
 from .config import TrainConfig, lr_at, resolve_device
 from .console import Interrupted, Progress, StopRequest
 from .data import TokenData, load_data
-from .graphs import GradAllReduce, StepGraphs
+from .graphs import StepGraphs
 from .lock import RunLock
 from .parallel import checkpoint_blocks, everywhere, fsdp_policy, grad_norm, shard
 from .runs import CKPT, MetricsLog, checkpoint_path, load_checkpoint, prepare_run_dir, write_summary
@@ -190,8 +190,7 @@ def _train(cfg: TrainConfig, data: TokenData | None, rank: int, world: int, loca
         return grad_norm(model, cfg.grad_clip)
     graphs = None  # under DDP the graph holds the local passes, the gradients' average runs after it
     if cfg.step_graphs and device.type == "cuda" and not fsdp and not cfg.compile and not recipe.starts_dense:
-        reduce = GradAllReduce(list(raw.parameters()), world) if ddp else None
-        graphs = StepGraphs(raw, micro_step, clip, reduce=reduce)
+        graphs = StepGraphs(raw, micro_step, clip, world=world)
 
     metrics = MetricsLog(out, start if ckpt else None) if rank == 0 else None
     if rank == 0:

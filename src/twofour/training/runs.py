@@ -4,7 +4,7 @@ runs, the sharded ``ckpt/`` (:mod:`twofour.training.sharded`), ``metrics.csv``
 
 Public: :func:`prepare_run_dir`, :func:`save_checkpoint`, :func:`read_checkpoint`,
 :func:`load_checkpoint`, :func:`checkpoint_path`, :func:`rng_state`, :func:`set_rng_state`,
-:func:`full_state_dicts`, :func:`load_state_dicts`, :class:`MetricsLog`, :func:`read_metrics`, :func:`read_config`,
+:func:`load_state_dicts`, :class:`MetricsLog`, :func:`read_metrics`, :func:`read_config`,
 :func:`read_summary`, :func:`pyplot`, :func:`plot_run`, :func:`write_summary`,
 :func:`source_digest`.
 
@@ -34,7 +34,7 @@ from .config import TrainConfig, resumed_config, saved_options
 from .sharded import META, SHARDED, load_plain, read_meta, sharded_folder
 
 __all__ = ["CKPT", "METRICS", "FIELDS", "WEIGHTS", "MODEL_CONFIG", "prepare_run_dir", "save_checkpoint",
-           "read_checkpoint", "load_checkpoint", "checkpoint_path", "rng_state", "set_rng_state", "full_state_dicts",
+           "read_checkpoint", "load_checkpoint", "checkpoint_path", "rng_state", "set_rng_state",
            "load_state_dicts",
            "MetricsLog", "read_metrics", "read_config", "read_summary", "pyplot", "plot_run", "write_summary",
            "source_digest"]
@@ -113,19 +113,9 @@ def set_rng_state(state: dict[str, Any], data_gen: torch.Generator) -> None:
         torch.cuda.set_rng_state_all(state["cuda"])
 
 
-def full_state_dicts(model: torch.nn.Module, opt: torch.optim.Optimizer, fsdp: bool) -> tuple[dict, dict]:
-    """Whole (unsharded) model and optimizer state dicts; gathered to the CPU under FSDP2
-    (every rank must call it then)."""
-    if not fsdp:
-        return model.state_dict(), opt.state_dict()
-    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict  # noqa: PLC0415
-
-    return get_state_dict(model, opt, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
-
-
 def load_state_dicts(model: torch.nn.Module, opt: torch.optim.Optimizer, model_sd: dict, opt_sd: dict,
                      fsdp: bool) -> None:
-    """Load what :func:`full_state_dicts` returned (sharding it again under FSDP2)."""
+    """Load whole model and optimizer state dicts (a ``ckpt.pt``'s), sharding them under FSDP2."""
     if not fsdp:
         model.load_state_dict(model_sd)
         opt.load_state_dict(opt_sd)
