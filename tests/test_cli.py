@@ -795,3 +795,15 @@ def test_out_of_memory_is_one_line(tmp_path, capsys):
                     "--out", str(tmp_path / "run")], capsys)
     assert "out of memory" in err and "--batch-size" in err
     assert not (tmp_path / "run").exists()
+
+
+def test_ckpt_interval_zero_writes_no_checkpoint(tmp_path, corpus, capsys):
+    """--ckpt-interval 0 (throughput runs of large models): the run ends with its summary and no
+    checkpoint, so there is nothing to resume; a negative interval is a one-line error."""
+    out = tmp_path / "run"
+    assert main(["train", *SMALL, "--data", corpus, "--out", str(out), "--ckpt-interval", "0"]) == 0
+    assert (out / "summary.json").exists() and [r[0] for r in losses(out)] == list(range(1, 9))
+    assert not (out / "ckpt.pt").exists() and not (out / "ckpt").exists()
+    assert main(["train", "--out", str(out), "--resume", "--no-progress"]) == 2
+    assert main(["train", *SMALL, "--data", corpus, "--out", str(tmp_path / "bad"), "--ckpt-interval", "-1"]) == 2
+    assert "--ckpt-interval must be a whole number of steps >= 0" in capsys.readouterr().err

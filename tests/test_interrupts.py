@@ -136,3 +136,15 @@ def test_a_comparison_folder_takes_one_comparison_at_a_time(tmp_path, corpus, ca
     finally:
         proc.kill()
         proc.communicate(timeout=60)
+
+
+def test_interrupt_without_checkpoints_says_so(tmp_path, corpus):
+    """--ckpt-interval 0: Ctrl-C stops the run after its step, saves nothing and says so."""
+    out = tmp_path / "run"
+    proc = start(["train", *RUN, "--steps", "400", "--ckpt-interval", "0", "--data", corpus, "--out", str(out)],
+                 tmp_path)
+    wait_for(lambda: len(rows(out / "metrics.csv")) >= 3, proc)
+    proc.send_signal(signal.SIGINT)
+    _, err = proc.communicate(timeout=120)
+    assert proc.returncode == 130, err[-2000:]
+    assert "nothing saved (--ckpt-interval 0)" in err and not (out / "ckpt.pt").exists()

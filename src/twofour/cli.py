@@ -116,7 +116,8 @@ def _run_args(p: argparse.ArgumentParser, default_out: str) -> None:
     g.add_argument("--eval-iters", type=int, default=d.eval_iters,
                    help="validation batches per evaluation (default %(default)s)")
     g.add_argument("--ckpt-interval", type=int, default=d.ckpt_interval,
-                   help="steps between checkpoints; also one at the end and on Ctrl-C (default %(default)s)")
+                   help="steps between checkpoints; also one at the end and on Ctrl-C; 0: none at all "
+                        "(default %(default)s)")
     g.add_argument("--log-interval", type=int, default=d.log_interval,
                    help="steps between log lines and metrics rows (default %(default)s)")
     g.add_argument("--out", default=default_out, help="run folder (default %(default)s)")
@@ -349,6 +350,8 @@ def _interrupted(args: argparse.Namespace, e: KeyboardInterrupt) -> str:
         return "interrupted"
     again = ("run the same command again to continue (finished runs are kept, this one resumes)"
              if args.command == "compare" else f"`twofour train --out {args.out} --resume` continues")
+    if isinstance(e, Interrupted) and e.checkpoint is None:
+        return f"interrupted after step {e.step}; nothing saved (--ckpt-interval 0)"
     if isinstance(e, Interrupted):
         return f"interrupted; step {e.step} is saved in {e.checkpoint}: {again}"
     if args.command == "train" and checkpoint_path(args.out) is not None:

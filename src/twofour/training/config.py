@@ -94,7 +94,7 @@ class TrainConfig:
     seed: int = 1337
     eval_interval: int = 100
     eval_iters: int = 10
-    ckpt_interval: int = 500
+    ckpt_interval: int = 500  # 0: no checkpoints at all (throughput runs of large models)
     log_interval: int = 10  # a log line, a metrics row and the only host sync every this many steps
     out_dir: str = "runs/train"
     resume: bool = False
@@ -144,14 +144,14 @@ class TrainConfig:
             raise TrainError(f"unknown --precision {self.precision!r}; valid precisions: {', '.join(PRECISIONS)}")
         if self.fsdp is not None and self.fsdp not in FSDP_POLICIES:
             raise TrainError(f"unknown --fsdp policy {self.fsdp!r}; valid policies: {', '.join(FSDP_POLICIES)}")
-        for name in ("steps", "batch_size", "seq_len", "grad_accum", "eval_interval", "eval_iters", "ckpt_interval",
+        for name in ("steps", "batch_size", "seq_len", "grad_accum", "eval_interval", "eval_iters",
                      "log_interval", "vocab_size", "n_layer"):
             value = getattr(self, name)
             if (value is not None or name not in ("grad_accum", "vocab_size", "n_layer")) and (
                     not isinstance(value, int) or isinstance(value, bool) or value < 1):
                 raise TrainError(f"{option_name(name)} must be a positive integer, got {value!r}")
         self.recipe_object()  # after the integers: a bad --steps is named, not the recipe's total_steps
-        for name in ("warmup", "skip_nonfinite"):
+        for name in ("warmup", "skip_nonfinite", "ckpt_interval"):
             value = getattr(self, name)
             if value is not None and (not isinstance(value, int) or isinstance(value, bool) or value < 0):
                 raise TrainError(f"{option_name(name)} must be a whole number of steps >= 0, got {value!r}")

@@ -22,10 +22,12 @@ __all__ = ["Progress", "StopRequest", "Interrupted", "format_row"]
 
 
 class Interrupted(KeyboardInterrupt):
-    """A run stopped by SIGINT/SIGTERM after writing a checkpoint of step ``step`` to ``checkpoint``."""
+    """A run stopped by SIGINT/SIGTERM after writing a checkpoint of step ``step`` to ``checkpoint``
+    (None: the run writes no checkpoints, ``ckpt_interval=0``)."""
 
-    def __init__(self, step: int, checkpoint: Path):
-        super().__init__(f"interrupted after step {step}; checkpoint {checkpoint}")
+    def __init__(self, step: int, checkpoint: Path | None):
+        super().__init__(f"interrupted after step {step}; "
+                         + (f"checkpoint {checkpoint}" if checkpoint else "no checkpoint (ckpt_interval=0)"))
         self.step, self.checkpoint = step, checkpoint
 
 

@@ -205,7 +205,7 @@ def _train(cfg: TrainConfig, data: TokenData | None, rank: int, world: int, loca
     # the first step whose loss or gradient norm is not finite, kept on the device (0: none yet)
     # and read at log lines, so a checkpoint is never written from a diverged state
     first_bad = torch.zeros((), device=device, dtype=torch.long)
-    skipped, window_skipped, saved = 0, 0, (start if ckpt else None)
+    skipped, window_skipped, saved, written = 0, 0, (start if ckpt else None), None
     # each sparse layer's flip counter (a buffer updated in place by advance()), gathered once
     counters = [layer for _, layer in sparse_layers(raw) if layer.recipe.sparse]
     flips = torch.zeros((), device=device, dtype=torch.long)
@@ -249,7 +249,7 @@ def _train(cfg: TrainConfig, data: TokenData | None, rank: int, world: int, loca
                     opt.zero_grad(set_to_none=True)
                 progress.update()
                 evaluating = done % cfg.eval_interval == 0 or done == stop
-                saving = done % cfg.ckpt_interval == 0 or done == stop
+                saving = cfg.ckpt_interval > 0 and (done % cfg.ckpt_interval == 0 or done == stop)
                 boundary = done % cfg.log_interval == 0 or evaluating or saving
                 stopping = stop_request.agreed(boundary, world, device) and done < stop  # the last step ends
                 if not (boundary or stopping):
@@ -274,7 +274,7 @@ def _train(cfg: TrainConfig, data: TokenData | None, rank: int, world: int, loca
                 if rank == 0:
                     metrics.log(row)
                     progress.log(row)
-                if saving or stopping:
+                if saving or (stopping and cfg.ckpt_interval > 0):
                     if not _finite_weights(raw, world, device):
                         raise TrainError(_diverged(f"the weights are not finite after step {done}", out, saved))
                     written = save(out, cfg, raw, opt, sched, done, data_gen, rank, world,
