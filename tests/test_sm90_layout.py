@@ -141,6 +141,25 @@ def test_unbuilt_route_is_skipped_and_logged_once_per_process(monkeypatch, tmp_p
     assert not dispatch.build_kernels
 
 
+
+def test_extra_not_installed_is_logged_at_info(monkeypatch, caplog):
+    """No nvcc or CUTLASS headers (the ``kernels`` extra not installed) is a choice, not a failure:
+    the route is skipped with one INFO line, no warning, on every rank of a run."""
+    from twofour import dispatch
+
+    monkeypatch.setattr(dispatch, "_failures", {})
+    monkeypatch.setattr(sm90, "_lib", None)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (9, 0))
+    monkeypatch.setattr(builder, "_find_cutlass", lambda: None)
+    monkeypatch.delenv("TWOFOUR_SM90_LIB", raising=False)
+    monkeypatch.delenv("TWOFOUR_CUTLASS", raising=False)
+    with caplog.at_level("INFO", logger="twofour"), dispatch.override(build_kernels=False):
+        assert not sm90.available() and not sm90.available()
+    (record,) = [r for r in caplog.records if "sm90" in r.getMessage()]
+    assert record.levelname == "INFO" and "pip install 'twofour[kernels]'" in record.getMessage()
+    assert issubclass(builder.ToolchainMissing, RuntimeError)
+
 def _toolchain_or_skip():
     try:
         return builder.toolchain()

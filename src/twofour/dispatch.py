@@ -246,15 +246,17 @@ def failed(route: tuple) -> bool:
     return route in _failures
 
 
-def record_failure(route: tuple, what: str, exc: BaseException, instead: str | None = None) -> None:
-    """Remember that ``route`` raised ``exc`` and log one warning the first time: ``what`` (the
-    operation, in words), the route, the exception's type and the first line of its message, and
-    what runs ``instead`` where the caller has a fallback."""
+def record_failure(route: tuple, what: str, exc: BaseException, instead: str | None = None,
+                   level: int = logging.WARNING) -> None:
+    """Remember that ``route`` raised ``exc`` and log one line the first time (at ``level``: a
+    warning, or INFO for an optional extra that is not installed): ``what`` (the operation, in
+    words), the route, the exception's type and the first line of its message, and what runs
+    ``instead`` where the caller has a fallback."""
     if route in _failures:
         return
     _failures[route] = f"{type(exc).__name__}: {(str(exc).splitlines() or [''])[0]}"
-    log.warning("%s failed for %s (%s); it is not used from now on%s", what, route, _failures[route],
-                f": {instead} runs instead" if instead else "")
+    log.log(level, "%s failed for %s (%s); it is not used from now on%s", what, route, _failures[route],
+            f": {instead} runs instead" if instead else "")
 
 
 def working(kind: str, routes: dict[str, Callable[[], object]], where: tuple,

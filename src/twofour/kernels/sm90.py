@@ -3,19 +3,21 @@ layout (:mod:`twofour.kernels.sm90_layout`) and X (N, K) row-major, Y (N, M) row
 library built by :mod:`twofour.kernels.cutlass`, loaded with ctypes (no torch C++ ABI).
 
 Without a compiler, CUTLASS headers or an sm90 GPU, :func:`available` is False and the reason is
-recorded once (:func:`twofour.dispatch.record_failure`, one log line); callers fall back.
+recorded once (:func:`twofour.dispatch.record_failure`, one log line: INFO where the ``kernels``
+extra is not installed, else a warning); callers fall back.
 """
 
 from __future__ import annotations
 
 import ctypes
+import logging
 import threading
 
 import torch
 
 from .. import dispatch
 from . import sm90_layout
-from .cutlass import CONFIGS, GemmConfig, library_path
+from .cutlass import CONFIGS, GemmConfig, ToolchainMissing, library_path
 
 __all__ = ["available", "configs", "load", "gemm", "compress_cutlass", "workspace_bytes"]
 
@@ -68,7 +70,9 @@ def available(device: torch.device | int | None = None) -> bool:
     try:
         load()
     except Exception as e:  # noqa: BLE001 - no compiler, no headers, a failed build: the route is skipped
-        dispatch.record_failure(_ROUTE, "the CUTLASS sm90 2:4 GEMM", e, instead="cuSPARSELt")
+        # the extra not installed is a choice (logged at INFO); a build or load that broke, a warning
+        level = logging.INFO if isinstance(e, ToolchainMissing) else logging.WARNING
+        dispatch.record_failure(_ROUTE, "the CUTLASS sm90 2:4 GEMM", e, instead="cuSPARSELt", level=level)
         return False
     return True
 
