@@ -10,7 +10,11 @@ the same ``train()`` that ``twofour train`` calls, in one process group (no torc
 
 A case is a label, then ``field=value`` pairs of :class:`twofour.training.TrainConfig` (ints,
 floats, true/false/none and names as written), plus ``busy=N``: N processes beside the run that
-each keep a CPU core busy (as a data loader's workers would). Runs are interleaved (repeat,
+each keep a CPU core busy (as a data loader's workers would), and ``vocab=N``: the model's
+vocabulary (embedding and output layer) N wide instead of the byte data's 256, as a real
+tokenizer's (Llama 3: 128256). No run writes a checkpoint (``ckpt_interval=0``): at 8B a save
+would write 16 bytes a parameter. The table also gives each case's peak GPU memory (the most
+any rank allocated). Runs are interleaved (repeat,
 case, recipe), so drift of the machine spreads over all rows. Tokens/s is each run's
 ``summary.json`` value (the loop's median over its logged windows of 5 steps, so the first
 windows' warm-up and compilation drop out). ``--deadline`` stops starting runs after that many
@@ -21,6 +25,7 @@ torch.profiler and prints the ops that take the host's and the GPU's time.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import gc
 import os
 import statistics
@@ -54,18 +59,34 @@ def _value(text: str):
 
 
 def parse_case(spec: str) -> tuple[str, dict, int]:
-    """(label, TrainConfig fields, busy processes) of one ``--case``."""
+    """(label, TrainConfig fields, busy processes) of one ``--case`` (``vocab`` stays among the
+    fields; :func:`run_once` takes it out)."""
     label, *pairs = spec.split()
     fields = dict(p.split("=", 1) for p in pairs)
     busy = int(fields.pop("busy", 0))
     return label, {k: _value(v) for k, v in fields.items()}, busy
 
 
+def _peak_gib() -> float:
+    """The most GPU memory any rank allocated since the last reset, in GiB (0 on the CPU)."""
+    if not torch.cuda.is_available():
+        return 0.0
+    t = torch.tensor([torch.cuda.max_memory_allocated() / 2**30], device="cuda")
+    dist.all_reduce(t, op=dist.ReduceOp.MAX)
+    return float(t.item())
+
+
 def run_once(fields: dict, recipe: str, a, data, out: Path) -> float | None:
     """One training run; its tokens/s on rank 0 (None elsewhere, or if it failed)."""
+    fields = dict(fields)
+    vocab = fields.pop("vocab", None)
+    if vocab is not None:  # the bytes stay below 256; the model's embedding and head are vocab wide
+        data = dataclasses.replace(data, vocab_size=int(vocab))
     cfg = TrainConfig(**{"seq_len": a.seq_len, "steps": a.steps, "eval_interval": a.steps, "eval_iters": 1,
-                         "ckpt_interval": a.steps, "log_interval": 5, "progress": False, **fields},
+                         "ckpt_interval": 0, "log_interval": 5, "progress": False, **fields},
                       recipe=recipe, out_dir=str(out), overwrite=True)
+    if torch.cuda.is_available():
+        torch.cuda.reset_peak_memory_stats()
     try:
         summary = train(cfg, data)
     finally:
@@ -105,6 +126,7 @@ def main() -> None:
     data = load_data(None)
     t0 = time.perf_counter()
     results: dict[tuple[str, str], list[float]] = {}
+    peaks: dict[str, float] = {}  # case -> peak GiB over its runs and ranks
     with tempfile.TemporaryDirectory() as tmp:
         out = Path(tmp) / "run"
         if world > 1:
@@ -123,26 +145,29 @@ def main() -> None:
                         tps = None
                         if rank == 0:
                             print(f"{label} {recipe}: failed: {type(e).__name__}: {str(e)[:300]}", flush=True)
+                    peak = _peak_gib()  # every rank takes part, failed runs too
+                    peaks[label] = max(peaks.get(label, 0.0), peak)
                     if rank == 0 and tps:
                         results.setdefault((label, recipe), []).append(tps)
-                        print(f"rep {rep} {label} {recipe}: {tps:,.0f} tokens/s "
+                        print(f"rep {rep} {label} {recipe}: {tps:,.0f} tokens/s, peak {peak:.1f} GiB "
                               f"({time.perf_counter() - t0:.0f} s)", flush=True)
         if a.profile:
             _profile(a, cases, recipes, data, out, rank)
     if rank == 0:
-        report = _table(a, cases, recipes, results, world)
+        report = _table(a, cases, recipes, results, world, peaks)
         print("\n" + report, flush=True)
         if a.out:
             Path(a.out).write_text(report)
     dist.destroy_process_group()
 
 
-def _table(a, cases, recipes, results, world) -> str:
-    lines = [f"{world} GPUs, torchrun, twofour.training.train, seq {a.seq_len}, {a.steps} steps a run, median "
+def _table(a, cases, recipes, results, world, peaks) -> str:
+    where = "GPUs" if torch.cuda.is_available() else "CPU processes"
+    lines = [f"{world} {where}, torchrun, twofour.training.train, seq {a.seq_len}, {a.steps} steps a run, median "
              f"(min-max) tokens/s of up to {a.repeats} runs; batch per GPU", "",
              "| case | settings | " + " | ".join(recipes) + " | "
-             + " | ".join(f"{r} / {recipes[0]}" for r in recipes[1:]) + " |",
-             "|---|---|" + "---|" * (2 * len(recipes) - 1)]
+             + " | ".join(f"{r} / {recipes[0]}" for r in recipes[1:]) + " | peak GiB |",
+             "|---|---|" + "---|" * (2 * len(recipes))]
     for label, fields, busy in cases:
         meds, cells = [], []
         for r in recipes:
@@ -151,7 +176,8 @@ def _table(a, cases, recipes, results, world) -> str:
             cells.append(f"{meds[-1]:,.0f} ({min(vals):,.0f}-{max(vals):,.0f}, n={len(vals)})" if vals else "-")
         ratios = [f"{m / meds[0]:.3f}x" if m and meds[0] else "-" for m in meds[1:]]
         settings = " ".join(f"{k}={v}" for k, v in fields.items()) + (f" busy={busy}" if busy else "")
-        lines.append(f"| {label} | {settings} | " + " | ".join(cells) + " | " + " | ".join(ratios) + " |")
+        peak = f"{peaks[label]:.1f}" if peaks.get(label) else "-"
+        lines.append(f"| {label} | {settings} | " + " | ".join(cells) + " | " + " | ".join(ratios) + f" | {peak} |")
     return "\n".join(lines) + "\n"
 
 

@@ -1,7 +1,7 @@
 """The collectives' bandwidth between the GPUs of one host, at the sizes the scale-out runs move: an
-FSDP2 unit's all-gather (bf16) and reduce-scatter (fp32) at gpt2-124m's and gpt2-774m's block, and
-DDP's all-reduce of gpt2-124m's fp32 gradients. What bounds FSDP2's step against DDP's when the
-collectives do not hide behind compute.
+FSDP2 unit's all-gather (bf16) and reduce-scatter (fp32) at gpt2-124m's, gpt2-774m's, llama-1b's
+and the Llama-3-8B shape's block, and DDP's all-reduce of gpt2-124m's fp32 gradients. What bounds
+FSDP2's step against DDP's when the collectives do not hide behind compute.
 
     torchrun --standalone --nproc-per-node 2 benchmarks/step/nccl_bw.py
 """
@@ -18,9 +18,11 @@ import torch.distributed as dist
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # benchmarks/: common.py
 from common import steps_ms  # noqa: E402
 
-# (collective, dtype, bytes each rank holds whole): gpt2-124m's block is 7.1M weights, gpt2-774m's 19.7M
-CASES = [("all_gather", torch.bfloat16, 7.1e6 * 2), ("all_gather", torch.bfloat16, 19.7e6 * 2),
-         ("reduce_scatter", torch.float32, 7.1e6 * 4), ("reduce_scatter", torch.float32, 19.7e6 * 4),
+# (collective, dtype, bytes each rank holds whole): the blocks of gpt2-124m, gpt2-774m, llama-1b and
+# the 8B shape hold 7.1M, 19.7M, 51.4M and 218.1M weights
+BLOCKS = (7.1e6, 19.7e6, 51.4e6, 218.1e6)
+CASES = [*(("all_gather", torch.bfloat16, n * 2) for n in BLOCKS),
+         *(("reduce_scatter", torch.float32, n * 4) for n in BLOCKS),
          ("all_reduce", torch.float32, 85e6 * 4)]
 
 

@@ -1,9 +1,11 @@
 #!/usr/bin/env bash
-# torchtitan 0.2.2 Llama 3 on 2 GPUs (FSDP2): dense against twofour s-ste on the FFN linears, eager and
-# compiled, at the 1B shape and the 8B shape with 4 layers (30 steps each), then a save + resume of an
-# s-ste run. Prints tokens/s per GPU (torchtitan's tps, median of the steps after the 5th) and the last
-# loss side by side, and writes $OUT/torchtitan_run.md and each run's log. Runs past BUDGET seconds
-# (420) are skipped, so it ends within about 8 minutes; set RUNS to choose (see below).
+# torchtitan 0.2.2 Llama 3 on NPROC GPUs (2; FSDP2): dense against twofour s-ste on the FFN linears,
+# eager and compiled, at the 1B shape and the 8B shape with 4 layers (30 steps each), then a save +
+# resume of an s-ste run. Prints tokens/s per GPU (torchtitan's tps, median of the steps after the
+# 5th) and the last loss side by side, and writes $OUT/torchtitan_run.md and each run's log. Runs
+# past BUDGET seconds (420) are skipped, each stops after RUN_S (200), so it ends within about 8
+# minutes; set RUNS to choose (see below), e.g. on 4 GPUs:
+#   NPROC=4 RUNS="1B:compiled:300 8B:eager:40" RESUME=0 bash benchmarks/step/torchtitan_run.sh
 #   needs torchtitan's wheels (torchtitan-0.2.2 and the packages the image lacks) in .whl/: see
 #   docs/torchtitan.md "On a machine without network".
 #   bash benchmarks/step/torchtitan_run.sh
@@ -20,8 +22,11 @@ export PYTHONPATH=$PWD/src:$SITE${PYTHONPATH:+:$PYTHONPATH}
 python3 -c "import torch, torchtitan, datasets; print('torch', torch.__version__, '| datasets', datasets.__version__, '| gpus', torch.cuda.device_count())"
 DATA=/tmp/titan-data; [ -f $DATA/data.json ] || python3 examples/torchtitan/make_data.py $DATA --records 4000
 NPROC=${NPROC:-2}; STEPS=${STEPS:-30}; SEQ=${SEQ:-2048}; LBS=${LBS:-4}; BUDGET=${BUDGET:-420}  # seconds; later runs are skipped
-# RUNS: flavor:mode pairs, each trained dense (torchtitan's own model) and with twofour s-ste FFNs
+# RUNS: flavor:mode[:steps] entries, each trained dense (torchtitan's own model) and with twofour
+# s-ste FFNs (steps: STEPS unless given); flavors named in FULL_AC run with full activation
+# checkpointing (the example's selective one keeps too much of the 8B's 32 layers on 4 GPUs)
 RUNS=${RUNS:-1B:eager 1B:compiled 8B_4layers:eager 8B_4layers:compiled}; RESUME_FLAVOR=${RESUME_FLAVOR:-debugmodel}
+FULL_AC=${FULL_AC:-8B}
 ENTRY=${ENTRY:--m torchtitan.train}   # what torchrun starts: torchtitan's launcher
 SPARSE=examples/torchtitan/llama3_1b.toml
 DENSE=/tmp/titan-dense.toml  # the same job, torchtitan's plain model: no converter
@@ -32,7 +37,7 @@ run() {  # name flavor recipe(none: torchtitan's dense model) eager|compiled [ex
   local cfg=$SPARSE; [ "$recipe" = none ] && cfg=$DENSE
   local compile=--compile.no-enable; [ "$tag" = compiled ] && compile=--compile.enable
   # shellcheck disable=SC2086
-  timeout 200 python3 -m torch.distributed.run --nproc-per-node "$NPROC" --rdzv-endpoint=localhost:29511 $ENTRY \
+  timeout "${RUN_S:-200}" python3 -m torch.distributed.run --nproc-per-node "$NPROC" --rdzv-endpoint=localhost:29511 $ENTRY \
     --job.config_file $cfg --job.dump_folder "/tmp/tt-$name" --model.flavor "$flavor" \
     --twofour.recipe "${recipe/none/s-ste}" $compile --checkpoint.no-enable \
     --training.dataset_path $DATA --training.steps "$STEPS" --training.local_batch_size "$LBS" --training.seq_len "$SEQ" \
@@ -40,10 +45,12 @@ run() {  # name flavor recipe(none: torchtitan's dense model) eager|compiled [ex
     > "$OUT/$name.log" 2>&1 || { echo "FAILED: $name (tail of $OUT/$name.log)"; tail -25 "$OUT/$name.log"; return 0; }
   echo "done: $name"
 }
-for pair in $RUNS; do
-  flavor=${pair%%:*}; tag=${pair##*:}
-  run "dense-$flavor-$tag" "$flavor" none "$tag"
-  run "sste-$flavor-$tag" "$flavor" s-ste "$tag"
+for entry in $RUNS; do
+  IFS=: read -r flavor tag steps <<< "$entry"
+  extra=(--training.steps "${steps:-$STEPS}")
+  [[ " $FULL_AC " == *" $flavor "* ]] && extra+=(--activation_checkpoint.mode full)
+  run "dense-$flavor-$tag" "$flavor" none "$tag" "${extra[@]}"
+  run "sste-$flavor-$tag" "$flavor" s-ste "$tag" "${extra[@]}"
 done
 # save + resume (the debug model: its checkpoints are small): a 20-step s-ste run saving at steps 10
 # and 20; its step-20 checkpoint removed, the same job again resumes from step 10 (weights, masks,
