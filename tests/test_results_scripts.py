@@ -1,5 +1,6 @@
 """docs/RESULTS.md's tables recompute from the run files of docs/results/ (scripts/results_tables.py),
-and scripts/s_ste_ablation.py plans one distinct, reusable run folder per variant and seed."""
+scripts/s_ste_ablation.py plans one distinct, reusable run folder per variant and seed, and
+scripts/torchtitan_curves.py reads torchtitan's logged steps."""
 
 from __future__ import annotations
 
@@ -16,6 +17,7 @@ sys.path.insert(0, str(ROOT / "scripts"))
 
 import results_tables  # noqa: E402
 import s_ste_ablation  # noqa: E402
+import torchtitan_curves  # noqa: E402
 
 
 def test_results_md_tables_match_the_run_files():
@@ -88,3 +90,35 @@ def test_make_corpus_stops_at_max_bytes(tmp_path):
                           "--max-bytes", "1500"], capture_output=True, text=True)
     assert res.returncode == 0, res.stderr
     assert len(list(out.iterdir())) == 3 and "3 files, 0.0 MB" in res.stdout
+
+
+def _titan_line(step: int, loss: float, tps: int, rank_tps: int = 0) -> str:
+    return (f"[titan] 2026-01-01 00:00:00,000 - root - INFO - \x1b[31mstep: {step:2}  \x1b[32mloss: {loss:8.5f}  "
+            f"grad_norm:  1.0  \x1b[38;2;180;60;0mmemory: 17.95GiB(12.84%)  \x1b[34mtps: {tps + rank_tps:,}  "
+            "tflops: 1.0  mfu: 1.0%\x1b[39m")
+
+
+def test_torchtitan_curves_keeps_one_line_a_step_and_round_trips(tmp_path, capsys):
+    """Each step's first line counts (every rank logs it), colours and all; the table's median
+    leaves the first 5 steps out; the .tsv it writes reads back to the same table."""
+    lines = ["## dense-x"]
+    for step in range(1, 11):
+        lines += [_titan_line(step, 10.0 / step, 1000 * step), _titan_line(step, 99.0, 1000 * step, rank_tps=7)]
+    lines += ["## sste-x", *(_titan_line(step, 9.0 / step, 500) for step in range(1, 11)), "## empty", "no steps"]
+    src = tmp_path / "torchtitan_steps.txt"
+    src.write_text("\n".join(lines) + "\n")
+    runs = torchtitan_curves.read_steps(src)
+    assert list(runs) == ["dense-x", "sste-x"] and runs["dense-x"][4] == (2.5, 4000, 17.95)
+    tsv = tmp_path / "steps.tsv"
+    assert torchtitan_curves.main([str(src), "--every", "5", "--tsv", str(tsv)]) == 0
+    table = capsys.readouterr().out
+    assert "| dense-x | 8,000 | 17.9 | 2.0000 | 1.0000 |" in table  # median of steps 6-10
+    assert torchtitan_curves.read_steps(tsv) == runs
+    assert torchtitan_curves.main([str(tmp_path / "missing.txt")]) == 2
+
+
+def test_the_committed_torchtitan_steps_give_the_documented_losses():
+    runs = torchtitan_curves.read_steps(ROOT / "docs" / "results" / "scale-out-4gpu" / "torchtitan_steps.tsv")
+    assert runs["dense-1B-compiled"][300][0] == 1.69514 and runs["sste-1B-compiled"][300][0] == 1.61654
+    doc = (ROOT / "docs" / "torchtitan.md").read_text()
+    assert "1.6951" in doc and "1.6165" in doc
