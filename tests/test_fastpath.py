@@ -111,6 +111,31 @@ def test_weight_compressed_once_per_step(monkeypatch):
     assert rel(y2 - bias, -(y1 - bias)) < 1e-2  # S(-W) = -S(W): the new weight was used
 
 
+def test_checkpointed_layers_keep_no_compressed_weight(monkeypatch):
+    """Under activation checkpointing the forward and its recomputation compress each and keep
+    nothing afterwards (the memory checkpointing saves), with the same results as without."""
+    from torch.utils.checkpoint import checkpoint
+
+    layer = SparseLinear(256, 512, device="cuda", recipe="s-ste")
+    x, g = torch.randn(64, 256, device="cuda"), torch.randn(64, 512, device="cuda")
+    calls = []
+    compress = type(layer.pruner).compress
+    monkeypatch.setattr(type(layer.pruner), "compress", lambda self, *a: calls.append(1) or compress(self, *a))
+    plain = run(layer, x, g, fast=True)
+    assert len(calls) == 1
+    layer.compressed.clear()
+    with dispatch.override(fast=True), torch.autocast("cuda", dtype=torch.bfloat16):
+        layer.weight.grad = None
+        xx = x.detach().clone().requires_grad_()
+        y = checkpoint(layer, xx, use_reentrant=False)
+        y.backward(g)
+        assert len(calls) == 3  # the forward's and the recomputation's
+        layer(x)
+    assert len(calls) == 4  # neither was kept for a later call
+    for a, b in zip(plain, (y.detach(), xx.grad, layer.weight.grad), strict=True):
+        assert rel(b, a) < 1e-2
+
+
 @pytest.mark.parametrize("recipe", ["s-ste", "t-sr-ste"])
 def test_compile_runs_the_fast_path(recipe, monkeypatch):
     """Under torch.compile (inductor, whole graph) the 2:4 GEMMs run as custom ops: forced

@@ -45,12 +45,21 @@ def applies(x: torch.Tensor, in_features: int, out_features: int) -> bool:
             and (x.numel() // in_features) % 32 == 0 and _fast_available())
 
 
+def _saving_memory() -> bool:
+    """Whether saved-tensor hooks are active: activation checkpointing (its forward and its
+    recomputation) or offloading, where the caller trades compute for memory."""
+    return torch._C._autograd._top_saved_tensors_default_hooks(False) is not None
+
+
 class CompressedWeight:
     """A layer's compressed effective weight, built by one fused kernel once per optimizer step
     and reused by every micro-batch until the weight changes (its version counter, storage, the
     compute dtype and the layer's step counter form the key). Inside a captured CUDA graph the
     compression is recorded in the graph instead, so that each replay compresses the current
-    weight, and the graph's buffers stay out of the cache."""
+    weight, and the graph's buffers stay out of the cache. Under activation checkpointing nothing
+    is kept past the call (the forward and its recomputation compress each, as compiled code
+    does): kept, every layer's weight would stay for the step, 3.1 bytes per weight on every rank
+    (16.4 GiB a GPU at the Llama-3-8B shape, docs/notes/scale-out.md)."""
 
     def __init__(self) -> None:
         self._key: tuple | None = None
@@ -66,7 +75,7 @@ class CompressedWeight:
         if not capturing and self._key == key:
             return self._value
         value = pruner.compress(w, beta, mask, dtype, sparse)
-        if not capturing:
+        if not capturing and not _saving_memory():
             self._key, self._value = key, value
         return value
 
