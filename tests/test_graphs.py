@@ -60,6 +60,30 @@ def _data(steps: int):
              torch.randint(0, 256, (4, 64), device="cuda", generator=gen)) for _ in range(steps)]
 
 
+def test_a_failed_capture_leaves_eager_steps_that_draw_random_numbers(caplog):
+    """A step that cannot be captured (here: a host sync inside it) falls back to eager steps
+    with one warning, and those steps' random draws on the GPU (s-ste's MVUE seeds) still work:
+    the failed capture does not leave the CUDA generator in its capture state."""
+    model, opt, micro, clip = _setup("s-ste")
+
+    def syncing(x, y, last):
+        loss = micro(x, y, last)
+        loss.item()  # a host sync: illegal while a graph is captured
+        return loss
+
+    graphs = StepGraphs(model, syncing, clip)
+    with caplog.at_level("WARNING", logger="twofour"):
+        for x, y in _data(WARMUP_STEPS + 3):
+            if graphs.step([(x, y)]) is None:
+                graphs.zero_grad()
+                micro(x, y, True)
+                clip()
+            opt.step()
+    assert graphs.disabled and not graphs.graphs
+    assert sum("could not be captured" in r.getMessage() for r in caplog.records) == 1
+    assert torch.randint(0, 10, (4,), device="cuda").shape == (4,)
+
+
 @pytest.mark.parametrize("recipe", ["dense", "ste", "s-ste"])
 def test_graphed_steps_train_as_eager_ones(recipe):
     data = _data(10)

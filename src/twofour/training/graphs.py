@@ -130,11 +130,31 @@ class StepGraphs:
             log.warning("twofour: the training step could not be captured as a CUDA graph (%s: %s); it runs "
                         "eagerly from now on", type(failure).__name__, (str(failure).splitlines() or [""])[0])
             torch.cuda.synchronize()
+            _release_generator(grads[0].device)
             self.zero_grad()
             return None
         self.pool = graph.pool()
         self.graphs[sig] = (graph, inputs, (loss, norm))
         return self.graphs[sig]
+
+
+def _release_generator(device: torch.device) -> None:
+    """Take the device's default CUDA generator out of its capture state after a failed capture.
+
+    torch puts the generator into that state when a capture begins and takes it out only when the
+    capture ends well, so after a failure every random draw outside a graph on that device (MVUE's
+    seeds, dropout) stops with "Offset increment outside graph capture encountered unexpectedly".
+    A capture of one small kernel on the device, which ends well, takes it out again."""
+    graph = torch.cuda.CUDAGraph()
+    try:
+        with torch.cuda.device(device), torch.cuda.graph(graph):
+            torch.zeros(1, device=device).add_(1)
+        torch.cuda.synchronize(device)
+    except Exception as e:  # noqa: BLE001 - the eager steps then show what is left wrong
+        log.warning("twofour: could not reset the CUDA generator after the failed capture (%s: %s)",
+                    type(e).__name__, (str(e).splitlines() or [""])[0])
+    finally:
+        graph.reset()
 
 
 class GradAllReduce:
