@@ -165,8 +165,8 @@ def _table(a, cases, recipes, results, world, peaks) -> str:
     where = "GPUs" if torch.cuda.is_available() else "CPU processes"
     lines = [f"{world} {where}, torchrun, twofour.training.train, seq {a.seq_len}, {a.steps} steps a run, median "
              f"(min-max) tokens/s of up to {a.repeats} runs; batch per GPU", "",
-             "| case | settings | " + " | ".join(recipes) + " | "
-             + " | ".join(f"{r} / {recipes[0]}" for r in recipes[1:]) + " | peak GiB |",
+             "| " + " | ".join(["case", "settings", *recipes, *(f"{r} / {recipes[0]}" for r in recipes[1:]),
+                                "peak GiB"]) + " |",
              "|---|---|" + "---|" * (2 * len(recipes))]
     for label, fields, busy in cases:
         meds, cells = [], []
@@ -177,7 +177,7 @@ def _table(a, cases, recipes, results, world, peaks) -> str:
         ratios = [f"{m / meds[0]:.3f}x" if m and meds[0] else "-" for m in meds[1:]]
         settings = " ".join(f"{k}={v}" for k, v in fields.items()) + (f" busy={busy}" if busy else "")
         peak = f"{peaks[label]:.1f}" if peaks.get(label) else "-"
-        lines.append(f"| {label} | {settings} | " + " | ".join(cells) + " | " + " | ".join(ratios) + f" | {peak} |")
+        lines.append("| " + " | ".join([label, settings, *cells, *ratios, peak]) + " |")
     return "\n".join(lines) + "\n"
 
 
