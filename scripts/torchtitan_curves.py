@@ -92,6 +92,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--plot", type=Path, default=None)
     ap.add_argument("--title", default="torchtitan Llama 3: training loss")
     a = ap.parse_args(argv)
+    if a.every < 1:
+        print(f"torchtitan_curves: --every must be at least 1, got {a.every}", file=sys.stderr)
+        return 2
     if not a.steps.exists():
         print(f"torchtitan_curves: {a.steps}: no such file or folder", file=sys.stderr)
         return 2

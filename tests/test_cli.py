@@ -804,6 +804,11 @@ def test_ckpt_interval_zero_writes_no_checkpoint(tmp_path, corpus, capsys):
     assert main(["train", *SMALL, "--data", corpus, "--out", str(out), "--ckpt-interval", "0"]) == 0
     assert (out / "summary.json").exists() and [r[0] for r in losses(out)] == list(range(1, 9))
     assert not (out / "ckpt.pt").exists() and not (out / "ckpt").exists()
+    assert "(metrics.csv, summary.json" in capsys.readouterr().out  # no checkpoint named
     assert main(["train", "--out", str(out), "--resume", "--no-progress"]) == 2
+    assert "checkpoint" in capsys.readouterr().err
     assert main(["train", *SMALL, "--data", corpus, "--out", str(tmp_path / "bad"), "--ckpt-interval", "-1"]) == 2
     assert "--ckpt-interval must be a whole number of steps >= 0" in capsys.readouterr().err
+    assert main(["train", *SMALL, "--data", corpus, "--out", str(tmp_path / "bad"), "--ckpt-interval", "0",
+                 "--stop-at", "4"]) == 2
+    assert "--ckpt-interval 0 writes no checkpoint" in capsys.readouterr().err

@@ -121,9 +121,8 @@ def test_checkpointed_layers_keep_no_compressed_weight(monkeypatch):
     calls = []
     compress = type(layer.pruner).compress
     monkeypatch.setattr(type(layer.pruner), "compress", lambda self, *a: calls.append(1) or compress(self, *a))
-    plain = run(layer, x, g, fast=True)
+    plain = run(layer, x, g, fast=True)  # kept, as after an evaluation: the checkpointed call drops it
     assert len(calls) == 1
-    layer.compressed.clear()
     with dispatch.override(fast=True), torch.autocast("cuda", dtype=torch.bfloat16):
         layer.weight.grad = None
         xx = x.detach().clone().requires_grad_()

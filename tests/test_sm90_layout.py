@@ -141,7 +141,6 @@ def test_unbuilt_route_is_skipped_and_logged_once_per_process(monkeypatch, tmp_p
     assert not dispatch.build_kernels
 
 
-
 def test_extra_not_installed_is_logged_at_info(monkeypatch, caplog):
     """No nvcc or CUTLASS headers (the ``kernels`` extra not installed) is a choice, not a failure:
     the route is skipped with one INFO line, no warning, on every rank of a run."""
@@ -159,6 +158,7 @@ def test_extra_not_installed_is_logged_at_info(monkeypatch, caplog):
     (record,) = [r for r in caplog.records if "sm90" in r.getMessage()]
     assert record.levelname == "INFO" and "pip install 'twofour[kernels]'" in record.getMessage()
     assert issubclass(builder.ToolchainMissing, RuntimeError)
+
 
 def _toolchain_or_skip():
     try:

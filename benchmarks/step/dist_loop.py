@@ -13,8 +13,9 @@ floats, true/false/none and names as written), plus ``busy=N``: N processes besi
 each keep a CPU core busy (as a data loader's workers would), and ``vocab=N``: the model's
 vocabulary (embedding and output layer) N wide instead of the byte data's 256, as a real
 tokenizer's (Llama 3: 128256). No run writes a checkpoint (``ckpt_interval=0``): at 8B a save
-would write 16 bytes a parameter. The table also gives each case's peak GPU memory (the most
-any rank allocated). Runs are interleaved (repeat,
+would write 16 bytes a parameter. The table also gives each case's peak GPU memory per recipe
+(the most any rank allocated in any of its runs), and is rewritten after every run, so a launch
+cut short by a time limit leaves the runs that finished. Runs are interleaved (repeat,
 case, recipe), so drift of the machine spreads over all rows. Tokens/s is each run's
 ``summary.json`` value (the loop's median over its logged windows of 5 steps, so the first
 windows' warm-up and compilation drop out). ``--deadline`` stops starting runs after that many
@@ -126,7 +127,7 @@ def main() -> None:
     data = load_data(None)
     t0 = time.perf_counter()
     results: dict[tuple[str, str], list[float]] = {}
-    peaks: dict[str, float] = {}  # case -> peak GiB over its runs and ranks
+    peaks: dict[tuple[str, str], float] = {}  # (case, recipe) -> peak GiB over its runs and ranks
     with tempfile.TemporaryDirectory() as tmp:
         out = Path(tmp) / "run"
         if world > 1:
@@ -146,11 +147,13 @@ def main() -> None:
                         if rank == 0:
                             print(f"{label} {recipe}: failed: {type(e).__name__}: {str(e)[:300]}", flush=True)
                     peak = _peak_gib()  # every rank takes part, failed runs too
-                    peaks[label] = max(peaks.get(label, 0.0), peak)
+                    peaks[label, recipe] = max(peaks.get((label, recipe), 0.0), peak)
                     if rank == 0 and tps:
                         results.setdefault((label, recipe), []).append(tps)
                         print(f"rep {rep} {label} {recipe}: {tps:,.0f} tokens/s, peak {peak:.1f} GiB "
                               f"({time.perf_counter() - t0:.0f} s)", flush=True)
+                        if a.out:  # the table so far: what finished survives a time limit
+                            Path(a.out).write_text(_table(a, cases, recipes, results, world, peaks))
         if a.profile:
             _profile(a, cases, recipes, data, out, rank)
     if rank == 0:
@@ -166,7 +169,7 @@ def _table(a, cases, recipes, results, world, peaks) -> str:
     lines = [f"{world} {where}, torchrun, twofour.training.train, seq {a.seq_len}, {a.steps} steps a run, median "
              f"(min-max) tokens/s of up to {a.repeats} runs; batch per GPU", "",
              "| " + " | ".join(["case", "settings", *recipes, *(f"{r} / {recipes[0]}" for r in recipes[1:]),
-                                "peak GiB"]) + " |",
+                                "peak GiB, " + " / ".join(recipes)]) + " |",
              "|---|---|" + "---|" * (2 * len(recipes))]
     for label, fields, busy in cases:
         meds, cells = [], []
@@ -176,7 +179,7 @@ def _table(a, cases, recipes, results, world, peaks) -> str:
             cells.append(f"{meds[-1]:,.0f} ({min(vals):,.0f}-{max(vals):,.0f}, n={len(vals)})" if vals else "-")
         ratios = [f"{m / meds[0]:.3f}x" if m and meds[0] else "-" for m in meds[1:]]
         settings = " ".join(f"{k}={v}" for k, v in fields.items()) + (f" busy={busy}" if busy else "")
-        peak = f"{peaks[label]:.1f}" if peaks.get(label) else "-"
+        peak = " / ".join(f"{peaks[label, r]:.1f}" if peaks.get((label, r)) else "-" for r in recipes)
         lines.append("| " + " | ".join([label, settings, *cells, *ratios, peak]) + " |")
     return "\n".join(lines) + "\n"
 

@@ -9,7 +9,9 @@
 #   titan  torchtitan's Llama 3 1B, dense and with twofour's converter, eager and compiled
 #   big    llama-1b (vocabulary 32000) and the whole Llama-3-8B shape (32 blocks, vocabulary 128256,
 #          activation checkpointing) under FSDP2, eager and compiled: for 4 GPUs (NPROC=4); BIG
-#          chooses among its cases (1b 1b-compiled 8b 8b-compiled), BIG_S its time limit (560)
+#          chooses among its cases (1b 1b-compiled 8b 8b-compiled), BIG_S its time limit (560;
+#          runs stop starting 150 s before it, and the table holds the runs that finished)
+# TITAN_S: the titan part's time limit (330); RUNS, STEPS, BUDGET pass on to torchtitan_run.sh
 # Results go to $OUT (default /tmp/scale_out): pytest.txt, host.md, loop.md, llama.md, big.md,
 # nccl.md, torchtitan.md, torchtitan_steps.txt and log.txt (everything else each part printed); a
 # device call brings back 8 files, so one call runs a few parts.
@@ -73,8 +75,11 @@ if has big; then
     [8b]="llama-8b model=llama-8b batch_size=4 fsdp=bf16 vocab=128256 activation_checkpointing=true"
     [8b-compiled]="llama-8b-compiled model=llama-8b batch_size=4 fsdp=bf16 vocab=128256 activation_checkpointing=true compile=true"
   )
-  args=(); for c in ${BIG:-1b 1b-compiled 8b 8b-compiled}; do args+=(--case "${CASE[$c]}"); done
-  timeout ${BIG_S:-560} $LOOP "${args[@]}" --steps 20 --deadline $((${BIG_S:-560} - 100)) \
+  args=(); for c in ${BIG:-1b 1b-compiled 8b 8b-compiled}; do
+    [[ -v CASE[$c] ]] || { echo "unknown BIG case: $c (one of ${!CASE[*]})"; continue; }
+    args+=(--case "${CASE[$c]}")
+  done
+  timeout ${BIG_S:-560} $LOOP "${args[@]}" --steps 20 --deadline $((${BIG_S:-560} > 150 ? ${BIG_S:-560} - 150 : 0)) \
     --out "$OUT/big.md" >> "$LOG" 2>&1
   cat "$OUT/big.md" 2>/dev/null
 fi

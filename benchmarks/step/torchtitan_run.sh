@@ -46,7 +46,10 @@ run() {  # name flavor recipe(none: torchtitan's dense model) eager|compiled [ex
   echo "done: $name"
 }
 for entry in $RUNS; do
-  IFS=: read -r flavor tag steps <<< "$entry"
+  IFS=: read -r flavor tag steps rest <<< "$entry"
+  if [[ -n "$rest" || ! "$tag" =~ ^(eager|compiled)$ || ! "${steps:-1}" =~ ^[0-9]+$ ]]; then
+    echo "bad RUNS entry '$entry': flavor:eager|compiled[:steps]"; continue
+  fi
   extra=(--training.steps "${steps:-$STEPS}")
   [[ " $FULL_AC " == *" $flavor "* ]] && extra+=(--activation_checkpoint.mode full)
   run "dense-$flavor-$tag" "$flavor" none "$tag" "${extra[@]}"

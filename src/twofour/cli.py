@@ -166,14 +166,15 @@ def _cmd_train(a: argparse.Namespace) -> int:
             print(f"--reschedule: the learning-rate schedule now spans {cfg.steps} steps", file=sys.stderr)
     s = train(cfg)
     if s:
-        found = checkpoint_path(s["out_dir"])  # ckpt.pt, or an FSDP2 run's sharded ckpt/
-        ckpt = CKPT if found is None or found.name == CKPT else f"{found.parent.name}/ (sharded)"
+        found = checkpoint_path(s["out_dir"])  # ckpt.pt, or an FSDP2 run's sharded ckpt/, or none
+        ckpt = ("" if found is None or cfg.ckpt_interval == 0 else
+                f"{CKPT}, " if found.name == CKPT else f"{found.parent.name}/ (sharded), ")
         val, loss = (f"{s[k]:.4f}" if s[k] is not None else "n/a" for k in ("final_val_loss", "final_train_loss"))
         print(f"\n{s['recipe']} on {s['model']}: {s['steps']} steps, {s['tokens']:,} tokens\n"
               f"  final train loss {loss}, val loss {val}\n"
               f"  {s['tokens_per_s']:,.0f} tokens/s, "
               f"flip rate {s['final_flip_rate']:.2e} (mean {s['mean_flip_rate']:.2e})\n"
-              f"  outputs: {s['out_dir']}/ (metrics.csv, {ckpt}, summary.json{', curves.png' if s['plot'] else ''})")
+              f"  outputs: {s['out_dir']}/ (metrics.csv, {ckpt}summary.json{', curves.png' if s['plot'] else ''})")
     return 0
 
 

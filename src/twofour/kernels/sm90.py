@@ -70,8 +70,9 @@ def available(device: torch.device | int | None = None) -> bool:
     try:
         load()
     except Exception as e:  # noqa: BLE001 - no compiler, no headers, a failed build: the route is skipped
-        # the extra not installed is a choice (logged at INFO); a build or load that broke, a warning
-        level = logging.INFO if isinstance(e, ToolchainMissing) else logging.WARNING
+        # the extra not installed is a choice (logged at INFO), unless a build was asked for; a
+        # build or load that broke, a warning
+        level = logging.INFO if isinstance(e, ToolchainMissing) and not dispatch.build_kernels else logging.WARNING
         dispatch.record_failure(_ROUTE, "the CUTLASS sm90 2:4 GEMM", e, instead="cuSPARSELt", level=level)
         return False
     return True

@@ -46,9 +46,10 @@ def applies(x: torch.Tensor, in_features: int, out_features: int) -> bool:
 
 
 def _saving_memory() -> bool:
-    """Whether saved-tensor hooks are active: activation checkpointing (its forward and its
-    recomputation) or offloading, where the caller trades compute for memory."""
-    return torch._C._autograd._top_saved_tensors_default_hooks(False) is not None
+    """Whether saved-tensor hooks are active: non-reentrant activation checkpointing (its forward
+    and its recomputation) or offloading, where the caller trades compute for memory."""
+    top = getattr(torch._C._autograd, "_top_saved_tensors_default_hooks", None)  # torch's own query
+    return top is not None and top(False) is not None
 
 
 class CompressedWeight:
@@ -56,10 +57,12 @@ class CompressedWeight:
     and reused by every micro-batch until the weight changes (its version counter, storage, the
     compute dtype and the layer's step counter form the key). Inside a captured CUDA graph the
     compression is recorded in the graph instead, so that each replay compresses the current
-    weight, and the graph's buffers stay out of the cache. Under activation checkpointing nothing
-    is kept past the call (the forward and its recomputation compress each, as compiled code
-    does): kept, every layer's weight would stay for the step, 3.1 bytes per weight on every rank
-    (16.4 GiB a GPU at the Llama-3-8B shape, docs/notes/scale-out.md)."""
+    weight, and the graph's buffers stay out of the cache. Under saved-tensor hooks (non-reentrant
+    activation checkpointing, offloading) nothing is kept past the call and nothing kept earlier
+    (by an evaluation) stays: the forward and its recomputation compress each, as compiled code
+    does, and so does each micro-batch. Kept, every layer's weight would stay for the step, 3.1
+    bytes per weight on every rank (16.4 GiB a GPU at the Llama-3-8B shape,
+    docs/notes/scale-out.md)."""
 
     def __init__(self) -> None:
         self._key: tuple | None = None
@@ -72,10 +75,13 @@ class CompressedWeight:
         w = weight.detach()
         key = (weight._version, w.data_ptr(), dtype, step, sparse)
         capturing = torch.cuda.is_current_stream_capturing()
-        if not capturing and self._key == key:
+        saving = not capturing and _saving_memory()
+        if saving:
+            self.clear()  # what an evaluation (no hooks under no_grad) kept goes too
+        elif not capturing and self._key == key:
             return self._value
         value = pruner.compress(w, beta, mask, dtype, sparse)
-        if not capturing and not _saving_memory():
+        if not capturing and not saving:
             self._key, self._value = key, value
         return value
 

@@ -163,6 +163,8 @@ class TrainConfig:
             raise TrainError(f"--min-lr-ratio must be between 0 and 1, got {self.min_lr_ratio}")
         if self.stop_at is not None and not 1 <= self.stop_at <= self.steps:
             raise TrainError(f"--stop-at must be between 1 and --steps ({self.steps}), got {self.stop_at}")
+        if self.stop_at is not None and self.ckpt_interval == 0:
+            raise TrainError("--stop-at pauses a run to resume it later, but --ckpt-interval 0 writes no checkpoint")
         if self.lr is not None and not (math.isfinite(self.lr) and 0 < self.lr <= 1):
             raise TrainError(f"--lr must be > 0 and at most 1 (AdamW's peak learning rate; the presets' are "
                              f"2e-4 to 1e-3), got {self.lr}")

@@ -112,8 +112,9 @@ class StepGraphs:
         grads = [p.grad for p in self.params]
         graph = torch.cuda.CUDAGraph()
         torch.cuda.synchronize()
-        try:
-            with torch.cuda.graph(graph, pool=self.pool):
+        stream = torch.cuda.current_stream()
+        try:  # thread_local: CUDA calls of other threads (NCCL's watchdog, a loader's) can't void it
+            with torch.cuda.graph(graph, pool=self.pool, capture_error_mode="thread_local"):
                 torch._foreach_zero_(grads)
                 loss = torch.zeros((), device=grads[0].device)
                 for i, (x, y) in enumerate(inputs):  # with ``reduce``, no micro-batch reduces in the graph
@@ -129,6 +130,7 @@ class StepGraphs:
             self.disabled = True
             log.warning("twofour: the training step could not be captured as a CUDA graph (%s: %s); it runs "
                         "eagerly from now on", type(failure).__name__, (str(failure).splitlines() or [""])[0])
+            torch.cuda.set_stream(stream)  # a capture that fails to end leaves its side stream current
             torch.cuda.synchronize()
             _release_generator(grads[0].device)
             self.zero_grad()
@@ -141,13 +143,14 @@ class StepGraphs:
 def _release_generator(device: torch.device) -> None:
     """Take the device's default CUDA generator out of its capture state after a failed capture.
 
-    torch puts the generator into that state when a capture begins and takes it out only when the
-    capture ends well, so after a failure every random draw outside a graph on that device (MVUE's
-    seeds, dropout) stops with "Offset increment outside graph capture encountered unexpectedly".
-    A capture of one small kernel on the device, which ends well, takes it out again."""
+    torch 2.11's generator keeps one capture flag (later versions keep a state per capture): set
+    when a capture begins, cleared only when one ends well, so after a failure every random draw
+    outside a graph on that device (MVUE's seeds, dropout) stops with "Offset increment outside
+    graph capture encountered unexpectedly". A capture of one small kernel on the device, which
+    ends well, clears it again; elsewhere it changes nothing."""
     graph = torch.cuda.CUDAGraph()
     try:
-        with torch.cuda.device(device), torch.cuda.graph(graph):
+        with torch.cuda.device(device), torch.cuda.graph(graph, capture_error_mode="thread_local"):
             torch.zeros(1, device=device).add_(1)
         torch.cuda.synchronize(device)
     except Exception as e:  # noqa: BLE001 - the eager steps then show what is left wrong

@@ -8,7 +8,8 @@ shards of the checkpoint (:mod:`twofour.training.checkpoint`). Checkpoints are a
 everything a bit-identical resume needs (model and recipe state, optimizer, scheduler, data
 position and RNG states); a run resumes on another world size too, not bit-exact. Between log
 lines (every ``log_interval`` steps) the loop never waits for the GPU. Ctrl-C or SIGTERM
-finishes the current step and checkpoints it before stopping. A step whose loss or gradient
+finishes the current step and checkpoints it before stopping (unless ``ckpt_interval`` is 0:
+no checkpoints at all). A step whose loss or gradient
 norm is not finite stops the run at the next log line, before any checkpoint is written from it
 (with ``skip_nonfinite``, up to that many such steps are skipped instead). The run folder is
 locked meanwhile (:class:`twofour.training.lock.RunLock`).
