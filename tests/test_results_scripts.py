@@ -108,12 +108,14 @@ def test_torchtitan_curves_keeps_one_line_a_step_and_round_trips(tmp_path, capsy
     src = tmp_path / "torchtitan_steps.txt"
     src.write_text("\n".join(lines) + "\n")
     runs = torchtitan_curves.read_steps(src)
-    assert list(runs) == ["dense-x", "sste-x"] and runs["dense-x"][4] == (2.5, 4000, 17.95)
+    assert list(runs) == ["dense-x", "sste-x", "empty"] and runs["dense-x"][4] == (2.5, 4000, 17.95)
     tsv = tmp_path / "steps.tsv"
     assert torchtitan_curves.main([str(src), "--every", "5", "--tsv", str(tsv)]) == 0
     table = capsys.readouterr().out
-    assert "| dense-x | 8,000 | 17.9 | 2.0000 | 1.0000 |" in table  # median of steps 6-10
-    assert torchtitan_curves.read_steps(tsv) == runs
+    assert "| dense-x | 1-10 | 8,000 |  | 17.9 | 1.0000 | 2.0000 | 1.0000 |" in table  # median of steps 6-10
+    assert "| sste-x | 1-10 | 500 | 0.06x | 17.9 | 0.9000 | 1.8000 | 0.9000 |" in table
+    assert "| empty | no steps logged |" in table
+    assert torchtitan_curves.read_steps(tsv) == {k: v for k, v in runs.items() if v}
     assert torchtitan_curves.main([str(tmp_path / "missing.txt")]) == 2
 
 

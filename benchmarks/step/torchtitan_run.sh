@@ -2,7 +2,8 @@
 # torchtitan 0.2.2 Llama 3 on NPROC GPUs (2; FSDP2): dense against twofour s-ste on the FFN linears,
 # eager and compiled, at the 1B shape and the 8B shape with 4 layers (30 steps each), then a save +
 # resume of an s-ste run. Prints tokens/s per GPU (torchtitan's tps, median of the steps after the
-# 5th) and the last loss side by side, and writes $OUT/torchtitan_run.md and each run's log. Runs
+# 5th), its ratio to dense, memory and the last loss side by side (scripts/torchtitan_curves.py),
+# and writes $OUT/torchtitan_run.md and each run's log. Runs
 # past BUDGET seconds (420) are skipped, each stops after RUN_S (200), so it ends within about 8
 # minutes; set RUNS to choose (see below), e.g. on 4 GPUs:
 #   NPROC=4 RUNS="1B:compiled:300 8B:eager:40" RESUME=0 bash benchmarks/step/torchtitan_run.sh
@@ -68,22 +69,4 @@ rm -rf /tmp/tt-resume/checkpoint/step-20
 run "resume-2-from-step10" "$RESUME_FLAVOR" s-ste eager $CK
 grep -h "Loading the checkpoint" "$OUT/resume-2-from-step10.log" | head -1 || echo "resume-2 loaded no checkpoint"
 fi
-python3 - "$OUT" <<'PY'
-import re, statistics, sys
-from pathlib import Path
-out = Path(sys.argv[1]); rows = []
-pat = re.compile(r"step:\s*(\d+).*?loss:\s*([\d.]+).*?tps:\s*([\d,]+)")
-for log in sorted(out.glob("*.log")):
-    steps = [(int(s), float(l), int(t.replace(",", ""))) for s, l, t in pat.findall(re.sub(r"\x1b\[[0-9;]*m", "", log.read_text()))]
-    if not steps:
-        rows.append((log.stem, "-", "-", "no steps logged")); continue
-    tps = statistics.median(t for s, _, t in steps if s > 5) if len(steps) > 6 else steps[-1][2]
-    rows.append((log.stem, f"{tps:,.0f}", f"{steps[-1][1]:.4f}", f"steps {steps[0][0]}-{steps[-1][0]}"))
-dense = {r[0].replace("dense-", ""): r[1] for r in rows if r[0].startswith("dense-")}
-lines = ["| run | tokens/s per GPU (median) | s-ste / dense | last loss | steps |", "|---|---|---|---|---|"]
-for name, tps, loss, steps in rows:
-    d = dense.get(name.replace("sste-", "")) if name.startswith("sste-") else None
-    ratio = f"{float(tps.replace(',', '')) / float(d.replace(',', '')):.2f}x" if d and "-" not in (tps, d) else ""
-    lines.append(f"| {name} | {tps} | {ratio} | {loss} | {steps} |")
-text = "\n".join(lines); print(text); (out / "torchtitan_run.md").write_text(text + "\n")
-PY
+python3 scripts/torchtitan_curves.py "$OUT" | tee "$OUT/torchtitan_run.md"

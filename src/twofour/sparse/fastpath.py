@@ -45,11 +45,13 @@ def applies(x: torch.Tensor, in_features: int, out_features: int) -> bool:
             and (x.numel() // in_features) % 32 == 0 and _fast_available())
 
 
+_top_hooks = getattr(torch._C._autograd, "_top_saved_tensors_default_hooks", None)  # torch's own query
+
+
 def _saving_memory() -> bool:
     """Whether saved-tensor hooks are active: non-reentrant activation checkpointing (its forward
     and its recomputation) or offloading, where the caller trades compute for memory."""
-    top = getattr(torch._C._autograd, "_top_saved_tensors_default_hooks", None)  # torch's own query
-    return top is not None and top(False) is not None
+    return _top_hooks is not None and _top_hooks(False) is not None
 
 
 class CompressedWeight:
