@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import re
 
-__all__ = ["TwofourError", "TrainError", "DataError", "FormatError", "out_of_memory_message"]
+__all__ = ["TwofourError", "TrainError", "DataError", "FormatError", "out_of_memory_message", "one_line"]
 
 
 class TwofourError(ValueError):
@@ -25,6 +25,11 @@ class DataError(TwofourError):
 class FormatError(TrainError):
     """A file or folder that is not what twofour writes: an export folder, a checkpoint, a run.
     (A :class:`TrainError` too, which ``twofour export`` and ``generate`` raised before.)"""
+
+
+def one_line(e: BaseException) -> str:
+    """``Type: first line of the message``, for a log line about an exception that was handled."""
+    return f"{type(e).__name__}: {(str(e).splitlines() or [''])[0]}"
 
 
 def out_of_memory_message(e: BaseException) -> str | None:

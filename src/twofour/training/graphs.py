@@ -25,6 +25,7 @@ from collections.abc import Callable, Sequence
 import torch
 import torch.distributed as dist
 
+from ..errors import one_line
 from ..sparse.layer import SparseLinear
 from .parallel import everywhere
 
@@ -112,27 +113,28 @@ class StepGraphs:
         grads = [p.grad for p in self.params]
         graph = torch.cuda.CUDAGraph()
         torch.cuda.synchronize()
-        stream = torch.cuda.current_stream()
+        stream, device = torch.cuda.current_stream(), grads[0].device
+        pool = self.pool if self.pool is not None else torch.cuda.graph_pool_handle()
+        failure = None  # why the capture failed, in words (no exception kept: its frames would hold the graph)
         try:  # thread_local: CUDA calls of other threads (NCCL's watchdog, a loader's) can't void it
-            with torch.cuda.graph(graph, pool=self.pool, capture_error_mode="thread_local"):
+            with torch.cuda.graph(graph, pool=pool, capture_error_mode="thread_local"):
                 torch._foreach_zero_(grads)
-                loss = torch.zeros((), device=grads[0].device)
+                loss = torch.zeros((), device=device)
                 for i, (x, y) in enumerate(inputs):  # with ``reduce``, no micro-batch reduces in the graph
                     loss += self.micro_step(x, y, self.reduce is None and i == len(inputs) - 1).detach()
                 norm = self.clip() if self.reduce is None else None  # under DDP: clipped after the all-reduce
         except Exception as e:  # noqa: BLE001 - any capture failure: the step stays eager from now on
-            failure = e
-        else:
-            failure = None
+            torch.cuda.set_stream(stream)  # a capture that fails to end leaves its side stream current
+            # what failed inside comes second, where ending the voided capture raised over it
+            failure = one_line(e) + (f" (after {one_line(e.__context__)})" if e.__context__ is not None else "")
+            _end_failed_capture(device, pool)
         if self.reduce is not None and not everywhere(failure is None, self.reduce.world, self.reduce.group):
-            failure = failure or RuntimeError("another process could not capture its step")  # all go eager together
+            failure = failure or "another process could not capture its step"  # all go eager together
         if failure is not None:
             self.disabled = True
-            log.warning("twofour: the training step could not be captured as a CUDA graph (%s: %s); it runs "
-                        "eagerly from now on", type(failure).__name__, (str(failure).splitlines() or [""])[0])
-            torch.cuda.set_stream(stream)  # a capture that fails to end leaves its side stream current
+            log.warning("twofour: the training step could not be captured as a CUDA graph (%s); it runs eagerly "
+                        "from now on", failure)
             torch.cuda.synchronize()
-            _release_generator(grads[0].device)
             self.zero_grad()
             return None
         self.pool = graph.pool()
@@ -140,22 +142,27 @@ class StepGraphs:
         return self.graphs[sig]
 
 
-def _release_generator(device: torch.device) -> None:
-    """Take the device's default CUDA generator out of its capture state after a failed capture.
+def _end_failed_capture(device: torch.device, pool: tuple) -> None:
+    """Undo what a capture that failed to end leaves behind in torch 2.11 (later versions clean up
+    themselves, and then both steps change nothing).
 
-    torch 2.11's generator keeps one capture flag (later versions keep a state per capture): set
-    when a capture begins, cleared only when one ends well, so after a failure every random draw
-    outside a graph on that device (MVUE's seeds, dropout) stops with "Offset increment outside
-    graph capture encountered unexpectedly". A capture of one small kernel on the device, which
-    ends well, clears it again; elsewhere it changes nothing."""
+    Its ``capture_end`` stops at the failed ``cudaStreamEndCapture``, before it ends the
+    allocator's routing of the device's new blocks to the capture's pool, so that routing is
+    ended here. And its generator keeps one capture flag, set when a capture begins and cleared
+    only when one ends well, so every later random draw outside a graph (MVUE's seeds, dropout)
+    would stop with "Offset increment outside graph capture encountered unexpectedly": a capture
+    of one small kernel, which ends well, clears it again."""
+    try:
+        torch._C._cuda_endAllocateToPool(device.index, pool)
+    except (AttributeError, RuntimeError):  # already ended (the capture got that far, or a later torch)
+        pass
     graph = torch.cuda.CUDAGraph()
     try:
         with torch.cuda.device(device), torch.cuda.graph(graph, capture_error_mode="thread_local"):
             torch.zeros(1, device=device).add_(1)
         torch.cuda.synchronize(device)
     except Exception as e:  # noqa: BLE001 - the eager steps then show what is left wrong
-        log.warning("twofour: could not reset the CUDA generator after the failed capture (%s: %s)",
-                    type(e).__name__, (str(e).splitlines() or [""])[0])
+        log.warning("twofour: could not reset the CUDA generator after the failed capture (%s)", one_line(e))
     finally:
         graph.reset()
 
