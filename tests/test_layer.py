@@ -293,3 +293,37 @@ def test_masked_decay_follows_clipping():
     opt.step()
     torch.testing.assert_close(w0 - lin.weight.detach(), clipped + 0.1 * (~mask) * w0)
     assert clipped.norm() < 1e-3 + 1e-6
+
+
+def test_compressed_weight_kept_once_per_step_unless_memory_comes_first():
+    """The fast path's compressed weight is built once and reused while the weight is unchanged;
+    under saved-tensor hooks (activation checkpointing) or with ``keep`` off, every call builds
+    its own and nothing stays, not even what an earlier call kept."""
+    from twofour.sparse.fastpath import CompressedWeight
+
+    calls = []
+
+    class Counting:
+        def compress(self, w, beta, mask, dtype, sparse=True):
+            calls.append(1)
+            return w.clone(), w.clone(), w.new_empty(0)
+
+    w, cw = torch.randn(8, 8), CompressedWeight()
+
+    def get():
+        return cw.get(w, Counting(), None, None, 0, torch.float32)
+
+    get(), get()
+    assert len(calls) == 1  # kept
+    with torch.autograd.graph.saved_tensors_hooks(lambda t: t, lambda t: t):
+        get(), get()
+    assert len(calls) == 3  # each call its own, the kept one dropped
+    get()
+    assert len(calls) == 4  # nothing was kept under the hooks
+    with torch.no_grad():
+        w.add_(1)  # an optimizer step: a new version
+    get(), get()
+    assert len(calls) == 5
+    cw.keep = False
+    get(), get()
+    assert len(calls) == 7 and torch.equal(get()[0], w)

@@ -69,6 +69,9 @@ def test_activation_checkpointing_gives_the_same_loss_and_gradients():
     assert torch.equal(loss, loss_ck) and grads.keys() == grads_ck.keys()
     for name, g in grads.items():
         torch.testing.assert_close(grads_ck[name], g, msg=name)
+    layers = [m for _, m in sparse_layers(checkpoint_blocks(build_model("tiny", "s-ste", vocab_size=64,
+                                                                        block_size=32)))]
+    assert layers and not any(m.compressed.keep for m in layers)  # their compressed weight: never kept
 
 
 @contextlib.contextmanager

@@ -60,15 +60,17 @@ class CompressedWeight:
     compute dtype and the layer's step counter form the key). Inside a captured CUDA graph the
     compression is recorded in the graph instead, so that each replay compresses the current
     weight, and the graph's buffers stay out of the cache. Under saved-tensor hooks (non-reentrant
-    activation checkpointing, offloading) nothing is kept past the call and nothing kept earlier
-    (by an evaluation) stays: the forward and its recomputation compress each, as compiled code
-    does, and so does each micro-batch. Kept, every layer's weight would stay for the step, 3.1
-    bytes per weight on every rank (16.4 GiB a GPU at the Llama-3-8B shape,
-    docs/notes/scale-out.md)."""
+    activation checkpointing, offloading), or always where ``keep`` is False (a layer in a block
+    :func:`twofour.training.parallel.checkpoint_blocks` checkpoints, evaluations included),
+    nothing is kept past the call and nothing kept earlier stays: the forward and its
+    recomputation compress each, as compiled code does, and so does each micro-batch. Kept,
+    every layer's weight would stay for the step, 3.1 bytes per weight on every rank (16.4 GiB a
+    GPU at the Llama-3-8B shape, docs/notes/scale-out.md)."""
 
     def __init__(self) -> None:
         self._key: tuple | None = None
         self._value: Compressed | None = None
+        self.keep = True  # False: never kept past a call (memory first)
 
     def get(self, weight: torch.Tensor, pruner: Pruner, beta: torch.Tensor | None, mask: torch.Tensor | None,
             step: int, dtype: torch.dtype, sparse: bool = True) -> Compressed:
@@ -76,8 +78,8 @@ class CompressedWeight:
         without ``sparse`` the dense W_eff alone (:meth:`Pruner.compress`)."""
         w = weight.detach()
         key = (weight._version, w.data_ptr(), dtype, step, sparse)
-        capturing = torch.cuda.is_current_stream_capturing()
-        saving = not capturing and _saving_memory()
+        capturing = w.is_cuda and torch.cuda.is_current_stream_capturing()
+        saving = not capturing and (not self.keep or _saving_memory())
         if saving:
             self.clear()  # what an evaluation (no hooks under no_grad) kept goes too
         elif not capturing and self._key == key:

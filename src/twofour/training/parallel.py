@@ -92,13 +92,19 @@ def shard(model: nn.Module, policy: FSDPPolicy, mesh=None) -> nn.Module:
 def checkpoint_blocks(model: nn.Module) -> nn.Module:
     """Recompute each block's activations in the backward instead of keeping them (activation
     checkpointing): the memory a deep model at a large batch needs, for about a third more
-    compute. In place, before :func:`shard`; returns ``model``."""
+    compute. The blocks' sparse layers keep no compressed weight past a call, in evaluations
+    either (:class:`~twofour.sparse.fastpath.CompressedWeight`). In place, before :func:`shard`;
+    returns ``model``."""
     from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import (  # noqa: PLC0415
         CheckpointImpl,
         checkpoint_wrapper,
     )
 
     blocks = _units(model)
+    for block in blocks:
+        for layer in block.modules():
+            if isinstance(layer, SparseLinear):
+                layer.compressed.keep = False
     for child in list(model.modules()):
         for attr, sub in list(child.named_children()):
             if any(sub is b for b in blocks):
