@@ -77,17 +77,15 @@ class CompressedWeight:
         """(compressed W_eff, dense W_eff, compressed W_eff^T or empty) for the current weight;
         without ``sparse`` the dense W_eff alone (:meth:`Pruner.compress`)."""
         w = weight.detach()
-        key = (weight._version, w.data_ptr(), dtype, step, sparse)
         capturing = w.is_cuda and torch.cuda.is_current_stream_capturing()
-        saving = not capturing and (not self.keep or _saving_memory())
-        if saving:
-            self.clear()  # what an evaluation (no hooks under no_grad) kept goes too
-        elif not capturing and self._key == key:
-            return self._value
-        value = pruner.compress(w, beta, mask, dtype, sparse)
-        if not capturing and not saving:
-            self._key, self._value = key, value
-        return value
+        if capturing or not self.keep or _saving_memory():  # built for this call alone
+            if not capturing:
+                self.clear()  # what an earlier call kept (an evaluation: no hooks under no_grad) goes too
+            return pruner.compress(w, beta, mask, dtype, sparse)
+        key = (weight._version, w.data_ptr(), dtype, step, sparse)
+        if self._key != key:
+            self._key, self._value = key, pruner.compress(w, beta, mask, dtype, sparse)
+        return self._value
 
     def clear(self) -> None:
         """Forget the cached weight (the next call compresses again; benchmarks use it to count
