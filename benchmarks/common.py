@@ -187,10 +187,11 @@ def train_step_ms(preset: str, batch: int, recipe: Recipe, vocab_size: int = 503
 
 
 def compile_for_hopper(fn, sig: dict[str, str], const: dict, aligned: tuple[str, ...] | list[str],
-                       warps: int) -> tuple[int, int, str, str]:
+                       warps: int, stages: int = 3) -> tuple[int, int, str, str]:
     """(registers, spilled bytes, SASS text, TTGIR) of the Triton kernel ``fn`` compiled for sm_90a
     with the constants ``const`` (named in ``sig`` as constexpr) and the arguments ``aligned``
-    marked divisible by 16, through the ``ptxas``/``cuobjdump`` in Triton's wheel."""
+    marked divisible by 16, ``warps`` warps and ``stages`` software-pipeline stages, through the
+    ``ptxas``/``cuobjdump`` in Triton's wheel."""
     import triton
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
@@ -198,7 +199,7 @@ def compile_for_hopper(fn, sig: dict[str, str], const: dict, aligned: tuple[str,
     sig = {**sig, **{k: "constexpr" for k in const}}
     src = ASTSource(fn=fn, signature=sig, constexprs={(fn.arg_names.index(k),): v for k, v in const.items()},
                     attrs={(fn.arg_names.index(k),): [["tt.divisibility", 16]] for k in aligned})
-    kernel = triton.compile(src, target=GPUTarget("cuda", 90, 32), options={"num_warps": warps})
+    kernel = triton.compile(src, target=GPUTarget("cuda", 90, 32), options={"num_warps": warps, "num_stages": stages})
     bins = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin")
     ptxas = next(p for p in (os.path.join(bins, "ptxas-blackwell"), os.path.join(bins, "ptxas")) if os.path.exists(p))
     with tempfile.TemporaryDirectory() as tmp:

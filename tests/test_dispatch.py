@@ -91,6 +91,21 @@ def test_a_forced_side_or_a_single_candidate_measures_nothing(clean):
     assert not dispatch.choices()
 
 
+def test_a_timer_given_measures_every_candidate_and_keeps_the_fastest(clean, monkeypatch):
+    """``choose`` measures with the timer it is given (the inference routes time graph replays), records
+    each candidate's time and runs the fastest from then on."""
+    monkeypatch.setattr(dispatch, "can_measure", lambda: True)  # as on a GPU outside a capture
+    ran = []
+    cands = {"sparse": lambda: ran.append("sparse"), "sparse_gemv": lambda: ran.append("sparse_gemv")}
+    timer = {"sparse": 0.5, "sparse_gemv": 0.25}
+    with dispatch.override(gemm="auto"):
+        got = dispatch.choose("inf", 64, 32, 1, "row", torch.bfloat16, cands, lambda fn: fn() or timer[ran[-1]])
+        assert got == "sparse_gemv" and ran == ["sparse", "sparse_gemv"]
+        assert dispatch.choose("inf", 64, 32, 1, "row", torch.bfloat16, cands, None) == "sparse_gemv"
+    key = dispatch.choice_key("inf", 64, 32, 1, "row", torch.bfloat16, cands)
+    assert dispatch.choices()[key] == {"choice": "sparse_gemv", "ms": timer}
+
+
 # -- failed routes ----------------------------------------------------------------------------
 
 

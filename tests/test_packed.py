@@ -8,7 +8,18 @@ from twofour import dispatch
 from twofour.functional import mask_24, soft_threshold_24, transposable_mask_24
 from twofour.inference.packed import check_positions, pack_24
 from twofour.kernels import gemv24 as gemv_module
-from twofour.kernels.gemv24 import CONFIGS, DOT_MIN, HAS_TRITON, MAX_TOKENS, Config, configs_for, gemv24, reference
+from twofour.kernels.gemv24 import (
+    CONFIGS,
+    DOT_MIN,
+    HAS_TRITON,
+    MAX_TOKENS,
+    MULTI_TOKENS,
+    Config,
+    configs_for,
+    gemv24,
+    permute_x,
+    reference,
+)
 from twofour.kernels.layout import (
     compress_codes,
     compress_reference,
@@ -91,7 +102,8 @@ needs_triton = pytest.mark.skipif(not HAS_TRITON, reason="needs triton")
 
 
 #: one configuration of each kernel, small enough for the interpreter
-QUAD, DOT, PAIRS = Config("quad", 16, 128, 4), Config("quad_dot", 16, 128, 4), Config("pairs", 16, 128, 4)
+QUAD, MULTI, PAIRS = Config("quad", 16, 128, 4), Config("quad_multi", 16, 32, 4), Config("pairs", 16, 128, 4)
+MMA = Config("quad_mma", 16, 128, 4)
 
 
 def _check_gemv(x, values, positions, bias, config, tol):
@@ -102,13 +114,13 @@ def _check_gemv(x, values, positions, bias, config, tol):
 
 
 @needs_triton
-@pytest.mark.parametrize("tokens", [1, 3, MAX_TOKENS])
+@pytest.mark.parametrize("tokens", [1, 3, 8, MAX_TOKENS])
 @pytest.mark.parametrize("shape", [(64, 128), (40, 96), (33, 264)])
 @pytest.mark.parametrize("dtype,tol", [(torch.float32, 1e-5), (torch.float16, 2e-3), (torch.bfloat16, 2e-2)])
 def test_gemv_kernel_matches_reference(tokens, shape, dtype, tol, device):
     """Every kernel that reads the dtype, with and without bias, rows and inputs not multiples of
     the tile (masked loads). The interpreter's tl.dot is wrong for bf16 (Triton 3.9 on the CPU):
-    quad_dot in bf16 is checked on the GPU (test_gpu_gemv_configs_match_reference)."""
+    the tensor-core kernels in bf16 are checked on the GPU (test_gpu_gemv_configs_match_reference)."""
     n, k = shape
     w = random_24(shape, dtype=dtype)
     values, positions = (t.to(device) for t in pack_24(w))
@@ -116,7 +128,8 @@ def test_gemv_kernel_matches_reference(tokens, shape, dtype, tol, device):
     x = torch.randn(tokens, k, generator=g).to(dtype).to(device)
     bias = torch.randn(n, generator=g).to(dtype).to(device)
     configs = [PAIRS] + ([QUAD] if tokens == 1 and dtype != torch.float32 else [])
-    configs += [DOT] if dtype == torch.float16 or (dtype == torch.bfloat16 and device.type == "cuda") else []
+    configs += [MULTI] if tokens <= MULTI_TOKENS and dtype != torch.float32 else []
+    configs += [MMA] if dtype == torch.float16 or (dtype == torch.bfloat16 and device.type == "cuda") else []
     for b in (bias, None):
         for config in configs:
             _check_gemv(x, values, positions, b, config, tol)
@@ -133,8 +146,9 @@ def test_gemv_kernel_split_k_matches_reference(device):
         x = torch.randn(tokens, 288, device=device).half()
         for b in (bias, None):
             for config in [Config("pairs", 8, 32, 4, 2), Config("pairs", 16, 32, 4, 9),
-                           Config("quad_dot", 16, 128, 4, 2), Config("quad_dot", 32, 128, 4, 3),
-                           Config("quad_dot", 16, 128, 4, 9)]:
+                           Config("quad_mma", 16, 128, 4, 2), Config("quad_mma", 32, 128, 4, 3),
+                           Config("quad_mma", 16, 128, 4, 9),
+                           Config("quad_multi", 16, 32, 4, 2), Config("quad_multi", 8, 64, 2, 5)]:
                 _check_gemv(x, values, positions, b, config, 2e-3)
             if tokens == 1:
                 for config in [Config("quad", 8, 64, 2, 4), Config("quad", 16, 128, 4, 2), Config("quad", 8, 64, 2, 5)]:
@@ -146,19 +160,21 @@ def test_gemv_kernel_reads_strided_input_and_any_tile(device):
     w = random_24((48, 128), dtype=torch.float16)
     values, positions = (t.to(device) for t in pack_24(w))
     x = torch.randn(128, 4, device=device).half().t()  # column-major (4, 128)
-    for config in [Config("pairs", 4, 256, 2), Config("pairs", 32, 64, 4, 3), Config("quad_dot", 16, 256, 4),
-                   Config("quad_dot", 64, 128, 4, 2)]:
+    for config in [Config("pairs", 4, 256, 2), Config("pairs", 32, 64, 4, 3), Config("quad_mma", 16, 256, 4),
+                   Config("quad_mma", 64, 128, 4, 2), Config("quad_multi", 32, 32, 4)]:
         _check_gemv(x, values, positions, None, config, 2e-3)
     for config in [Config("quad", 8, 256, 2), Config("quad", 32, 64, 4, 3)]:
         _check_gemv(x[:1], values, positions, None, config, 2e-3)
 
 
 def test_gemv_configs_per_token_count():
-    """What the GPU measures: the one-token quad kernel only at one token, the tensor-core kernel at
-    every count, the pairs kernel where it fits (alone for weights the quad kernels can't read)."""
+    """What the GPU measures: the one-token quad kernel only at one token, the multi-token CUDA-core
+    one from 2 to MULTI_TOKENS, the tensor-core kernels at every count, the pairs kernel where it fits
+    (alone for weights the quad kernels can't read)."""
     for tokens in range(1, MAX_TOKENS + 1):
         kinds = {c.kernel for c in configs_for(tokens)}
-        want = {"quad_dot"} | ({"quad"} if tokens == 1 else set()) | ({"pairs"} if tokens <= 8 else set())
+        want = ({"quad_mma"} | ({"quad"} if tokens == 1 else set())
+                | ({"quad_multi"} if 1 < tokens <= MULTI_TOKENS else set()) | ({"pairs"} if tokens <= 8 else set()))
         assert kinds == want  # past 8 tokens no pairs tile fits
         assert {c.kernel for c in configs_for(tokens, quad=False)} == {"pairs"}
     assert len({c.name for c in CONFIGS}) == len(CONFIGS)
@@ -166,12 +182,13 @@ def test_gemv_configs_per_token_count():
 
 def test_gemv_configs_build_only_dots_triton_accepts():
     """Triton refuses a tl.dot with a dimension under 16 on the GPU (the interpreter doesn't check):
-    every shipped quad_dot configuration is at or above it, and a smaller one can't be made."""
-    dots = [c.dot_shape for c in CONFIGS if c.kernel == "quad_dot"]
-    assert dots and all(min(d) >= DOT_MIN for d in dots)
-    assert all(c.dot_shape is None for c in CONFIGS if c.kernel != "quad_dot")
-    for bad in [("quad_dot", 16, 64, 4), ("quad_dot", 8, 128, 4), ("quad", 16, 100, 4), ("pairs", 12, 64, 4),
-                ("pairs", 16, 2, 4), ("quad_dot", 64, 256, 4, 0), ("gemm", 16, 128, 4)]:
+    every shipped tensor-core configuration is at or above it, and a smaller one can't be made."""
+    dots = [c.dot_shape for c in CONFIGS if c.kernel == "quad_mma"]
+    assert {c.kernel for c in CONFIGS if c.dot_shape} == {"quad_mma"}
+    assert all(min(d) >= DOT_MIN for d in dots)
+    assert all(c.dot_shape is None for c in CONFIGS if c.kernel != "quad_mma")
+    for bad in [("quad_mma", 16, 64, 4), ("quad_mma", 8, 128, 4), ("quad", 16, 100, 4), ("pairs", 12, 64, 4),
+                ("pairs", 16, 2, 4), ("quad_mma", 64, 256, 4, 0), ("quad_dot", 64, 256, 4), ("gemm", 16, 128, 4)]:
         with pytest.raises(ValueError, match="gemv24 Config"):
             Config(*bad)
 
@@ -179,7 +196,7 @@ def test_gemv_configs_build_only_dots_triton_accepts():
 @needs_triton
 @pytest.mark.parametrize("tokens", [1, 5, MAX_TOKENS])
 def test_gemv_launch_gives_tl_dot_at_least_16(tokens, monkeypatch):
-    """What each measured quad_dot configuration hands the kernel: tokens padded to 16, rows and
+    """What each measured tensor-core configuration hands the kernel: tokens padded to 16, rows and
     quads a step (tl.dot's M, N, K) all >= 16, whatever the split."""
     seen = []
 
@@ -187,11 +204,12 @@ def test_gemv_launch_gives_tl_dot_at_least_16(tokens, monkeypatch):
         def __getitem__(self, grid):
             return lambda *args, **kw: seen.append((kw["BO"], kw["BT"], kw["BQ"]) if "BQ" in kw else None)
 
-    monkeypatch.setattr(gemv_module, "quad_kernels", lambda: {"quad": Recorder(), "quad_dot": Recorder()})
+    kernels = {k: Recorder() for k in ("quad", "quad_multi", "quad_mma")}
+    monkeypatch.setattr(gemv_module, "quad_kernels", lambda: kernels)
     monkeypatch.setattr(gemv_module, "_sum_splits", Recorder())  # the partials' sum: recorded apart
     values, positions = pack_24(random_24((96, 1376), dtype=torch.float16))
     x, y = torch.zeros(tokens, 1376, dtype=torch.float16), torch.empty(tokens, 96, dtype=torch.float16)
-    dot = [c for c in configs_for(tokens) if c.kernel == "quad_dot"]
+    dot = [c for c in configs_for(tokens) if c.kernel == "quad_mma"]
     for config in dot:
         gemv_module.launch(x, values, positions, None, y, config)
     dots = [shape for shape in seen if shape is not None]
@@ -233,8 +251,10 @@ def test_gemv_kernel_bad_input():
     with pytest.raises(ValueError, match="16-bit values"):  # float32: only the pairs kernel reads it
         gemv24(torch.zeros(1, 32), values, positions, config=QUAD)
     half = (values.half(), positions)
-    with pytest.raises(ValueError, match="one token"):
+    with pytest.raises(ValueError, match="at most 1 token"):
         gemv24(torch.zeros(2, 32, dtype=torch.float16), *half, config=QUAD)
+    with pytest.raises(ValueError, match=f"at most {MULTI_TOKENS} token"):
+        gemv24(torch.zeros(MULTI_TOKENS + 1, 32, dtype=torch.float16), *half, config=MULTI)
     with pytest.raises(ValueError, match="don't describe"):
         gemv24(torch.zeros(1, 64), values, positions)
     with pytest.raises(TypeError, match="share a dtype"):
@@ -254,3 +274,14 @@ def test_gpu_gemv_configs_match_reference(shape):
         for config in configs_for(tokens):
             _check_gemv(x, values, positions, bias, config, 2e-2)
         _check_gemv(x, values, positions, None, None, 2e-2)  # the measured choice
+
+
+@needs_triton
+def test_gemv_permuted_input_is_x_by_position_in_quad(device):
+    """The tensor-core kernel's operand: entry (e, q, t) is x[t, 8 q + e], tokens past x's zero, from
+    row-major and strided inputs alike."""
+    x = torch.randn(64, 3, device=device).half().t()  # column-major (3, 64)
+    got = permute_x(x, 16)
+    want = torch.zeros(8, 8, 16, dtype=torch.float16, device=device)
+    want[:, :, :3] = x.reshape(3, 8, 8).permute(2, 1, 0)
+    assert torch.equal(got, want)

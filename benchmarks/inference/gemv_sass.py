@@ -28,26 +28,27 @@ SIG = {"x_ptr": "*bf16", "sxt": "i32", "sxk": "i32", "pos_ptr": "*u8", "p_ptr": 
        "q_per": "i32", "pairs_ptr": "*i32", "q_ptr": "*i64"}
 #: (kernel, tokens, rows, inputs per step, warps) compiled
 VARIANTS = [("quad", 1, 16, 256, 4), ("quad", 1, 32, 512, 8), ("quad", 1, 8, 256, 2),
-            ("quad_dot", 16, 64, 256, 4), ("quad_dot", 16, 64, 512, 4), ("quad_dot", 16, 128, 256, 8),
+            ("quad_multi", 2, 64, 32, 2), ("quad_multi", 8, 128, 32, 4),
+            ("quad_mma", 16, 64, 256, 4), ("quad_mma", 16, 64, 512, 4), ("quad_mma", 16, 128, 512, 8),
             ("pairs", 1, 16, 256, 4), ("pairs", 8, 8, 256, 4)]
 
 
-def compile_kernel(kernel: str, tokens: int, bo: int, bk: int, warps: int) -> tuple[int, int, collections.Counter,
-                                                                                     str, str]:
+def compile_kernel(kernel: str, tokens: int, bo: int, bk: int, warps: int,
+                   stages: int = 3) -> tuple[int, int, collections.Counter, str, str]:
     """(registers, spilled bytes, SASS opcode counts, SASS text, TTGIR) of one variant for bf16
     inputs read row-major (the quad kernels' x as int64 words), every row and input in range."""
     fn = g.triton_kernels()[kernel]
     sig = {k: v for k, v in SIG.items() if k in fn.arg_names}
-    if kernel != "pairs":  # x as int64 words of four inputs
+    if kernel not in ("pairs", "quad_mma"):  # x as int64 words of four inputs
         sig["x_ptr"] = "*i64"
     const = {"HAS_BIAS": False, "BT": tokens, "BO": bo, "PARTIAL": False, "sxk": 1, "IS_BF16": True}
     if kernel == "pairs":
         const.update(BK=bk, VALUE_BITS=16)
     else:
-        const.update(BQ=bk // 8, EVEN=True, **({"X_WORDS": True} if kernel == "quad_dot" else {}))
+        const.update(BQ=bk // 8, EVEN=True)
     aligned = [k for k in ("x_ptr", "pairs_ptr", "q_ptr", "pos_ptr", "p_ptr", "y_ptr", "K", "N", "Q", "sxt",
                            "pos_stride", "k_per", "q_per") if k in fn.arg_names]
-    regs, spill, text, ttgir = compile_for_hopper(fn, sig, const, aligned, warps)
+    regs, spill, text, ttgir = compile_for_hopper(fn, sig, const, aligned, warps, stages)
     return regs, spill, opcodes(text), text, ttgir
 
 

@@ -150,14 +150,54 @@ def median_ms(fn: Callable[[], object], reps: int = 5, calls: int = 4) -> float:
     return statistics.median(times)
 
 
+def graph_median_ms(fn: Callable[[], object], reps: int = 5, calls: int = 4) -> float:
+    """Median over ``reps`` replays of a CUDA graph of ``calls`` calls of ``fn``, per call: the
+    device time alone, as a caller that replays graphs (decoding) runs it; a candidate whose
+    host time exceeds its kernel's (a Triton launch at a few tokens) is not charged for it, as
+    :func:`median_ms` would. Falls back to :func:`median_ms` where the calls can't be captured."""
+    for _ in range(2):
+        fn()
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    graph = torch.cuda.CUDAGraph()
+    try:
+        with torch.cuda.stream(side):
+            graph.capture_begin(capture_error_mode="thread_local")
+            try:
+                for _ in range(calls):
+                    fn()
+            finally:
+                graph.capture_end()
+    except RuntimeError:
+        return median_ms(fn, reps, calls)
+    torch.cuda.current_stream().wait_stream(side)
+    return replay_ms(graph, reps, calls)
+
+
+def replay_ms(graph: torch.cuda.CUDAGraph, reps: int, calls: int = 1) -> float:
+    """Median over ``reps`` replays of ``graph`` of its CUDA-event time, divided by the ``calls``
+    it holds."""
+    times = []
+    for _ in range(reps):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        graph.replay()
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end) / calls)
+    return statistics.median(times)
+
+
 def choose(kind: str, m: int, k: int, n: int, b_order: str, dtype: torch.dtype,
-           candidates: dict[str, Callable[[], object]]) -> str:
+           candidates: dict[str, Callable[[], object]], timer: Callable[[Callable[[], object]], float] | None = None
+           ) -> str:
     """The candidate to run for this operation and shape: an override, a recorded measurement,
     or measure now (:func:`measure`).
 
     :data:`gemm` (``TWOFOUR_GEMM``) ``dense`` or ``sparse`` forces a side for every GEMM;
     :func:`set_choice` forces one. Where nothing may be measured (:func:`can_measure`) the
-    recorded choice is used, else the first sparse candidate.
+    recorded choice is used, else the first sparse candidate. ``timer`` times a candidate in ms
+    (default :func:`median_ms`; :func:`graph_median_ms` for calls that run inside CUDA graphs).
     """
     if len(candidates) == 1:
         return next(iter(candidates))
@@ -169,13 +209,14 @@ def choose(kind: str, m: int, k: int, n: int, b_order: str, dtype: torch.dtype,
         return hit["choice"]
     if not can_measure():
         return next((c for c in candidates if c.startswith("sparse")), next(iter(candidates)))
-    return measure(key, candidates)
+    return measure(key, candidates, timer or median_ms)
 
 
-def measure(key: str, candidates: dict[str, Callable[[], object]]) -> str:
-    """Time every candidate (:func:`median_ms`), record the times and the fastest under ``key``,
-    and return its name."""
-    times = {name: median_ms(fn) for name, fn in candidates.items()}
+def measure(key: str, candidates: dict[str, Callable[[], object]],
+            timer: Callable[[Callable[[], object]], float] = median_ms) -> str:
+    """Time every candidate (``timer``, default :func:`median_ms`), record the times and the
+    fastest under ``key``, and return its name."""
+    times = {name: timer(fn) for name, fn in candidates.items()}
     best = min(times, key=times.get)
     _choices[key] = {"choice": best, "ms": {k2: round(v, 4) for k2, v in times.items()}}
     return best

@@ -139,7 +139,7 @@ class SparseInferenceLinear(nn.Module):
             routes = dispatch.working("inf", self.routes(x2), (n, self.in_features, x2.shape[0], order, cdt,
                                                                 self.bias is not None), "the 2:4 inference kernel")
             choice = dispatch.choose("inf" if self.bias is None else "inf+bias", n, self.in_features, x2.shape[0],
-                                     order, cdt, routes)
+                                     order, cdt, routes, dispatch.graph_median_ms)
             return routes[choice]().reshape(*x.shape[:-1], n)
         if self._dense_key != self._key():
             self.prepare()

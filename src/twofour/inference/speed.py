@@ -3,20 +3,20 @@
 
 from __future__ import annotations
 
-import statistics
 from collections.abc import Callable
 from pathlib import Path
 
 import torch
 from torch import nn
 
+from .. import dispatch
 from ..models.common import FFN_PATTERNS
 from ..models.llama import Llama
 from ..models.presets import PRESETS
 from ..sparse.convert import sparsify
 from .format import load_for_inference, save_inference
 
-__all__ = ["exported_pair", "graph_ms", "tokens_row", "default_vocab"]
+__all__ = ["exported_pair", "captured", "graph_ms", "tokens_row", "default_vocab"]
 
 #: The vocabulary a preset's random model gets by default: Llama's tokenizer, else GPT-2's (padded).
 LLAMA_VOCAB, GPT_VOCAB = 32000, 50304
@@ -42,28 +42,28 @@ def exported_pair(preset: str, folder: str | Path, *, vocab_size: int, context: 
     return load_for_inference(folder, device), load_for_inference(folder, device, dense=True), cfg
 
 
-def graph_ms(fn: Callable[[], object], reps: int, inner: int = 1) -> float:
-    """Median ms of ``reps`` replays of ``fn`` captured in a CUDA graph (``inner`` calls back to back,
-    the time divided by ``inner``), after 2 calls on a side stream (where the dispatch measures and
-    the kernels tune: nothing is measured while capturing)."""
+def captured(fn: Callable[[], object], inner: int = 1) -> torch.cuda.CUDAGraph:
+    """``inner`` calls of ``fn`` captured back to back in a CUDA graph, after 2 calls on a side
+    stream (where the dispatch measures and the kernels tune: nothing is measured while capturing)."""
     side = torch.cuda.Stream()
     side.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(side):
         fn(), fn()
     torch.cuda.current_stream().wait_stream(side)
-    graph, times = torch.cuda.CUDAGraph(), []
+    graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
         for _ in range(inner):
             fn()
-    for _ in range(reps):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        graph.replay()
-        end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end) / inner)
+    return graph
+
+
+def graph_ms(fn: Callable[[], object], reps: int, inner: int = 1) -> float:
+    """Median ms of ``reps`` replays of ``fn`` captured in a CUDA graph (:func:`captured`; ``inner``
+    calls back to back, the time divided by ``inner``)."""
+    graph = captured(fn, inner)
+    ms = dispatch.replay_ms(graph, reps, inner)
     del graph
-    return statistics.median(times)
+    return ms
 
 
 def tokens_row(phase: str, b: int, models: dict[str, nn.Module], vocab: int, prompt: int, steps: int) -> str:

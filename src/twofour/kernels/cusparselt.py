@@ -110,6 +110,7 @@ class PlanKey:
     bias: bool = False
     config: int | None = None  # cuSPARSELt's algorithm configuration id; None: the library's default
     out_dtype: torch.dtype | None = None  # D's dtype; None: A's and B's
+    split_k: int = 1  # the inner dimension split over this many parts (cuSPARSELt's split-K)
 
     @property
     def d_dtype(self) -> torch.dtype:
@@ -141,6 +142,8 @@ class Plan:
         self.alg = L.matmul_alg_selection_init(h, self.mm, L.MatmulAlg.DEFAULT)
         if key.config is not None:
             self._set_alg_attribute(L.MatmulAlgAttribute.CONFIG_ID, key.config)
+        if key.split_k != 1:
+            self._set_alg_attribute(L.MatmulAlgAttribute.SPLIT_K, key.split_k)
         #: the configuration this plan runs, and how many the library has for its shape (ids 0..n-1)
         self.config_id = self._get_alg_attribute(L.MatmulAlgAttribute.CONFIG_ID)
         self.num_configs = self._get_alg_attribute(L.MatmulAlgAttribute.CONFIG_MAX_ID)
@@ -211,11 +214,11 @@ _plans: dict[PlanKey, Plan] = {}
 
 def get_plan(m: int, k: int, n: int, b_order: int, d_order: int, dtype: torch.dtype,
              device: int | None = None, bias: bool = False, config: int | None = None,
-             out_dtype: torch.dtype | None = None) -> Plan:
-    """The cached plan for this shape, orders, operand and output dtypes, device, bias epilogue
-    and algorithm configuration (``None``: cuSPARSELt's default), built on first use."""
+             out_dtype: torch.dtype | None = None, split_k: int = 1) -> Plan:
+    """The cached plan for this shape, orders, operand and output dtypes, device, bias epilogue,
+    algorithm configuration (``None``: cuSPARSELt's default) and split-K, built on first use."""
     return plan_for(PlanKey(m, k, n, b_order, d_order, dtype, torch.cuda.current_device() if device is None else device,
-                            bias, config, None if out_dtype == dtype else out_dtype))
+                            bias, config, None if out_dtype == dtype else out_dtype, split_k))
 
 
 def plan_for(key: PlanKey) -> Plan:

@@ -2,14 +2,15 @@
 positions (``twofour.inference.packed``), 0.5625x of the dense bf16 bytes.
 
 At a few tokens a linear layer is bound by reading its weight, and cuSPARSELt's GEMM needs at
-least 8 columns of padded input; these kernels stream the compact weight once instead. Three
+least 8 columns of padded input; these kernels stream the compact weight once instead. Four
 variants, each a Triton kernel:
 
-* ``quad`` and ``quad_dot`` (:mod:`twofour.kernels.gemv24_quad`), for bf16/fp16 and inputs a
-  multiple of 8 (every layer a GPU runs sparse): the values read as int64 words of two groups,
-  with the position byte of the same two groups, in one (rows, quads) layout throughout; the
-  products on CUDA cores (``quad``, one token) or on tensor cores (``quad_dot``, the tokens
-  padded to 16).
+* ``quad``, ``quad_multi`` and ``quad_mma`` (:mod:`twofour.kernels.gemv24_quad`), for bf16/fp16
+  and inputs a multiple of 8 (every layer a GPU runs sparse): the values read as int64 words of
+  two groups, with the position byte of the same two groups, in one (rows, quads) layout
+  throughout; the products on CUDA cores (``quad``, one token; ``quad_multi``, 2 to
+  :data:`MULTI_TOKENS`) or on tensor cores (``quad_mma``, the tokens padded to 16, x permuted
+  by :func:`permute_x`).
 * ``pairs`` (:func:`_gemv24_pairs_kernel`), for any float dtype and inputs a multiple of 4: each
   group's two values read as one word, its code from the position byte by a shift, x as four
   loads, one per group entry.
@@ -40,9 +41,10 @@ if HAS_TRITON:  # the reference path needs no Triton
     import triton
     import triton.language as tl
 
-    from .gemv24_quad import _store_rows, _sum_splits
+    from .gemv24_quad import _permute_x_kernel, _store_rows, _sum_splits
 
-__all__ = ["gemv24", "reference", "MAX_TOKENS", "HAS_TRITON", "CONFIGS", "Config", "configs_for", "launch",
+__all__ = ["gemv24", "reference", "MAX_TOKENS", "MULTI_TOKENS", "permute_x",
+           "HAS_TRITON", "CONFIGS", "Config", "configs_for", "launch",
            "triton_kernels", "DOT_MIN"]
 
 #: The most tokens (rows of x) the kernels take; more go to cuSPARSELt's GEMM.
@@ -61,8 +63,11 @@ class _Launch(NamedTuple):
 #: tl.dot's smallest M, N and K for 16-bit operands (Triton refuses to build a smaller one on the GPU;
 #: its interpreter does not check, so :func:`dot_shape` is what the CPU tests check)
 DOT_MIN = 16
-_DOT_TOKENS = DOT_MIN  # the quad_dot kernel pads the tokens to tl.dot's smallest N
-_STEP = {"quad": 8, "quad_dot": 8, "pairs": 4}  # inputs a step must be a multiple of: a quad, a group
+_DOT_TOKENS = DOT_MIN  # the tensor-core kernels pad the tokens to tl.dot's smallest N
+_DOT = ("quad_mma",)  # the variants that multiply on tensor cores
+#: The most tokens the CUDA-core multi-token kernel takes (one accumulator a token)
+MULTI_TOKENS = 8
+_STEP = {"quad": 8, "quad_multi": 8, "quad_mma": 8, "pairs": 4}  # inputs a step: quads or groups
 
 
 def _pow2(v: int) -> bool:
@@ -83,8 +88,8 @@ class Config(_Launch):
                 and split >= 1 and stages >= 1):
             raise ValueError(f"gemv24 Config: rows, inputs (a multiple of {_STEP[kernel]}) and warps must be powers "
                              f"of two, split and stages >= 1; got {kernel} {rows}x{inputs} w{warps} s{split} p{stages}")
-        if kernel == "quad_dot" and min(rows, inputs // 8) < DOT_MIN:
-            raise ValueError(f"gemv24 Config: quad_dot's tl.dot needs >= {DOT_MIN} rows and >= {DOT_MIN} quads "
+        if kernel in _DOT and min(rows, inputs // 8) < DOT_MIN:
+            raise ValueError(f"gemv24 Config: {kernel}'s tl.dot needs >= {DOT_MIN} rows and >= {DOT_MIN} quads "
                              f"({8 * DOT_MIN} inputs) a step; got {rows}x{inputs}")
         return super().__new__(cls, kernel, rows, inputs, warps, split, stages)
 
@@ -95,20 +100,22 @@ class Config(_Launch):
     @property
     def dot_shape(self) -> tuple[int, int, int] | None:
         """(M, N, K) of each ``tl.dot`` the launch builds: (rows, padded tokens, quads a step) for
-        ``quad_dot``; None for the kernels without one."""
-        return (self.rows, _DOT_TOKENS, self.inputs // 8) if self.kernel == "quad_dot" else None
+        the tensor-core variants; None for the kernels without one."""
+        return (self.rows, _DOT_TOKENS, self.inputs // 8) if self.kernel in _DOT else None
 
 
 _SPLITS = (1, 2, 3, 4, 6, 8)  # 3 and 6: fewer partial waves where the bands are not a multiple of the SMs
-#: What the GPU measures per shape: ``quad`` (CUDA cores) tiles for one token, ``quad_dot``
-#: (tensor cores) tiles for 1 to 16, each at every split of :data:`_SPLITS`; ``pairs`` wherever
-#: they fit (the only ones where the quad kernels can't read the weight: float32, inputs not a
-#: multiple of 8).
+#: What the GPU measures per shape: ``quad`` (CUDA cores) tiles for one token, ``quad_multi``
+#: (CUDA cores) for 2 to :data:`MULTI_TOKENS`, ``quad_mma`` (tensor cores) for 1 to
+#: 16, each at every split of :data:`_SPLITS`; ``pairs`` wherever they fit (the only ones where the
+#: quad kernels can't read the weight: float32, inputs not a multiple of 8).
 CONFIGS = tuple(
     [Config("quad", r, i, w, s) for r, i, w in ((8, 256, 2), (16, 256, 4), (16, 512, 4), (32, 256, 4),
                                                 (32, 512, 8)) for s in _SPLITS]
-    + [Config("quad_dot", r, i, w, s, p) for r, i, w, p in ((64, 256, 4, 3), (64, 512, 4, 2), (128, 256, 8, 3),
-                                                            (64, 256, 4, 4)) for s in _SPLITS]
+    + [Config("quad_multi", r, i, w, s) for r, i, w in ((128, 32, 4), (256, 32, 4), (512, 32, 8), (64, 32, 2))
+       for s in _SPLITS]
+    + [Config("quad_mma", r, i, w, s, p) for r, i, w, p in ((64, 256, 4, 3), (64, 512, 4, 2), (128, 512, 8, 2),
+                                                            (64, 512, 4, 3)) for s in _SPLITS]
     + [Config("pairs", r, i, w, s) for r, i, w, s in ((16, 256, 4, 1), (8, 256, 4, 4))])
 
 
@@ -129,7 +136,8 @@ def configs_for(tokens: int, quad: bool = True) -> list[Config]:
     pairs = [c for c in CONFIGS if c.kernel == "pairs" and bt * c.rows * (c.inputs // 4) <= 32 * 32 * c.warps]
     if not quad:
         return pairs or [CONFIGS[-1]]
-    return [c for c in CONFIGS if (c.kernel == "quad" and tokens == 1) or c.kernel == "quad_dot"] + pairs
+    fits = {"quad": tokens == 1, "quad_multi": 1 < tokens <= MULTI_TOKENS, "quad_mma": True}
+    return [c for c in CONFIGS if fits.get(c.kernel, False)] + pairs
 
 
 _INTERPRETER_CONFIG = Config("pairs", 16, 128, 4)
@@ -247,14 +255,15 @@ def launch(x: torch.Tensor, values: torch.Tensor, positions: torch.Tensor, bias:
                   num_stages=cfg.stages)
     if quad:
         even = n % cfg.rows == 0 and units % step == 0
-        bt = _DOT_TOKENS if cfg.kernel == "quad_dot" else 1
-        # x as int64 words of 4 inputs where its rows allow (always for the one-token kernel)
+        bt = {"quad": 1, "quad_multi": _block_tokens(t)}.get(cfg.kernel, _DOT_TOKENS)
+        # x as int64 words of 4 inputs where its rows allow (always for the CUDA-core kernels)
         aligned = x.stride(1) == 1 and x.data_ptr() % 8 == 0
         if cfg.kernel == "quad":
             xin = (x[0] if aligned else x[0].clone()).view(torch.int64)
+        elif cfg.kernel == "quad_multi":
+            xin = (x if aligned and x.stride(0) % 4 == 0 else x.contiguous()).view(torch.int64)
         else:
-            common["X_WORDS"] = aligned and x.stride(0) % 4 == 0
-            xin = x.view(torch.int64) if common["X_WORDS"] else x
+            xin = permute_x(x, bt)
         quad_kernels()[cfg.kernel][grid](xin, xin.stride(0), x.stride(1), values.view(torch.int64), positions, b,
                                          out, t, n, units, per, BT=bt, BQ=step, EVEN=even,
                                          IS_BF16=values.dtype == torch.bfloat16, **common)
@@ -266,6 +275,16 @@ def launch(x: torch.Tensor, values: torch.Tensor, positions: torch.Tensor, bias:
     if split > 1:
         _sum_splits[(triton.cdiv(t * n, 1024),)](out, b, y, t * n, n, split, HAS_BIAS=bias is not None, BLOCK=1024,
                                                  num_warps=4)
+
+
+def permute_x(x: torch.Tensor, tokens: int) -> torch.Tensor:
+    """x (T, K) as the ``quad_mma`` kernel reads it: (8, K/8, tokens), entry (e, q, t) = x[t, 8 q + e],
+    tokens past T zero (one small kernel)."""
+    t, k = x.shape
+    out = torch.empty(8, k // 8, tokens, dtype=x.dtype, device=x.device)
+    _permute_x_kernel[(triton.cdiv(out.numel(), 1024),)](x, x.stride(0), x.stride(1), out, t, k // 8, BT=tokens,
+                                                         BLOCK=1024)
+    return out
 
 
 def gemv24(x: torch.Tensor, values: torch.Tensor, positions: torch.Tensor, bias: torch.Tensor | None = None, *,
@@ -295,8 +314,9 @@ def gemv24(x: torch.Tensor, values: torch.Tensor, positions: torch.Tensor, bias:
     if config is not None and config.kernel != "pairs" and not quad:
         raise ValueError(f"gemv24: the {config.kernel} kernel reads 16-bit values and inputs a multiple of 8; got "
                          f"{values.dtype}, {k} inputs")
-    if config is not None and config.kernel == "quad" and t > 1:
-        raise ValueError(f"gemv24: the quad kernel takes one token, got {t}")
+    most = {"quad": 1, "quad_multi": MULTI_TOKENS}.get(config.kernel, MAX_TOKENS) if config else MAX_TOKENS
+    if t > most:
+        raise ValueError(f"gemv24: the {config.kernel} kernel takes at most {most} token(s), got {t}")
     bias = None if bias is None else bias.contiguous()
     y = torch.empty(t, n, dtype=x.dtype, device=x.device)
     if config is None:
@@ -333,10 +353,10 @@ def _choose(x, values, positions, bias, y, quad: bool) -> Config:
     where = (n, k, _block_tokens(t), x.dtype, bias is not None)
     calls = dispatch.working("gemv24", calls, where, "the 2:4 GEMV configuration")
     order = "bias" if bias is not None else "nobias"
-    return cands[dispatch.choose("gemv24", n, k, _block_tokens(t), order, x.dtype, calls)]
+    return cands[dispatch.choose("gemv24", n, k, _block_tokens(t), order, x.dtype, calls, dispatch.graph_median_ms)]
 
 
 def triton_kernels() -> dict[str, object]:
-    """The Triton kernels :func:`gemv24` launches by variant (``quad``, ``quad_dot``, ``pairs``;
+    """The Triton kernels :func:`gemv24` launches by variant (``quad``, ``quad_multi``, ``quad_mma``, ``pairs``;
     empty without Triton), for tools that compile them on their own (``benchmarks/inference/gemv_sass.py``)."""
     return {**quad_kernels(), "pairs": _gemv24_pairs_kernel} if HAS_TRITON else {}
