@@ -5,7 +5,9 @@ barriers, shared-memory traffic, tensor-core instructions, 16-byte global loads 
 
     PYTHONPATH=src python benchmarks/inference/gemv_sass.py
 
-Compiles through ``common.compile_for_hopper`` (Triton's own ``ptxas``/``cuobjdump``). Each
+The loop's instructions are those of one step over the inputs (a tile of rows x inputs): what a
+warp issues per weight byte, where a kernel is bound by issue rather than memory. Compiles
+through ``common.compile_for_hopper`` (Triton's own ``ptxas``/``cuobjdump``). Each
 layout conversion in the loop is a round trip through shared memory between barriers; the
 ``quad`` kernel (CUDA cores) should have none. The GPU's measurement, not this count, picks the
 variant per shape; this says why a variant can be slow.
@@ -52,8 +54,17 @@ def compile_kernel(kernel: str, tokens: int, bo: int, bk: int, warps: int,
     return regs, spill, opcodes(text), text, ttgir
 
 
+def loop_instructions(text: str) -> int:
+    """SASS instructions in the longest backward branch's body: the loop over the inputs, one step."""
+    rows = [(int(a, 16), op, rest) for a, op, rest in
+            re.findall(r"^\s+/\*([0-9a-f]{4,})\*/\s+(?:@!?U?P\w+\s+)?([A-Z0-9_.]+)([^;]*);", text, flags=re.M)]
+    spans = [(a - int(m.group(1), 16)) // 16 + 1 for a, op, rest in rows if op.startswith("BRA")
+             for m in [re.search(r"0x([0-9a-f]+)", rest)] if m and int(m.group(1), 16) < a]
+    return max(spans, default=0)
+
+
 def main() -> None:
-    print("| kernel | tokens | rows x inputs x warps | registers (spill B) | SASS | barriers | STS / LDS "
+    print("| kernel | tokens | rows x inputs x warps | registers (spill B) | SASS (in the loop) | barriers | STS / LDS "
           "| HGMMA / HMMA | 16-byte / all global loads | conversions in the loop |")
     print("|---|---|---|---|---|---|---|---|---|---|")
     for kernel, tokens, bo, bk, warps in VARIANTS:
@@ -62,7 +73,8 @@ def main() -> None:
         conv = sum(body.count("convert_layout") for body in loops)
         ldg = sum(v for k, v in ops.items() if k in ("LDG", "LDGSTS"))
         ldg128 = len(re.findall(r"LDG(?:STS)?\.E\.(?:\w+\.)*128", text))
-        print(f"| {kernel} | {tokens} | {bo} x {bk} x {warps} | {regs} ({spill}) | {sum(ops.values())} | {ops['BAR']} "
+        print(f"| {kernel} | {tokens} | {bo} x {bk} x {warps} | {regs} ({spill}) "
+              f"| {sum(ops.values())} ({loop_instructions(text)}) | {ops['BAR']} "
               f"| {ops['STS']} / {ops['LDS']} | {ops['HGMMA']} / {ops['HMMA']} | {ldg128} / {ldg} | {conv} |",
               flush=True)
 
