@@ -106,6 +106,22 @@ def test_a_timer_given_measures_every_candidate_and_keeps_the_fastest(clean, mon
     assert dispatch.choices()[key] == {"choice": "sparse_gemv", "ms": timer}
 
 
+@pytest.mark.gpu
+def test_gpu_graph_timing_scores_what_cannot_be_captured_as_infinity(clean):
+    """A candidate is timed as replays of a captured graph; one that can't be captured (it
+    synchronizes the device) scores infinity, and leaves eager work and random draws working."""
+    a = torch.zeros(1 << 20, device="cuda")
+    assert 0 < dispatch.graph_median_ms(lambda: a.add_(1.0)) < 1.0
+
+    def syncs() -> None:
+        a.add_(1.0)
+        torch.cuda.synchronize()
+
+    assert dispatch.graph_median_ms(syncs) == float("inf")
+    assert torch.randn(8, device="cuda").isfinite().all() and a.add_(1.0).isfinite().all()
+    assert 0 < dispatch.graph_median_ms(lambda: a.add_(1.0)) < 1.0
+
+
 # -- failed routes ----------------------------------------------------------------------------
 
 

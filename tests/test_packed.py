@@ -114,7 +114,7 @@ def _check_gemv(x, values, positions, bias, config, tol):
 
 
 @needs_triton
-@pytest.mark.parametrize("tokens", [1, 3, 8, MAX_TOKENS])
+@pytest.mark.parametrize("tokens", [1, 2, 3, 8, MAX_TOKENS])
 @pytest.mark.parametrize("shape", [(64, 128), (40, 96), (33, 264)])
 @pytest.mark.parametrize("dtype,tol", [(torch.float32, 1e-5), (torch.float16, 2e-3), (torch.bfloat16, 2e-2)])
 def test_gemv_kernel_matches_reference(tokens, shape, dtype, tol, device):
@@ -264,12 +264,12 @@ def test_gemv_kernel_bad_input():
 @pytest.mark.gpu
 @pytest.mark.parametrize("shape", [(256, 512), (96, 1376)])
 def test_gpu_gemv_configs_match_reference(shape):
-    """Every configuration the GPU measures, bf16, at 1, 5 and 16 tokens: rows and quads that fill
+    """Every configuration the GPU measures, bf16, at 1, 2, 5 and 16 tokens: rows and quads that fill
     whole tiles, and ones that don't (1376 inputs: 172 quads)."""
     n, k = shape
     values, positions = (t.cuda() for t in pack_24(random_24(shape, dtype=torch.bfloat16)))
     bias = torch.randn(n, device="cuda").bfloat16()
-    for tokens in (1, 5, MAX_TOKENS):
+    for tokens in (1, 2, 5, MAX_TOKENS):
         x = torch.randn(tokens, k, device="cuda").bfloat16()
         for config in configs_for(tokens):
             _check_gemv(x, values, positions, bias, config, 2e-2)

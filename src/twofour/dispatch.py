@@ -34,9 +34,8 @@ from collections.abc import Callable, Iterator
 import torch
 
 __all__ = ["fast", "gemm", "build_kernels", "set_fast", "set_gemm", "set_build_kernels", "override", "GEMM_MODES",
-           "choice_key", "can_measure",
-           "median_ms", "choose", "measure", "recorded", "choices", "choice_lines", "set_choice",
-           "clear_choices",
+           "choice_key", "can_measure", "median_ms", "graph_median_ms", "replay_ms", "end_failed_capture",
+           "choose", "measure", "recorded", "choices", "choice_lines", "set_choice", "clear_choices",
            "on_choice_change", "failed", "record_failure", "working", "failures", "clear_failures"]
 
 log = logging.getLogger("twofour")
@@ -154,29 +153,65 @@ def graph_median_ms(fn: Callable[[], object], reps: int = 5, calls: int = 4) -> 
     """Median over ``reps`` replays of a CUDA graph of ``calls`` calls of ``fn``, per call: the
     device time alone, as a caller that replays graphs (decoding) runs it; a candidate whose
     host time exceeds its kernel's (a Triton launch at a few tokens) is not charged for it, as
-    :func:`median_ms` would. Falls back to :func:`median_ms` where the calls can't be captured."""
-    for _ in range(2):
-        fn()
+    :func:`median_ms` would. A candidate that can't be captured scores infinity (it could not run
+    inside the caller's graph either), and the device is left as it was (:func:`end_failed_capture`)."""
     side = torch.cuda.Stream()
     side.wait_stream(torch.cuda.current_stream())
+    graph, pool, failure = torch.cuda.CUDAGraph(), torch.cuda.graph_pool_handle(), None
+    with torch.cuda.stream(side):
+        for _ in range(2):  # warm-up on the capturing stream: what a library sets up per stream, set up now
+            fn()
+        graph.capture_begin(pool=pool, capture_error_mode="thread_local")
+        try:
+            for _ in range(calls):
+                fn()
+        except Exception as e:  # noqa: BLE001 - the capture still has to end
+            failure = e
+        try:
+            graph.capture_end()
+        except Exception as e:  # noqa: BLE001 - a voided capture
+            failure = failure or e
+    torch.cuda.current_stream().wait_stream(side)
+    if failure is not None:
+        log.debug("twofour: a candidate could not be captured for timing: %s: %s", type(failure).__name__,
+                  str(failure).splitlines()[0] if str(failure) else "")
+        del failure
+        graph.reset()
+        end_failed_capture(side.device, pool)
+        return float("inf")
+    return replay_ms(graph, reps, calls)
+
+
+def end_failed_capture(device: torch.device, pool: tuple) -> None:
+    """Undo what a capture that failed to end leaves behind in torch 2.11 (later versions clean up
+    themselves, and then both steps change nothing).
+
+    Its ``capture_end`` stops at the failed ``cudaStreamEndCapture``, before it ends the
+    allocator's routing of the device's new blocks to the capture's pool, so that routing is
+    ended here. And its generator keeps one capture flag, set when a capture begins and cleared
+    only when one ends well, so every later random draw outside a graph (MVUE's seeds, dropout)
+    would stop with "Offset increment outside graph capture encountered unexpectedly": a capture
+    of one small kernel, which ends well, clears it again."""
+    try:
+        torch._C._cuda_endAllocateToPool(device.index, pool)
+    except (AttributeError, RuntimeError):  # already ended (the capture got that far, or a later torch)
+        pass
     graph = torch.cuda.CUDAGraph()
     try:
-        with torch.cuda.stream(side):
-            graph.capture_begin(capture_error_mode="thread_local")
-            try:
-                for _ in range(calls):
-                    fn()
-            finally:
-                graph.capture_end()
-    except RuntimeError:
-        return median_ms(fn, reps, calls)
-    torch.cuda.current_stream().wait_stream(side)
-    return replay_ms(graph, reps, calls)
+        with torch.cuda.device(device), torch.cuda.graph(graph, capture_error_mode="thread_local"):
+            torch.zeros(1, device=device).add_(1)
+        torch.cuda.synchronize(device)
+    except Exception as e:  # noqa: BLE001 - what is left wrong then shows where it matters
+        log.warning("twofour: could not reset the CUDA generator after a failed capture (%s: %s)",
+                    type(e).__name__, str(e).splitlines()[0] if str(e) else "")
+    finally:
+        graph.reset()
 
 
 def replay_ms(graph: torch.cuda.CUDAGraph, reps: int, calls: int = 1) -> float:
     """Median over ``reps`` replays of ``graph`` of its CUDA-event time, divided by the ``calls``
     it holds."""
+    graph.replay()  # the first replay uploads the graph: not timed
     times = []
     for _ in range(reps):
         start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)

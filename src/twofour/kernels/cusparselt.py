@@ -144,6 +144,8 @@ class Plan:
             self._set_alg_attribute(L.MatmulAlgAttribute.CONFIG_ID, key.config)
         if key.split_k != 1:
             self._set_alg_attribute(L.MatmulAlgAttribute.SPLIT_K, key.split_k)
+        #: the split-K the plan runs (the library may keep another than asked)
+        self.split_k = self._get_alg_attribute(L.MatmulAlgAttribute.SPLIT_K)
         #: the configuration this plan runs, and how many the library has for its shape (ids 0..n-1)
         self.config_id = self._get_alg_attribute(L.MatmulAlgAttribute.CONFIG_ID)
         self.num_configs = self._get_alg_attribute(L.MatmulAlgAttribute.CONFIG_MAX_ID)

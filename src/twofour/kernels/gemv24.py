@@ -261,7 +261,8 @@ def launch(x: torch.Tensor, values: torch.Tensor, positions: torch.Tensor, bias:
         if cfg.kernel == "quad":
             xin = (x[0] if aligned else x[0].clone()).view(torch.int64)
         elif cfg.kernel == "quad_multi":
-            xin = (x if aligned and x.stride(0) % 4 == 0 else x.contiguous()).view(torch.int64)
+            xin = (x if aligned and x.stride(0) % 4 == 0 else x.clone(memory_format=torch.contiguous_format)
+                   ).view(torch.int64)
         else:
             xin = permute_x(x, bt)
         quad_kernels()[cfg.kernel][grid](xin, xin.stride(0), x.stride(1), values.view(torch.int64), positions, b,

@@ -5,7 +5,7 @@ A row's values viewed as int64 words hold two groups each (four 16-bit values), 
 groups whose two 4-bit codes share one position byte. So a program loads two tiles of one
 (rows, quads) shape: the words (8 bytes an element, 16-byte vector loads along the row) and the
 position bytes, and everything after is elementwise in that layout: no split, join or reshape
-(each a round trip through shared memory), one layout for the whole loop. The two groups of a
+of the weight tiles (each a round trip through shared memory), one layout for the whole loop. The two groups of a
 quad are handled one after the other (low half of the word with the low nibble, then the high
 ones), so the sum over the inputs runs in an order other than the columns', which a sum may.
 
@@ -13,7 +13,7 @@ ones), so the sum over the inputs runs in an order other than the columns', whic
   of x its position selects, x read from L1 as int64 words of a group's four inputs and the
   entry taken by a shift of 16 x its position, so a group costs two multiply-adds rather than
   the dense four.
-* :func:`_quad_multi_kernel` (CUDA cores, 2 to 8 tokens): each quad's eight weight entries placed
+* :func:`_quad_multi_kernel` (CUDA cores, up to 8 tokens; measured from 2): each quad's eight weight entries placed
   once (zero where not kept) and multiplied with every token's inputs, one (rows, quads)
   accumulator a token; x read as 16-byte vectors of a token's inputs for the step's quads.
 * :func:`_quad_mma_kernel` (tensor cores, tokens padded to 16): each group's four weight entries
@@ -158,17 +158,6 @@ def _entry16(pair, HIGH: tl.constexpr, IS_BF16: tl.constexpr):
 
 
 @jit
-def _plane(v0, v1, i0, i1, E: tl.constexpr):
-    """Entry ``E`` of each group: v0 where it is the first kept position, v1 the second, else 0."""
-    if E == 0:
-        return tl.where(i0 == 0, v0, 0.0)
-    elif E == 3:
-        return tl.where(i1 == 3, v1, 0.0)
-    else:
-        return tl.where(i0 == E, v0, tl.where(i1 == E, v1, 0.0))
-
-
-@jit
 def _x_quads(x_ptr, sxt, k, q0, Q, T, BQ: tl.constexpr, IS_BF16: tl.constexpr):
     """Token ``k``'s eight inputs of each of the quads q0 .. q0 + BQ: eight (BQ,) float32 tensors,
     from one contiguous load of 2 BQ int64 words (zero past the inputs); bf16 by one shift or
@@ -211,7 +200,7 @@ def _store_token(acc, k, y_ptr, bias_ptr, o, om, T, N, HAS_BIAS: tl.constexpr, P
 def _quad_multi_kernel(x_ptr, sxt, sxk, q_ptr, p_ptr, bias_ptr, y_ptr, T, N, Q, q_per, HAS_BIAS: tl.constexpr,
                        BT: tl.constexpr, BO: tl.constexpr, BQ: tl.constexpr, PARTIAL: tl.constexpr,
                        EVEN: tl.constexpr, IS_BF16: tl.constexpr):
-    """Rows ``BO`` of y over quads [s q_per, (s + 1) q_per) for split s, 2 to 8 tokens (BT <= 8)
+    """Rows ``BO`` of y over quads [s q_per, (s + 1) q_per) for split s, up to 8 tokens (BT <= 8)
     on CUDA cores: each quad's eight weight entries placed once (float32, zero where not kept)
     and multiplied with every token's inputs; one (rows, quads) accumulator a token, in the
     weights' layout (no layout conversion in the loop); x given as int64 words of 4 inputs."""

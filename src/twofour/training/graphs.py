@@ -25,6 +25,7 @@ from collections.abc import Callable, Sequence
 import torch
 import torch.distributed as dist
 
+from .. import dispatch
 from ..errors import one_line
 from ..sparse.layer import SparseLinear
 from .parallel import everywhere
@@ -127,7 +128,7 @@ class StepGraphs:
             torch.cuda.set_stream(stream)  # a capture that fails to end leaves its side stream current
             # what failed inside comes second, where ending the voided capture raised over it
             failure = one_line(e) + (f" (after {one_line(e.__context__)})" if e.__context__ is not None else "")
-            _end_failed_capture(device, pool)
+            dispatch.end_failed_capture(device, pool)
         if self.reduce is not None and not everywhere(failure is None, self.reduce.world, self.reduce.group):
             failure = failure or "another process could not capture its step"  # all go eager together
         if failure is not None:
@@ -140,31 +141,6 @@ class StepGraphs:
         self.pool = graph.pool()
         self.graphs[sig] = (graph, inputs, (loss, norm))
         return self.graphs[sig]
-
-
-def _end_failed_capture(device: torch.device, pool: tuple) -> None:
-    """Undo what a capture that failed to end leaves behind in torch 2.11 (later versions clean up
-    themselves, and then both steps change nothing).
-
-    Its ``capture_end`` stops at the failed ``cudaStreamEndCapture``, before it ends the
-    allocator's routing of the device's new blocks to the capture's pool, so that routing is
-    ended here. And its generator keeps one capture flag, set when a capture begins and cleared
-    only when one ends well, so every later random draw outside a graph (MVUE's seeds, dropout)
-    would stop with "Offset increment outside graph capture encountered unexpectedly": a capture
-    of one small kernel, which ends well, clears it again."""
-    try:
-        torch._C._cuda_endAllocateToPool(device.index, pool)
-    except (AttributeError, RuntimeError):  # already ended (the capture got that far, or a later torch)
-        pass
-    graph = torch.cuda.CUDAGraph()
-    try:
-        with torch.cuda.device(device), torch.cuda.graph(graph, capture_error_mode="thread_local"):
-            torch.zeros(1, device=device).add_(1)
-        torch.cuda.synchronize(device)
-    except Exception as e:  # noqa: BLE001 - the eager steps then show what is left wrong
-        log.warning("twofour: could not reset the CUDA generator after the failed capture (%s)", one_line(e))
-    finally:
-        graph.reset()
 
 
 class GradAllReduce:
