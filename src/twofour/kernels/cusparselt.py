@@ -142,10 +142,12 @@ class Plan:
         self.alg = L.matmul_alg_selection_init(h, self.mm, L.MatmulAlg.DEFAULT)
         if key.config is not None:
             self._set_alg_attribute(L.MatmulAlgAttribute.CONFIG_ID, key.config)
+        #: the split-K the plan runs (the library may keep another than asked); plans that ask for
+        #: none, every plan the layers build, don't query it
+        self.split_k = 1
         if key.split_k != 1:
             self._set_alg_attribute(L.MatmulAlgAttribute.SPLIT_K, key.split_k)
-        #: the split-K the plan runs (the library may keep another than asked)
-        self.split_k = self._get_alg_attribute(L.MatmulAlgAttribute.SPLIT_K)
+            self.split_k = self._get_alg_attribute(L.MatmulAlgAttribute.SPLIT_K)
         #: the configuration this plan runs, and how many the library has for its shape (ids 0..n-1)
         self.config_id = self._get_alg_attribute(L.MatmulAlgAttribute.CONFIG_ID)
         self.num_configs = self._get_alg_attribute(L.MatmulAlgAttribute.CONFIG_MAX_ID)
