@@ -5,17 +5,19 @@ A row's values viewed as int64 words hold two groups each (four 16-bit values), 
 groups whose two 4-bit codes share one position byte. So a program loads two tiles of one
 (rows, quads) shape: the words (8 bytes an element, 16-byte vector loads along the row) and the
 position bytes, and everything after is elementwise in that layout: no split, join or reshape
-of the weight tiles (each a round trip through shared memory), one layout for the whole loop. The two groups of a
-quad are handled one after the other (low half of the word with the low nibble, then the high
-ones), so the sum over the inputs runs in an order other than the columns', which a sum may.
+of the weight tiles (each a round trip through shared memory), one layout for the whole loop.
+The two groups of a quad are handled one after the other (low half of the word with the low
+nibble, then the high ones), so the sum over the inputs runs in an order other than the
+columns', which a sum may.
 
 * :func:`_quad_fma_kernel` (CUDA cores, one token): each kept value is multiplied by the entry
   of x its position selects, x read from L1 as int64 words of a group's four inputs and the
   entry taken by a shift of 16 x its position, so a group costs two multiply-adds rather than
   the dense four.
-* :func:`_quad_multi_kernel` (CUDA cores, up to 8 tokens; measured from 2): each quad's eight weight entries placed
-  once (zero where not kept) and multiplied with every token's inputs, one (rows, quads)
-  accumulator a token; x read as 16-byte vectors of a token's inputs for the step's quads.
+* :func:`_quad_multi_kernel` (CUDA cores, up to 8 tokens; measured from 2): each quad's eight
+  weight entries placed once (zero where not kept) and multiplied with every token's inputs,
+  one (rows, quads) accumulator a token; x read as 16-byte vectors of a token's inputs for the
+  step's quads.
 * :func:`_quad_mma_kernel` (tensor cores, tokens padded to 16): each group's four weight entries
   placed in four (rows, quads) planes, each multiplied by ``tl.dot`` with the matching (quads,
   tokens) tile of x, which comes permuted by position in the quad (:func:`_permute_x_kernel`)
