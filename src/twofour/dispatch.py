@@ -244,13 +244,14 @@ def choose(kind: str, m: int, k: int, n: int, b_order: str, dtype: torch.dtype,
         return hit["choice"]
     if not can_measure():
         return next((c for c in candidates if c.startswith("sparse")), next(iter(candidates)))
-    return measure(key, candidates, timer or median_ms)
+    return measure(key, candidates, timer)
 
 
 def measure(key: str, candidates: dict[str, Callable[[], object]],
-            timer: Callable[[Callable[[], object]], float] = median_ms) -> str:
+            timer: Callable[[Callable[[], object]], float] | None = None) -> str:
     """Time every candidate (``timer``, default :func:`median_ms`), record the times and the
     fastest under ``key``, and return its name."""
+    timer = timer or median_ms  # looked up now, not when this function was defined
     times = {name: timer(fn) for name, fn in candidates.items()}
     best = min(times, key=times.get)
     _choices[key] = {"choice": best, "ms": {k2: round(v, 4) for k2, v in times.items()}}
