@@ -29,7 +29,7 @@ import torch
 from torch import nn
 
 import twofour
-from twofour.inference import speed
+from twofour.inference import SparseInferenceLinear, speed
 from twofour.models import FFN_IN_PATTERNS, FFN_PATTERNS, PRESETS
 from twofour.sparse import Recipe, attach, sparsify
 from twofour.training.config import CUDA_GRAPH_MODES
@@ -106,6 +106,42 @@ def host_ms(fn: Callable[[], object], n: int = 50) -> float:
     t1 = time.perf_counter()
     torch.cuda.synchronize()
     return (t1 - t0) / n * 1e3
+
+
+#: The weight copies a decoding-size timing cycles through: well past an H100's or H200's 50 MB L2,
+#: as a decoding step streams each layer's weight once
+L2_BYTES = 256 * 2**20
+
+
+def copies_past_l2(nbytes: int) -> int:
+    """How many copies of an ``nbytes`` operand exceed :data:`L2_BYTES` (at least 2)."""
+    return max(2, -(-L2_BYTES // nbytes))
+
+
+def cycled_us(fns: list[Callable[[], object]], reps: int = 10) -> float:
+    """Microseconds per call of a CUDA graph that runs each of ``fns`` (one per weight copy) in turn."""
+    return graph_ms(lambda: [f() for f in fns], reps=reps) / len(fns) * 1e3
+
+
+def weight_bytes(mod: nn.Module) -> int:
+    """Bytes a linear's kernels read for its weight (2:4: values and positions)."""
+    if isinstance(mod, SparseInferenceLinear):
+        return mod.values.numel() * mod.values.element_size() + mod.positions.numel()
+    return mod.weight.numel() * mod.weight.element_size()
+
+
+def kernel_times(prof, n: int, skip: tuple[str, ...] = ()) -> dict[str, tuple[float, float]]:
+    """{kernel name: (us per call, launches per call)} of a finished ``torch.profiler`` run over
+    ``n`` calls: the GPU's own entries only (an operator's CPU entry also counts the kernels it
+    launched), less the GPU spans of the ranges named in ``skip``."""
+    from torch.autograd import DeviceType  # noqa: PLC0415
+
+    out = {}
+    for evt in prof.key_averages():
+        us = getattr(evt, "device_time_total", None) or getattr(evt, "cuda_time_total", 0.0)
+        if evt.device_type == DeviceType.CUDA and evt.key not in skip and us > 0:
+            out[evt.key] = (us / n, evt.count / n)
+    return out
 
 
 def copy_bandwidth() -> float:
@@ -187,11 +223,10 @@ def train_step_ms(preset: str, batch: int, recipe: Recipe, vocab_size: int = 503
 
 
 def compile_for_hopper(fn, sig: dict[str, str], const: dict, aligned: tuple[str, ...] | list[str],
-                       warps: int, stages: int = 3) -> tuple[int, int, str, str]:
+                       warps: int) -> tuple[int, int, str, str]:
     """(registers, spilled bytes, SASS text, TTGIR) of the Triton kernel ``fn`` compiled for sm_90a
     with the constants ``const`` (named in ``sig`` as constexpr) and the arguments ``aligned``
-    marked divisible by 16, ``warps`` warps and ``stages`` software-pipeline stages, through the
-    ``ptxas``/``cuobjdump`` in Triton's wheel."""
+    marked divisible by 16, through the ``ptxas``/``cuobjdump`` in Triton's wheel."""
     import triton
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
@@ -199,7 +234,7 @@ def compile_for_hopper(fn, sig: dict[str, str], const: dict, aligned: tuple[str,
     sig = {**sig, **{k: "constexpr" for k in const}}
     src = ASTSource(fn=fn, signature=sig, constexprs={(fn.arg_names.index(k),): v for k, v in const.items()},
                     attrs={(fn.arg_names.index(k),): [["tt.divisibility", 16]] for k in aligned})
-    kernel = triton.compile(src, target=GPUTarget("cuda", 90, 32), options={"num_warps": warps, "num_stages": stages})
+    kernel = triton.compile(src, target=GPUTarget("cuda", 90, 32), options={"num_warps": warps})
     bins = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin")
     ptxas = next(p for p in (os.path.join(bins, "ptxas-blackwell"), os.path.join(bins, "ptxas")) if os.path.exists(p))
     with tempfile.TemporaryDirectory() as tmp:

@@ -5,7 +5,6 @@ import json
 import math
 import os
 import shutil
-import socket
 import subprocess
 import sys
 from pathlib import Path
@@ -18,6 +17,8 @@ from twofour.cli import build_parser, main
 from twofour.functional import mask_24
 from twofour.sparse import sparse_layers
 from twofour.training.runs import pyplot, read_checkpoint, source_digest
+
+from .helpers import free_port
 
 SMALL = ["--model", "tiny", "--steps", "8", "--batch-size", "4", "--seq-len", "32", "--eval-interval", "4",
          "--eval-iters", "2", "--log-interval", "1", "--no-progress"]
@@ -320,9 +321,7 @@ def test_checkpoints_load_safely(tmp_path, corpus, capsys):
 def test_torchrun_two_processes(tmp_path, corpus, model, fsdp):
     """2 CPU processes over gloo: trains, only rank 0 writes, replicas stay identical (checked in-run)."""
     out = tmp_path / "ddp"
-    with socket.socket() as sock:  # a free port for the rendezvous
-        sock.bind(("127.0.0.1", 0))
-        port = str(sock.getsockname()[1])
+    port = str(free_port())  # for the rendezvous
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-port", port,
            "-m", "twofour", "train", *SMALL, "--model", model, "--data", corpus, "--out", str(out),
            "--ckpt-interval", "4",

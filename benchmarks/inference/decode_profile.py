@@ -30,10 +30,10 @@ from torch.autograd import DeviceType
 from torch.profiler import ProfilerActivity, profile
 
 from twofour.inference import SparseInferenceLinear
-from twofour.inference.speed import captured, default_vocab, exported_pair, graph_ms
+from twofour.inference.speed import captured, default_vocab, exported_pair
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # benchmarks/: common.py
-from common import copy_bandwidth, gpu_line, md_head, md_row  # noqa: E402
+from common import copy_bandwidth, gpu_line, graph_ms, kernel_times, md_head, md_row, weight_bytes  # noqa: E402
 
 PROMPT, STEPS, PROFILED = 128, 30, 5
 #: kernel groups, first match wins (regular expressions on the kernel's name)
@@ -44,13 +44,8 @@ GROUPS = [("2:4 GEMV", r"_quad|_gemv24|_sum_splits|_permute_x"), ("cuSPARSELt", 
 
 def ffn_bytes(model: torch.nn.Module) -> int:
     """Bytes of the FFNs' weights (2:4: values and positions)."""
-    total = 0
-    for name, mod in model.named_modules():
-        if ".mlp." in f".{name}." and isinstance(mod, SparseInferenceLinear):
-            total += mod.values.numel() * mod.values.element_size() + mod.positions.numel()
-        elif ".mlp." in f".{name}." and isinstance(mod, torch.nn.Linear):
-            total += mod.weight.numel() * mod.weight.element_size()
-    return total
+    return sum(weight_bytes(mod) for name, mod in model.named_modules()
+               if ".mlp." in f".{name}." and isinstance(mod, (torch.nn.Linear, SparseInferenceLinear)))
 
 
 def group(name: str) -> str:
@@ -85,13 +80,7 @@ def kernels_per_step(step, n: int, model: torch.nn.Module | None = None) -> tupl
         for _ in range(n):
             step()
         torch.cuda.synchronize()
-    out = {}
-    for evt in prof.key_averages():
-        if evt.device_type != DeviceType.CUDA or evt.key == "ffn":  # the ranges' spans on the GPU are not kernels
-            continue
-        us = getattr(evt, "device_time_total", None) or getattr(evt, "cuda_time_total", 0.0)
-        if us > 0:
-            out[evt.key] = (us / n, evt.count / n)
+    out = kernel_times(prof, n, skip=("ffn",))  # the ranges' spans on the GPU are not kernels
     ffn = sum(getattr(e, "device_time_total", 0.0) for e in prof.events()
               if e.name == "ffn" and e.device_type == DeviceType.CPU)
     return out, ffn / n
@@ -117,7 +106,7 @@ def main() -> None:
             idx = torch.randint(0, vocab, (b, PROMPT), device="cuda")
             tok = model(idx, cache=cache)[0][:, -1:].argmax(-1)
             step = lambda m=model, c=cache, t=tok: t.copy_(m(t, cache=c)[0][:, -1:].argmax(-1))  # noqa: E731
-            ms = graph_ms(step, STEPS)
+            ms = graph_ms(step, reps=STEPS)
             ks, ffn = kernels_per_step(step, PROFILED, model)
             total = sum(us for us, _ in ks.values())
             in_graph = sum(us for us, _ in kernels_per_step(captured(step).replay, PROFILED)[0].values())

@@ -38,14 +38,13 @@ from twofour.inference.packed import pack_24
 from twofour.kernels.gemv24 import MAX_TOKENS, configs_for, gemv24, launch, reference
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # benchmarks/: common.py
-from common import copy_bandwidth, gpu_line, graph_ms, md_head, md_row  # noqa: E402
+from common import copies_past_l2, copy_bandwidth, cycled_us, gpu_line, graph_ms, md_head, md_row  # noqa: E402
 
 #: (name, in, out): Llama-7B's FFN (gate|up fused with interleaved rows, as twofour's Llama holds it)
 #: and gpt2-774m's
 SHAPES = [("7b up", 4096, 11008), ("7b down", 11008, 4096), ("7b gate|up", 4096, 22016),
           ("774m fc", 1280, 5120), ("774m proj", 5120, 1280)]
 TOKENS = (1, 2, 4, 8, 16)
-L2_BYTES = 256 * 2**20  # the weight copies a timing cycles through: well past H100's 50 MB L2
 REPS = 10
 #: Llama-7B: blocks, width, FFN width, vocabulary; decoding reads a static cache of prompt 128 + 64 steps + 2
 N_LAYER, D, H, VOCAB, CACHE = 32, 4096, 11008, 32000, 208
@@ -62,11 +61,6 @@ def weights(k: int, n: int, copies: int, gen: torch.Generator) -> list[tuple[tor
         lin.prepare()
         out.append((w, v, p, lin))
     return out
-
-
-def cycled_us(fns: list) -> float:
-    """Microseconds per call of a graph that runs each of ``fns`` (one per weight copy) in turn."""
-    return graph_ms(lambda: [f() for f in fns], inner=1, reps=REPS) / len(fns) * 1e3
 
 
 def check(name: str, k: int, n: int, gen: torch.Generator) -> dict[str, float]:
@@ -90,7 +84,7 @@ def check(name: str, k: int, n: int, gen: torch.Generator) -> dict[str, float]:
 
 def time_shape(k: int, n: int, gen: torch.Generator, bad: set[str]) -> dict:
     """Per token count: dense, cuSPARSELt, every GEMV configuration and the dispatch's choice (us)."""
-    copies = max(2, -(-L2_BYTES // (n * k * 2 * 9 // 16)))
+    copies = copies_past_l2(n * k * 2 * 9 // 16)
     ws = weights(k, n, copies, gen)
     res = {"copies": copies, "dense_bytes": n * k * 2, "sparse_bytes": v_bytes(ws[0]), "tokens": {}}
     for t in TOKENS:

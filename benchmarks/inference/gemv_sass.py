@@ -35,8 +35,8 @@ VARIANTS = [("quad", 1, 16, 256, 4), ("quad", 1, 32, 512, 8), ("quad", 1, 8, 256
             ("pairs", 1, 16, 256, 4), ("pairs", 8, 8, 256, 4)]
 
 
-def compile_kernel(kernel: str, tokens: int, bo: int, bk: int, warps: int,
-                   stages: int = 3) -> tuple[int, int, collections.Counter, str, str]:
+def compile_kernel(kernel: str, tokens: int, bo: int, bk: int, warps: int) -> tuple[int, int, collections.Counter,
+                                                                                     str, str]:
     """(registers, spilled bytes, SASS opcode counts, SASS text, TTGIR) of one variant for bf16
     inputs read row-major (the quad kernels' x as int64 words), every row and input in range."""
     fn = g.triton_kernels()[kernel]
@@ -50,7 +50,7 @@ def compile_kernel(kernel: str, tokens: int, bo: int, bk: int, warps: int,
         const.update(BQ=bk // 8, EVEN=True)
     aligned = [k for k in ("x_ptr", "pairs_ptr", "q_ptr", "pos_ptr", "p_ptr", "y_ptr", "K", "N", "Q", "sxt",
                            "pos_stride", "k_per", "q_per") if k in fn.arg_names]
-    regs, spill, text, ttgir = compile_for_hopper(fn, sig, const, aligned, warps, stages)
+    regs, spill, text, ttgir = compile_for_hopper(fn, sig, const, aligned, warps)
     return regs, spill, opcodes(text), text, ttgir
 
 

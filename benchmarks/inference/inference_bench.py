@@ -31,16 +31,9 @@ from twofour.bench import exported_pair, inference_report
 from twofour.inference import SparseInferenceLinear
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # benchmarks/: common.py
-from common import copy_bandwidth, gpu_line, graph_ms, md_head, md_row  # noqa: E402
+from common import copy_bandwidth, gpu_line, graph_ms, md_head, md_row, weight_bytes  # noqa: E402
 
 CHECK = 8  # decoding steps compared between an eager run and graph replays
-
-
-def weight_bytes(mod: nn.Module) -> int:
-    """Bytes a linear's kernels read for its weight."""
-    if isinstance(mod, SparseInferenceLinear):
-        return mod.values.numel() * mod.values.element_size() + mod.positions.numel()
-    return mod.weight.numel() * mod.weight.element_size()
 
 
 def decode_bytes(model: nn.Module, batch: int, max_len: int) -> int:

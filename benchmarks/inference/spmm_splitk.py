@@ -26,22 +26,17 @@ from twofour.kernels import compress as ck
 from twofour.kernels import cusparselt as cs
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # benchmarks/: common.py
-from common import copy_bandwidth, gpu_line, graph_ms, md_head, md_row  # noqa: E402
+from common import copies_past_l2, copy_bandwidth, cycled_us, gpu_line, md_head, md_row  # noqa: E402
 
 DT = torch.bfloat16
 SHAPES = [("7b up", 4096, 11008), ("7b down", 11008, 4096), ("7b gate|up", 4096, 22016)]
 WIDTHS = (8, 16)
 SPLITS = (1, 2, 3, 4, 6, 8, 12, 16)
-L2_BYTES = 256 * 2**20
-
-
-def cycled_us(fns: list) -> float:
-    return graph_ms(lambda: [f() for f in fns], reps=10) / len(fns) * 1e3
 
 
 def case(k: int, m: int, n: int) -> dict:
     buf, dense = ck.compress(torch.randn(m, k, device="cuda"), "hard", dense_out=True)
-    copies = max(2, -(-L2_BYTES // buf.numel()))
+    copies = copies_past_l2(buf.numel())
     bufs = [buf] + [ck.compress(torch.randn(m, k, device="cuda"), "hard")[0] for _ in range(copies - 1)]
     x = torch.randn(n, k, device="cuda").to(DT)
     b, out = x.t(), torch.empty(n, m, dtype=DT, device="cuda")  # y = x W^T as the inference layer asks it
@@ -62,7 +57,7 @@ def case(k: int, m: int, n: int) -> dict:
                 bad += 1
                 continue
             times[(config, split)] = cycled_us([lambda p=p, a=a: p.matmul(a, b, out) for a in bufs])
-    dcopies = max(2, -(-L2_BYTES // (m * k * 2)))
+    dcopies = copies_past_l2(m * k * 2)
     dws = [dense.to(DT)] + [torch.randn(m, k, device="cuda").to(DT) for _ in range(dcopies - 1)]
     dense_us = cycled_us([lambda w=w: F.linear(x, w) for w in dws])
     del bufs, dws

@@ -32,7 +32,7 @@ from twofour.sparse.recipes import make_recipe
 from twofour.training.parallel import fsdp_policy, grad_norm, shard
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # benchmarks/: common.py
-from common import busy_cpus  # noqa: E402
+from common import busy_cpus, kernel_times  # noqa: E402
 
 
 def setup(variant: str, recipe: str, a, device):
@@ -98,12 +98,11 @@ def measure(variant: str, recipe: str, a, device) -> dict:
                 step()
             sync(device)
         nccl = other = 0.0
-        for e in prof.key_averages():
-            t = e.self_device_time_total / 1e3 / 4  # ms per step
-            if "nccl" in e.key.lower():
-                nccl += t
+        for key, (us, _) in kernel_times(prof, 4).items():  # each kernel once (not its launching op too)
+            if "nccl" in key.lower():
+                nccl += us / 1e3
             else:
-                other += t
+                other += us / 1e3
         row.update(nccl=nccl, other=other)
     del step, model
     gc.collect()

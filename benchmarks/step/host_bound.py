@@ -33,7 +33,7 @@ from twofour.models import build_model
 from twofour.training.graphs import StepGraphs
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # benchmarks/: common.py
-from common import busy_cpus  # noqa: E402
+from common import busy_cpus, kernel_times  # noqa: E402
 
 
 def _step_fn(preset: str, recipe: str, batch: int, seq: int, graphed: bool = False):
@@ -85,9 +85,8 @@ def measure(step, steps: int) -> dict[str, float]:
         for _ in range(5):
             step()
         torch.cuda.synchronize()
-    kernels = [e for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA]
-    busy_us = sum(e.time_range.elapsed_us() for e in kernels)
-    return {"wall_ms": wall * 1e3, "issue_ms": statistics.median(issue) * 1e3, "busy_ms": busy_us / 5 / 1e3}
+    busy_us = sum(us for us, _ in kernel_times(prof, 5).values())
+    return {"wall_ms": wall * 1e3, "issue_ms": statistics.median(issue) * 1e3, "busy_ms": busy_us / 1e3}
 
 
 def check(preset: str, recipe: str, batch: int, seq: int, steps: int = 12) -> str:

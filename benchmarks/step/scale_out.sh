@@ -23,6 +23,7 @@ export PYTHONPATH=$PWD/src${PYTHONPATH:+:$PYTHONPATH}
 OUT=${OUT:-/tmp/scale_out}; mkdir -p "$OUT"
 PARTS=${PARTS:-nccl dcp host loop llama titan}
 NPROC=${NPROC:-2}
+LLAMA_S=${LLAMA_S:-280}; BIG_S=${BIG_S:-560}  # the llama and big parts' time limits (s)
 TORCHRUN="python3 -m torch.distributed.run --standalone --nproc-per-node $NPROC"
 LOOP="$TORCHRUN benchmarks/step/dist_loop.py"
 LOG=$OUT/log.txt
@@ -59,11 +60,11 @@ fi
 
 if has llama; then
   echo "== llama: llama-1b and the 8B shape under FSDP2"
-  timeout ${LLAMA_S:-280} $LOOP --case "llama-1b model=llama-1b batch_size=8 fsdp=bf16" \
+  timeout $LLAMA_S $LOOP --case "llama-1b model=llama-1b batch_size=8 fsdp=bf16" \
     --case "llama-1b-compiled model=llama-1b batch_size=8 fsdp=bf16 compile=true" \
     --case "llama-8b-8blocks model=llama-8b n_layer=8 batch_size=4 fsdp=bf16" \
     --case "llama-8b-8blocks-compiled model=llama-8b n_layer=8 batch_size=4 fsdp=bf16 compile=true" \
-    --steps 20 --deadline $((${LLAMA_S:-280} - 60)) --out "$OUT/llama.md" >> "$LOG" 2>&1
+    --steps 20 --deadline $(($LLAMA_S - 60)) --out "$OUT/llama.md" >> "$LOG" 2>&1
   cat "$OUT/llama.md" 2>/dev/null
 fi
 
@@ -79,7 +80,7 @@ if has big; then
     [[ -v CASE[$c] ]] || { echo "unknown BIG case: $c (one of ${!CASE[*]})"; continue; }
     args+=(--case "${CASE[$c]}")
   done
-  timeout ${BIG_S:-560} $LOOP "${args[@]}" --steps 20 --deadline $((${BIG_S:-560} > 150 ? ${BIG_S:-560} - 150 : 0)) \
+  timeout $BIG_S $LOOP "${args[@]}" --steps 20 --deadline $(($BIG_S > 150 ? $BIG_S - 150 : 0)) \
     --out "$OUT/big.md" >> "$LOG" 2>&1
   cat "$OUT/big.md" 2>/dev/null
 fi

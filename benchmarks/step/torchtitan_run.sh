@@ -32,7 +32,7 @@ ENTRY=${ENTRY:--m torchtitan.train}   # what torchrun starts: torchtitan's launc
 SPARSE=examples/torchtitan/llama3_1b.toml
 DENSE=/tmp/titan-dense.toml  # the same job, torchtitan's plain model: no converter
 sed 's/^converters = .*$/converters = []/' $SPARSE > $DENSE
-run() {  # name flavor recipe(none: torchtitan's dense model) eager|compiled [extra args...]
+run() {  # name flavor recipe(none: torchtitan's dense model) eager|compiled [extra args, --training.steps among them]
   local name=$1 flavor=$2 recipe=$3 tag=$4; shift 4
   if [ "$SECONDS" -gt "$BUDGET" ]; then echo "skipped: $name (past the ${BUDGET}s budget)"; return 0; fi
   local cfg=$SPARSE; [ "$recipe" = none ] && cfg=$DENSE
@@ -41,7 +41,7 @@ run() {  # name flavor recipe(none: torchtitan's dense model) eager|compiled [ex
   timeout "${RUN_S:-200}" python3 -m torch.distributed.run --nproc-per-node "$NPROC" --rdzv-endpoint=localhost:29511 $ENTRY \
     --job.config_file $cfg --job.dump_folder "/tmp/tt-$name" --model.flavor "$flavor" \
     --twofour.recipe "${recipe/none/s-ste}" $compile --checkpoint.no-enable \
-    --training.dataset_path $DATA --training.steps "$STEPS" --training.local_batch_size "$LBS" --training.seq_len "$SEQ" \
+    --training.dataset_path $DATA --training.local_batch_size "$LBS" --training.seq_len "$SEQ" \
     --lr_scheduler.warmup_steps 5 --metrics.log_freq 1 "$@" \
     > "$OUT/$name.log" 2>&1 || { echo "FAILED: $name (tail of $OUT/$name.log)"; tail -25 "$OUT/$name.log"; return 0; }
   echo "done: $name"
