@@ -18,9 +18,8 @@ recorded with :func:`record_failure`, logged once as a warning on the ``twofour`
 skipped from then on (:func:`failed`); :func:`failures` lists them.
 
 What stays with its module is memoization, not policy: compiled functions (``fp8/quantize.py``),
-Triton launch configurations and cuSPARSELt plans (``kernels/``). This module imports only torch,
-the standard library and :mod:`twofour.errors`, so that every part of the package, the kernels
-included, may read it.
+Triton launch configurations and cuSPARSELt plans (``kernels/``). This module imports only torch
+and the standard library, so that every part of the package, the kernels included, may read it.
 """
 
 from __future__ import annotations
@@ -33,8 +32,6 @@ import statistics
 from collections.abc import Callable, Iterator
 
 import torch
-
-from twofour.errors import one_line  # absolute: the tests load this file on its own too
 
 __all__ = ["fast", "gemm", "build_kernels", "set_fast", "set_gemm", "set_build_kernels", "override", "GEMM_MODES",
            "choice_key", "can_measure", "median_ms", "graph_median_ms", "replay_ms", "end_failed_capture",
@@ -126,6 +123,12 @@ def can_measure() -> bool:
     return not (tracing or torch.cuda.is_current_stream_capturing())
 
 
+def _one_line(e: BaseException) -> str:
+    """``Type: first line of the message`` (:func:`twofour.errors.one_line`, which this module, at the
+    package's lowest level, does not import)."""
+    return f"{type(e).__name__}: {(str(e).splitlines() or [''])[0]}"
+
+
 def median_ms(fn: Callable[[], object], reps: int = 5, calls: int = 4) -> float:
     """Median over ``reps`` windows of the CUDA-event time per call of ``fn``, each window
     ``calls`` calls back to back behind a short device-side wait, after 2 warm-up calls: how the
@@ -176,7 +179,7 @@ def graph_median_ms(fn: Callable[[], object], reps: int = 5, calls: int = 4) -> 
             failure = failure or e
     torch.cuda.current_stream().wait_stream(side)
     if failure is not None:
-        log.debug("twofour: a candidate could not be captured for timing: %s", one_line(failure))
+        log.debug("twofour: a candidate could not be captured for timing: %s", _one_line(failure))
         del failure
         graph.reset()
         end_failed_capture(side.device, pool)
@@ -204,7 +207,7 @@ def end_failed_capture(device: torch.device, pool: tuple) -> None:
             torch.zeros(1, device=device).add_(1)
         torch.cuda.synchronize(device)
     except Exception as e:  # noqa: BLE001 - what is left wrong then shows where it matters
-        log.warning("twofour: could not reset the CUDA generator after a failed capture (%s)", one_line(e))
+        log.warning("twofour: could not reset the CUDA generator after a failed capture (%s)", _one_line(e))
     finally:
         graph.reset()
 
@@ -332,7 +335,7 @@ def record_failure(route: tuple, what: str, exc: BaseException, instead: str | N
     ``instead`` where the caller has a fallback."""
     if route in _failures:
         return
-    _failures[route] = one_line(exc)
+    _failures[route] = _one_line(exc)
     log.log(level, "%s failed for %s (%s); it is not used from now on%s", what, route, _failures[route],
             f": {instead} runs instead" if instead else "")
 
