@@ -44,7 +44,7 @@ def _step_fn(preset: str, recipe: str, batch: int, seq: int, graphed: bool = Fal
     x = torch.randint(0, 50304, (batch, seq), device="cuda")
     y = torch.randint(0, 50304, (batch, seq), device="cuda")
 
-    def micro(x, y, last):
+    def micro(x, y):
         with torch.autocast("cuda", dtype=torch.bfloat16):
             loss = model(x, y)[1]
         loss.backward()
@@ -57,10 +57,10 @@ def _step_fn(preset: str, recipe: str, batch: int, seq: int, graphed: bool = Fal
 
     def step() -> float:
         t0 = time.perf_counter()
-        if graphs is None or graphs.step([(x, y)]) is None:
-            if graphs is not None:
-                graphs.zero_grad()
-            micro(x, y, True)
+        if graphs is not None:
+            graphs([(x, y)])
+        else:
+            micro(x, y)
             clip()
         opt.step()
         if graphs is None:
@@ -102,11 +102,11 @@ def check(preset: str, recipe: str, batch: int, seq: int, steps: int = 12) -> st
         opt = torch.optim.AdamW(model.parameters(), lr=3e-4, fused=True)
         twofour.attach(model, opt)
 
-        def micro(x, y, last, model=model):
+        def micro(x, y, model=model):
             with torch.autocast("cuda", dtype=torch.bfloat16):
                 loss = model(x, y)[1]
             loss.backward()
-            return loss
+            return loss.detach()
 
         def clip(model=model):
             return torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0, foreach=True)
@@ -114,18 +114,16 @@ def check(preset: str, recipe: str, batch: int, seq: int, steps: int = 12) -> st
         graphs = StepGraphs(model, micro, clip) if graphed else None
         losses = []
         for x, y in data:
-            out = graphs.step([(x, y)]) if graphs else None
-            loss = out[0] if out is not None else None
-            if loss is None:
-                if graphs:
-                    graphs.zero_grad()
-                loss = micro(x, y, True).detach()
+            if graphs is not None:
+                loss, _ = graphs([(x, y)])
+            else:
+                loss = micro(x, y)
                 clip()
             losses.append(loss.item())
             opt.step()
             if graphs is None:
                 opt.zero_grad(set_to_none=True)
-        assert graphs is None or (graphs.graphs and not graphs.disabled), "no graph was captured"
+        assert graphs is None or (graphs.replayed and not graphs.disabled), "no step was replayed"
         out[graphed] = (losses, torch.cat([p.detach().float().flatten() for p in model.parameters()]))
     (le, we), (lg, wg) = out[False], out[True]
     dl = max(abs(a - b) for a, b in zip(le, lg))

@@ -156,6 +156,7 @@ def _given(a: argparse.Namespace) -> set[str]:
 
 def _cmd_train(a: argparse.Namespace) -> int:
     from .training.config import resumed_config  # noqa: PLC0415
+    from .training.console import graphs_line  # noqa: PLC0415
     from .training.loop import train  # noqa: PLC0415
     from .training.runs import CKPT, checkpoint_path, read_checkpoint  # noqa: PLC0415
 
@@ -171,9 +172,8 @@ def _cmd_train(a: argparse.Namespace) -> int:
                 f"{CKPT}, " if found.name == CKPT else f"{found.parent.name}/ (sharded), ")
         val, loss = (f"{s[k]:.4f}" if s[k] is not None else "n/a" for k in ("final_val_loss", "final_train_loss"))
         print(f"\n{s['recipe']} on {s['model']}: {s['steps']} steps, {s['tokens']:,} tokens\n"
-              f"  final train loss {loss}, val loss {val}\n"
-              f"  {s['tokens_per_s']:,.0f} tokens/s, "
-              f"flip rate {s['final_flip_rate']:.2e} (mean {s['mean_flip_rate']:.2e})\n"
+              f"  final train loss {loss}, val loss {val}\n  {s['tokens_per_s']:,.0f} tokens/s, "
+              f"flip rate {s['final_flip_rate']:.2e} (mean {s['mean_flip_rate']:.2e}){graphs_line(s)}\n"
               f"  outputs: {s['out_dir']}/ (metrics.csv, {ckpt}summary.json{', curves.png' if s['plot'] else ''})")
     return 0
 

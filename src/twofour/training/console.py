@@ -133,3 +133,16 @@ class StopRequest:
         flag = torch.tensor([float(self.requested)], device=device)
         dist.all_reduce(flag, op=dist.ReduceOp.MAX)
         return bool(flag.item())
+
+
+def graphs_line(summary: dict[str, Any]) -> str:
+    """The summary's line on how the steps ran, '' where no CUDA graphs were tried: how many
+    steps were replayed from graphs, and why a capture failed."""
+    report = summary.get("step_graphs")
+    if not report or "eager_steps" not in report:
+        return ""
+    total = report["replayed_steps"] + report["eager_steps"]
+    line = f"\n  CUDA graphs: {report['replayed_steps']} of {total} steps replayed"
+    if report.get("capture_failure"):
+        line += f" (the capture failed: {report['capture_failure']})"
+    return line

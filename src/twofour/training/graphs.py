@@ -3,24 +3,28 @@ per-layer work (Python, autograd, kernel launches) runs once at capture instead 
 
 At small batches a step's GPU work takes less time than the host needs to issue it, and the
 2:4 layers issue more than dense ones (compression, MVUE, the GEMM dispatch), so the sparse
-step waits on the host (``benchmarks/step/host_bound.py`` measures it). :class:`StepGraphs`
-records the forward and backward passes of all the step's micro-batches and the gradient clip
-as one CUDA graph (under DDP the clip runs after the replay, behind one all-reduce:
-:class:`GradAllReduce`), and replays it with each step's batches copied into its static inputs. The
-optimizer step, the masks' refresh (``twofour.attach``'s hook) and the schedule stay eager: they
-are a few launches, and they keep the recipes' host-side state (step counts, phases) exact.
+step waits on the host. :class:`StepGraphs` records the forward and backward passes of all the
+step's micro-batches and the gradient clip as one CUDA graph and replays it with each step's
+batches copied into its static inputs. Under DDP the model is not wrapped in
+``DistributedDataParallel``: the graph holds the local passes and :class:`GradAllReduce`
+averages the gradients after it, in one collective, before the clip. (DDP keeps each
+parameter's gradient-accumulation node from its construction, on the stream it was built on;
+a backward captured on the graph's stream then syncs with the legacy default stream, which
+voids the capture.) The optimizer step, the masks' refresh (``twofour.attach``'s hook) and the
+schedule stay eager: they are a few launches, and they keep the recipes' host-side state exact.
 
 A graph replays exactly the kernels it recorded, so it is kept per *route signature*: each
 sparse layer's phase (dense or 2:4, FP8 or not), which decides what its forward runs. When the
 signature changes (a dense fine-tune begins, FP8 ends), the step runs eagerly for a few steps
 (the new routes' GEMM choices are measured then, which a capture cannot do) and a new graph is
-captured. Gradients are allocated once and never set to None; each graph zeroes them first.
+captured. Gradients are allocated once and never set to None; each step zeroes them first.
 """
 
 from __future__ import annotations
 
 import logging
 from collections.abc import Callable, Sequence
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -38,37 +42,51 @@ __all__ = ["StepGraphs", "GradAllReduce", "WARMUP_STEPS"]
 #: GEMM's routes on its first call, and cuBLAS and Triton initialize on theirs.
 WARMUP_STEPS = 3
 
+Batches = Sequence[tuple[torch.Tensor, torch.Tensor]]
+
 
 class StepGraphs:
-    """Forward, backward and clip of one optimizer step as a CUDA graph per route signature.
+    """Forward, backward and clip of one optimizer step, replayed from a CUDA graph per route
+    signature where one is captured, else run eagerly (the warm-up steps of a signature, and
+    every step after a capture failed).
 
-    ``micro_step(x, y, last)`` runs one micro-batch's forward and backward eagerly and returns
-    its loss (already divided by the number of micro-batches; ``last``: the micro-batch on which
-    DDP would reduce the gradients, never set under ``world`` > 1, where :class:`GradAllReduce`
-    averages them after the replay); ``clip()`` clips the gradients and returns their norm. :meth:`step`
-    runs both for a step's batches, replaying a graph where one is captured for the current
-    signature, and returns the summed loss and the norm, or None where this step must run eagerly
-    (the caller then runs it as it would without graphs, with :meth:`zero_grad` instead of
-    ``optimizer.zero_grad``).
-    ``warmup``: eager steps of a signature before its capture; ``world``: the DDP processes.
+    ``micro_step(x, y)`` runs one micro-batch's forward and backward and returns its loss
+    (already divided by the number of micro-batches); ``clip()`` clips the gradients and returns
+    their norm; ``reduce``: the gradients' average over the processes, run after the local passes
+    (under DDP; the model must not be wrapped in DDP). Calling the object runs a step and returns
+    (summed loss, gradient norm), tensors a later replay may overwrite. :attr:`replayed`,
+    :attr:`eager` and :attr:`failure` say how the steps ran (:meth:`report`).
     """
 
-    def __init__(self, model: torch.nn.Module, micro_step: Callable[[torch.Tensor, torch.Tensor, bool], torch.Tensor],
-                 clip: Callable[[], torch.Tensor], warmup: int = WARMUP_STEPS, world: int = 1) -> None:
-        self.model = model
-        self.micro_step, self.clip, self.warmup = micro_step, clip, warmup
+    def __init__(self, model: torch.nn.Module, micro_step: Callable[[torch.Tensor, torch.Tensor], torch.Tensor],
+                 clip: Callable[[], torch.Tensor], warmup: int = WARMUP_STEPS,
+                 reduce: GradAllReduce | None = None) -> None:
+        self.micro_step, self.clip, self.warmup, self.reduce = micro_step, clip, warmup, reduce
         self.layers = [m for m in model.modules() if isinstance(m, SparseLinear)]
         self.params = [p for p in model.parameters() if p.requires_grad]
-        # under DDP (``world`` > 1) the gradients' average runs after each replay
-        self.reduce = GradAllReduce(self.params, world) if world > 1 else None
-        self.graphs: dict[tuple, tuple[torch.cuda.CUDAGraph, list, tuple[torch.Tensor, torch.Tensor]]] = {}
+        self.graphs: dict[tuple, tuple[torch.cuda.CUDAGraph, list, tuple[torch.Tensor, torch.Tensor | None]]] = {}
         self.seen: dict[tuple, int] = {}
         self.pool = None
-        self.disabled = False
+        self.failure: str | None = None  # why a capture failed; the steps stay eager from then on
+        self.replayed = self.eager = 0
+
+    @property
+    def disabled(self) -> bool:
+        """Whether a capture failed, so that every step from then on runs eagerly."""
+        return self.failure is not None
 
     def signature(self) -> tuple:
         """What each sparse layer's forward runs: its dense phase and FP8 phase."""
         return tuple((layer.is_dense_phase, layer.is_fp8_phase) for layer in self.layers)
+
+    def report(self) -> dict[str, Any]:
+        """How the steps ran, for the run's summary: replayed or eager, graphs captured, and why a
+        capture failed (None: none did)."""
+        return {"replayed_steps": self.replayed, "eager_steps": self.eager, "graphs": len(self.graphs),
+                "capture_failure": self.failure}
+
+    def release(self) -> None:
+        """Nothing: the gradients stay allocated, at the addresses the graphs keep."""
 
     def zero_grad(self) -> None:
         """Zero the gradients in place (graphs hold their addresses), allocating any missing."""
@@ -84,31 +102,41 @@ class StepGraphs:
         if grads:
             torch._foreach_zero_(grads)
 
-    def step(self, batches: Sequence[tuple[torch.Tensor, torch.Tensor]]) -> tuple[torch.Tensor, torch.Tensor] | None:
-        """The step's forward and backward passes and clip, from a graph where possible: (loss,
-        gradient norm), tensors the next replay overwrites; None for an eager step (see the class)."""
+    def __call__(self, batches: Batches) -> tuple[torch.Tensor, torch.Tensor]:
+        """One step's passes, gradient average and clip: (summed loss, gradient norm)."""
+        entry = self._graph(batches)
+        if entry is None:
+            self.eager += 1
+            self.zero_grad()
+            loss = sum(self.micro_step(x, y) for x, y in batches)
+            if self.reduce is not None:
+                self.reduce()
+            return loss, self.clip()
+        graph, inputs, (loss, norm) = entry
+        for (sx, sy), (x, y) in zip(inputs, batches):
+            sx.copy_(x, non_blocking=True)
+            sy.copy_(y, non_blocking=True)
+        graph.replay()
+        self.replayed += 1
+        if self.reduce is None:
+            return loss, norm
+        self.reduce()  # the gradients averaged over the processes, then clipped (eager: a few launches)
+        return loss, self.clip()
+
+    def _graph(self, batches: Batches) -> tuple | None:
+        """The graph to replay for this step, captured now if its signature's warm-up is over;
+        None for an eager step."""
         if self.disabled:
             return None
         sig = self.signature() + (tuple((tuple(x.shape), tuple(y.shape)) for x, y in batches),)
         entry = self.graphs.get(sig)
         if entry is None:
             self.seen[sig] = self.seen.get(sig, 0) + 1
-            if self.seen[sig] <= self.warmup:
-                return None
-            entry = self._capture(sig, batches)
-            if entry is None:
-                return None
-        graph, inputs, outputs = entry
-        for (sx, sy), (x, y) in zip(inputs, batches):
-            sx.copy_(x, non_blocking=True)
-            sy.copy_(y, non_blocking=True)
-        graph.replay()
-        if self.reduce is None:
-            return outputs
-        self.reduce()  # the gradients summed over the processes, then clipped (eager: a few launches)
-        return outputs[0], self.clip()
+            if self.seen[sig] > self.warmup:
+                entry = self._capture(sig, batches)
+        return entry
 
-    def _capture(self, sig: tuple, batches) -> tuple | None:
+    def _capture(self, sig: tuple, batches: Batches) -> tuple | None:
         inputs = [(x.clone(), y.clone()) for x, y in batches]
         self.zero_grad()  # every gradient exists before capture, at an address the graph keeps
         grads = [p.grad for p in self.params]
@@ -121,9 +149,9 @@ class StepGraphs:
             with torch.cuda.graph(graph, pool=pool, capture_error_mode="thread_local"):
                 torch._foreach_zero_(grads)
                 loss = torch.zeros((), device=device)
-                for i, (x, y) in enumerate(inputs):  # with ``reduce``, no micro-batch reduces in the graph
-                    loss += self.micro_step(x, y, self.reduce is None and i == len(inputs) - 1).detach()
-                norm = self.clip() if self.reduce is None else None  # under DDP: clipped after the all-reduce
+                for x, y in inputs:
+                    loss += self.micro_step(x, y).detach()
+                norm = self.clip() if self.reduce is None else None  # under DDP: clipped after the average
         except Exception as e:  # noqa: BLE001 - any capture failure: the step stays eager from now on
             torch.cuda.set_stream(stream)  # a capture that fails to end leaves its side stream current
             # what failed inside comes second, where ending the voided capture raised over it
@@ -132,11 +160,10 @@ class StepGraphs:
         if self.reduce is not None and not everywhere(failure is None, self.reduce.world, self.reduce.group):
             failure = failure or "another process could not capture its step"  # all go eager together
         if failure is not None:
-            self.disabled = True
+            self.failure = failure
             log.warning("twofour: the training step could not be captured as a CUDA graph (%s); it runs eagerly "
                         "from now on", failure)
             torch.cuda.synchronize()
-            self.zero_grad()
             return None
         self.pool = graph.pool()
         self.graphs[sig] = (graph, inputs, (loss, norm))
@@ -144,13 +171,11 @@ class StepGraphs:
 
 
 class GradAllReduce:
-    """DDP's gradient average for a captured step, as one collective: the gradients are views
-    of one flat buffer per dtype, which :meth:`__call__` all-reduces after the graph's replay.
-
-    A step captured with DDP's own bucketed all-reduces inside measured slower than the eager
-    DDP step (docs/notes/training-speed.md), so under DDP the graph holds the local forward and
-    backward passes only (every micro-batch under ``no_sync``), and the average runs after it:
-    one launch, no Python per bucket, at the price of not overlapping the backward."""
+    """The gradients' average over the processes of a run whose model is not wrapped in DDP (the
+    captured step), as one collective: the gradients are views of one flat buffer per dtype,
+    which :meth:`__call__` all-reduces. It runs after the backward instead of overlapping it,
+    and costs no Python per bucket. :meth:`broadcast` makes the replicas start equal (DDP's
+    constructor does this for a wrapped model)."""
 
     def __init__(self, params: Sequence[torch.nn.Parameter], world: int, group=None) -> None:
         self.params, self.world, self.group = list(params), world, group
@@ -166,9 +191,15 @@ class GradAllReduce:
             self.views.append(self.flat[p.dtype][off:off + p.numel()].view_as(p))
             offsets[p.dtype] = off + p.numel()
 
+    @staticmethod
+    def broadcast(module: torch.nn.Module, group=None) -> None:
+        """Rank 0's parameters and buffers on every rank."""
+        with torch.no_grad():
+            for t in [*module.parameters(), *module.buffers()]:
+                dist.broadcast(t, src=dist.get_global_rank(group, 0) if group is not None else 0, group=group)
+
     def zero_grad(self) -> None:
-        """Zero the flat buffers, making each parameter's gradient its view into them again
-        (an eager DDP step may have set another tensor)."""
+        """Zero the flat buffers, making each parameter's gradient its view into them again."""
         for p, view in zip(self.params, self.views):
             if p.grad is not view:
                 p.grad = view

@@ -9,6 +9,7 @@ the same mask with no collective of its own (:func:`twofour.sparse.layer.advance
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
 
 import torch
@@ -19,8 +20,8 @@ from torch.distributed.tensor import DTensor
 from ..errors import TrainError
 from ..sparse.layer import SparseLinear
 
-__all__ = ["FSDPPolicy", "FSDP_POLICIES", "DEFAULT_FSDP", "fsdp_policy", "shard", "checkpoint_blocks", "grad_norm",
-           "everywhere"]
+__all__ = ["Parallel", "FSDPPolicy", "FSDP_POLICIES", "DEFAULT_FSDP", "fsdp_policy", "shard", "checkpoint_blocks",
+           "grad_norm", "everywhere"]
 
 
 @dataclass(frozen=True)
@@ -55,6 +56,69 @@ FSDP_POLICIES: dict[str, FSDPPolicy] = {p.name: p for p in (
     FSDPPolicy("bf16-flat", torch.bfloat16, torch.float32, False, per_block=False),
 )}
 DEFAULT_FSDP = "bf16"
+
+
+@dataclass(frozen=True)
+class Parallel:
+    """How this process takes part in a run: its rank, the number of processes, its GPU, and the
+    mode (one process; DDP; FSDP2 with ``fsdp``'s policy), decided once by :meth:`start`."""
+
+    rank: int = 0
+    world: int = 1
+    local_rank: int = 0
+    fsdp: FSDPPolicy | None = None
+
+    @classmethod
+    def start(cls, fsdp: str | None = None) -> Parallel:
+        """This process's part, from torchrun's environment; initializes the process group under
+        torchrun (NCCL on GPUs, gloo otherwise). ``fsdp``: the FSDP2 policy's name (None: DDP),
+        used only with several processes."""
+        world = int(os.environ.get("WORLD_SIZE", "1"))
+        if world == 1:
+            return cls()
+        local_rank = int(os.environ.get("LOCAL_RANK", "0"))
+        if not dist.is_initialized():
+            if torch.cuda.is_available():
+                # each rank on its own GPU before NCCL starts: otherwise every rank's first
+                # collective lands on GPU 0 and a 2-GPU run hangs there
+                torch.cuda.set_device(local_rank)
+                dist.init_process_group("nccl", device_id=torch.device("cuda", local_rank))
+            else:
+                dist.init_process_group("gloo")
+        return cls(dist.get_rank(), world, local_rank, fsdp_policy(fsdp) if fsdp is not None else None)
+
+    @property
+    def main(self) -> bool:
+        """Whether this process logs and writes the run folder's shared files (rank 0)."""
+        return self.rank == 0
+
+    @property
+    def ddp(self) -> bool:
+        """Whether the gradients are averaged over replicas (several processes, no FSDP2)."""
+        return self.world > 1 and self.fsdp is None
+
+    @property
+    def sharded(self) -> bool:
+        """Whether the model is sharded with FSDP2 (checkpoints then sharded too)."""
+        return self.fsdp is not None
+
+    def barrier(self) -> None:
+        """Wait for every process (nothing in one process)."""
+        if self.world > 1:
+            dist.barrier()
+
+    def mean_(self, t: torch.Tensor) -> torch.Tensor:
+        """``t`` averaged over the processes, in place."""
+        if self.world > 1:
+            dist.all_reduce(t)
+            t /= self.world
+        return t
+
+    def max_(self, t: torch.Tensor) -> torch.Tensor:
+        """``t``'s maximum over the processes, in place."""
+        if self.world > 1:
+            dist.all_reduce(t, op=dist.ReduceOp.MAX)
+        return t
 
 
 def fsdp_policy(name: str) -> FSDPPolicy:

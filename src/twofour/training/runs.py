@@ -332,11 +332,11 @@ def source_digest(root: Path | None = None) -> str:
     return h.hexdigest()[:16]
 
 
-def write_summary(out: Path, cfg: TrainConfig) -> dict[str, Any]:
+def write_summary(out: Path, cfg: TrainConfig, extra: dict[str, Any] | None = None) -> dict[str, Any]:
     """summary.json (final losses, throughput, flip rates, the GEMM dispatch's choices in this
     process: which route each GEMM took, dW on MVUE's estimate or exact for one, and what each
     measured, and the code that ran: twofour's and torch's versions and :func:`source_digest`)
-    and curves.png from the metrics."""
+    and curves.png from the metrics; ``extra``: more entries (how the steps ran)."""
     m = read_metrics(out)
     flips = [v for _, v in m["flip_rate"]]
     summary = {
@@ -352,6 +352,7 @@ def write_summary(out: Path, cfg: TrainConfig) -> dict[str, Any]:
         "gemm_choices": dispatch.choices(),
         "code": {"twofour": _version(), "torch": torch.__version__, "source": source_digest()},
         "out_dir": str(out),
+        **(extra or {}),
     }
     plot = plot_run(out, f"{cfg.model}, {cfg.recipe}")
     summary["plot"] = str(plot) if plot else None

@@ -1,0 +1,212 @@
+"""A run's set-up, built once before the loop: data, run folder, model and its parallel form,
+optimizer, schedule, the resumed state, and the step that runs forward, backward and clip
+(replayed from CUDA graphs where it can be). The loop (:mod:`twofour.training.loop`) reads it."""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import warnings
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from .. import dispatch
+from ..errors import TrainError
+from ..kernels import ops
+from ..models.presets import build_model as _build_model
+from ..sparse.convert import attach, sparse_layers
+from ..sparse.optim import STEPAdamW
+from ..sparse.recipes import Recipe
+from .checkpoint import check_resumable, resume
+from .config import TrainConfig, lr_at, resolve_device
+from .data import TokenData, load_data
+from .graphs import Batches, GradAllReduce, StepGraphs
+from .parallel import Parallel, checkpoint_blocks, grad_norm, shard
+from .runs import load_checkpoint, prepare_run_dir
+
+__all__ = ["Run", "EagerStep", "setup", "build_model", "slow_path_warning"]
+
+
+def build_model(cfg: TrainConfig, recipe: Recipe, vocab_size: int) -> torch.nn.Module:
+    """``cfg``'s preset model with ``recipe`` applied (:func:`twofour.models.build_model`)."""
+    return _build_model(cfg.model, recipe, vocab_size=vocab_size, block_size=cfg.seq_len,
+                        sparse_attention=cfg.sparse_attention, n_layer=cfg.n_layer)
+
+
+def slow_path_warning(device: torch.device, recipe: Recipe) -> str | None:
+    """What to tell a user whose sparse run on a GPU can't take the fast path (cuSPARSELt
+    bindings or Triton missing) and so runs the reference math, slower than dense; else None.
+    Nothing when the fast path was turned off on purpose (``TWOFOUR_FAST=0``)."""
+    if device.type != "cuda" or not recipe.sparse or not dispatch.fast or ops.fast_available():
+        return None
+    return ("twofour: the 2:4 fast path is unavailable here (it needs an sm80+ GPU, Triton and nvmath-python's "
+            "cuSPARSELt bindings: pip install 'twofour[gpu]'), so the sparse layers run the plain-torch "
+            "reference math, slower than dense")
+
+
+class EagerStep:
+    """Forward, backward and clip of one optimizer step, run eagerly: each micro-batch through
+    ``micro_step(x, y, last)`` (DDP reduces on the last), then ``clip()``. The gradients are set
+    to None after the optimizer's step (:meth:`release`), as ``optimizer.zero_grad`` does."""
+
+    def __init__(self, micro_step: Callable[[torch.Tensor, torch.Tensor, bool], torch.Tensor],
+                 clip: Callable[[], torch.Tensor], opt: torch.optim.Optimizer) -> None:
+        self.micro_step, self.clip, self.opt = micro_step, clip, opt
+
+    def __call__(self, batches: Batches) -> tuple[torch.Tensor, torch.Tensor]:
+        loss = sum(self.micro_step(x, y, i == len(batches) - 1) for i, (x, y) in enumerate(batches))
+        return loss, self.clip()
+
+    def release(self) -> None:
+        """Drop the gradients once the optimizer has used them."""
+        self.opt.zero_grad(set_to_none=True)
+
+    def report(self) -> dict[str, Any]:
+        """How the steps ran, for the summary: no graphs."""
+        return {"replayed_steps": 0}
+
+
+@dataclass
+class Run:
+    """Everything the loop needs, built once by :func:`setup`."""
+
+    cfg: TrainConfig
+    par: Parallel
+    device: torch.device
+    recipe: Recipe
+    data: TokenData
+    out: Path
+    raw: torch.nn.Module  # the unwrapped model: state dicts, recipe state, flip rates
+    fwd: Callable  # the model as the forward calls it (DDP-wrapped, compiled)
+    opt: torch.optim.Optimizer
+    sched: torch.optim.lr_scheduler.LRScheduler
+    data_gen: torch.Generator
+    step: EagerStep | StepGraphs  # forward, backward and clip of one optimizer step
+    autocast: contextlib.AbstractContextManager
+    start: int  # the first step to run (after a resume: the checkpoint's)
+    resumed: bool
+    resumed_elapsed: float  # the run's wall time before this process: it goes on across a resume
+
+    @property
+    def accum(self) -> int:
+        """Micro-batches per optimizer step in this process."""
+        return self.cfg.micro_batches(self.par.world)
+
+    @property
+    def stop(self) -> int:
+        """The step this process stops after (``--stop-at``, else the schedule's end)."""
+        return self.cfg.stop_at or self.cfg.steps
+
+    @property
+    def tokens_per_step(self) -> int:
+        """Tokens of one optimizer step over all processes."""
+        return self.cfg.batch_size * self.cfg.seq_len * self.accum * self.par.world
+
+    def batches(self) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        """The next step's training micro-batches on the device."""
+        cfg = self.cfg
+        return [self.data.batch("train", cfg.batch_size, cfg.seq_len, self.data_gen, self.device)
+                for _ in range(self.accum)]
+
+    def end_step(self) -> None:
+        """The schedule's step, and the gradients released where the step does not keep them."""
+        self.sched.step()
+        self.step.release()
+
+
+def setup(cfg: TrainConfig, data: TokenData | None, par: Parallel) -> Run:
+    """Build the run ``cfg`` describes in this process (its folder prepared by rank 0, its
+    checkpoint loaded with ``--resume``)."""
+    recipe = cfg.recipe_object()
+    if cfg.cuda_graphs and (par.world > 1 or cfg.micro_batches(par.world) > 1):
+        raise TrainError(f"--compile-mode {cfg.compile_mode} (CUDA graphs) runs in one process with one micro-batch "
+                         f"a step; this run has {par.world} process(es) and {cfg.micro_batches(par.world)} "
+                         "micro-batches: use --grad-accum 1 and no torchrun, or another --compile-mode")
+    device = resolve_device(cfg.device, par.local_rank)
+    slow = slow_path_warning(device, recipe)
+    if slow and par.main:
+        warnings.warn(slow, stacklevel=4)  # at train()'s caller
+    if data is None:
+        data = load_data(cfg.data, cfg.vocab_size)
+    data.check(cfg.seq_len)
+    out = prepare_run_dir(cfg) if par.main else Path(cfg.out_dir)
+    par.barrier()
+    ckpt = load_checkpoint(out, cfg) if cfg.resume else None  # ckpt.pt, or the sharded ckpt/'s meta.pt
+    if ckpt is not None:
+        check_resumable(ckpt, cfg, out)
+
+    torch.manual_seed(cfg.seed)
+    # an FSDP2 run's model is built on its GPU (a large model's init on the CPU takes minutes)
+    with torch.device(device) if par.sharded else contextlib.nullcontext():
+        raw = build_model(cfg, recipe, data.vocab_size).to(device)
+    if cfg.activation_checkpointing:
+        checkpoint_blocks(raw)
+    if par.sharded:
+        shard(raw, par.fsdp)
+    opt = _optimizer(cfg, raw, recipe, device)
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: lr_at(cfg, s) / cfg.peak_lr)
+    data_gen = torch.Generator().manual_seed(cfg.seed + 7919 * par.rank)
+    start = resume(ckpt, cfg, raw, opt, sched, data_gen, par.rank, par.world) if ckpt is not None else 0
+    attach(raw, opt)  # masks, refreshes and phases advance once per optimizer step
+    autocast = (torch.autocast("cuda", dtype=torch.bfloat16) if cfg.bf16 and device.type == "cuda"
+                else contextlib.nullcontext())
+    graphed = (cfg.step_graphs and device.type == "cuda" and not par.sharded and not cfg.compile
+               and not recipe.starts_dense)
+    model = raw
+    if par.ddp and not graphed:  # the recipes' buffers follow from the weights, equal on every rank
+        ids = [par.local_rank] if device.type == "cuda" else None
+        model = torch.nn.parallel.DistributedDataParallel(raw, device_ids=ids, broadcast_buffers=False)
+    fwd = torch.compile(model, mode=cfg.compile_mode) if cfg.compile else model
+    step = _step(cfg, par, raw, model, fwd, opt, autocast, graphed)
+    if par.main:
+        (out / "config.json").write_text(json.dumps(cfg.to_dict(), indent=2))
+    return Run(cfg, par, device, recipe, data, out, raw, fwd, opt, sched, data_gen, step, autocast, start,
+               ckpt is not None, ckpt.get("elapsed_s", 0.0) if ckpt is not None else 0.0)
+
+
+def _optimizer(cfg: TrainConfig, raw: torch.nn.Module, recipe: Recipe, device: torch.device) -> torch.optim.Optimizer:
+    """AdamW with weight decay on the matrices only; STEP's AdamW, which decides when the masks
+    switch on, for that recipe."""
+    decay = [p for p in raw.parameters() if p.dim() >= 2]
+    no_decay = [p for p in raw.parameters() if p.dim() < 2]
+    groups = [{"params": decay, "weight_decay": cfg.weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
+    if recipe.starts_dense:
+        return STEPAdamW(groups, total_steps=cfg.steps, lr=cfg.peak_lr, betas=cfg.betas)
+    return torch.optim.AdamW(groups, lr=cfg.peak_lr, betas=cfg.betas, fused=device.type == "cuda")
+
+
+def _step(cfg: TrainConfig, par: Parallel, raw: torch.nn.Module, model: torch.nn.Module, fwd: Callable,
+          opt: torch.optim.Optimizer, autocast, graphed: bool) -> EagerStep | StepGraphs:
+    """The step object: CUDA graphs where ``graphed`` (under DDP with the model unwrapped and the
+    gradients averaged after the passes), else eager (DDP reducing on the last micro-batch)."""
+    accum = cfg.micro_batches(par.world)
+    ddp_wrapped = model is not raw
+
+    def micro_step(x: torch.Tensor, y: torch.Tensor, last: bool = True) -> torch.Tensor:
+        """One micro-batch's forward and backward; a DDP-wrapped model reduces on the last one only."""
+        if cfg.cuda_graphs:  # a new step for the CUDA graphs: the previous call's outputs are consumed
+            torch.compiler.cudagraph_mark_step_begin()
+        with (model.no_sync() if ddp_wrapped and not last else contextlib.nullcontext()), autocast:
+            loss = fwd(x, y)[1] / accum
+        loss.backward()
+        return loss.detach()
+
+    def clip() -> torch.Tensor:  # the gradients clipped, their norm returned
+        return grad_norm(raw, cfg.grad_clip)
+
+    if not graphed:
+        return EagerStep(micro_step, clip, opt)
+    reduce = None
+    if par.ddp:
+        GradAllReduce.broadcast(raw)  # the replicas start equal, as DDP's constructor makes them
+        reduce = GradAllReduce([p for p in raw.parameters() if p.requires_grad], par.world)
+    return StepGraphs(raw, micro_step, clip, reduce=reduce)
+
+
+def flip_counters(raw: torch.nn.Module) -> list:
+    """The sparse layers whose masks move (each keeps a flip count, a buffer updated in place)."""
+    return [layer for _, layer in sparse_layers(raw) if layer.recipe.sparse]
