@@ -105,3 +105,39 @@ def test_fp8_scaled_mm_op_passes_opcheck():
     # test_schema left out: it compares the FP8 inputs arithmetically, which the CPU lacks for FP8
     torch.library.opcheck(torch.ops.twofour.scaled_mm.default, (qa, sa, qb, sb, torch.bfloat16),
                           test_utils=("test_faketensor", "test_aot_dispatch_dynamic"))
+
+
+@pytest.mark.gpu
+@pytest.mark.filterwarnings("ignore::DeprecationWarning")
+@pytest.mark.parametrize("choice", ["dense", "sparse"])
+def test_gpu_compiled_layers_take_the_planned_form(choice):
+    """plan_compiled's record decides what compiled code runs: dense GEMMs on the effective weight
+    (the 2:4 op never called: no GEMM of its recorded) or the 2:4 op; both give the reference's
+    output and weight gradient."""
+    from twofour import dispatch
+    from twofour.sparse import SparseLinear
+    from twofour.sparse.compiled import plan_compiled, plan_key
+
+    torch.manual_seed(0)
+    dispatch.clear_choices()
+    torch._dynamo.reset()  # the plan is a constant of the compiled code
+    layer = SparseLinear(256, 512, recipe="s-ste").cuda()
+    planned = plan_compiled(layer, tokens=256)
+    assert set(planned) == {plan_key(layer, 256, torch.bfloat16)} and set(planned.values()) <= {"dense", "sparse"}
+    dispatch.clear_choices()
+    for key in planned:
+        dispatch.set_choice(key, choice)
+    x = torch.randn(4, 64, 256, device="cuda", requires_grad=True)
+    with torch.autocast("cuda", dtype=torch.bfloat16):
+        y = torch.compile(layer)(x)
+    y.float().square().sum().backward()
+    ran_op = any(k.startswith("fwd") for k in dispatch.choices())
+    assert ran_op == (choice == "sparse")
+    w_ref = layer.effective_weight().bfloat16().requires_grad_()
+    y_ref = F.linear(x.detach().bfloat16(), w_ref, layer.bias.bfloat16())
+    y_ref.float().square().sum().backward()
+    torch.testing.assert_close(y.float(), y_ref.float(), rtol=2e-2, atol=2e-2)
+    if choice == "dense":  # exact dW (MVUE's estimate differs by its draws)
+        torch.testing.assert_close(layer.weight.grad, w_ref.grad.float(), rtol=3e-2, atol=3e-2)
+    dispatch.clear_choices()
+    torch._dynamo.reset()

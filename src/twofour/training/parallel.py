@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import os
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -113,6 +114,14 @@ class Parallel:
             dist.all_reduce(t)
             t /= self.world
         return t
+
+    def from_main(self, obj: Any) -> Any:
+        """Rank 0's ``obj`` (picklable) on every rank."""
+        if self.world == 1:
+            return obj
+        box = [obj]
+        dist.broadcast_object_list(box, src=0)
+        return box[0]
 
     def max_(self, t: torch.Tensor) -> torch.Tensor:
         """``t``'s maximum over the processes, in place."""

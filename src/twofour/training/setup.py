@@ -18,6 +18,7 @@ from .. import dispatch
 from ..errors import TrainError
 from ..kernels import ops
 from ..models.presets import build_model as _build_model
+from ..sparse.compiled import plan_compiled
 from ..sparse.convert import attach, sparse_layers
 from ..sparse.optim import STEPAdamW
 from ..sparse.recipes import Recipe
@@ -152,8 +153,10 @@ def setup(cfg: TrainConfig, data: TokenData | None, par: Parallel) -> Run:
     data_gen = torch.Generator().manual_seed(cfg.seed + 7919 * par.rank)
     start = resume(ckpt, cfg, raw, opt, sched, data_gen, par.rank, par.world) if ckpt is not None else 0
     attach(raw, opt)  # masks, refreshes and phases advance once per optimizer step
-    autocast = (torch.autocast("cuda", dtype=torch.bfloat16) if cfg.bf16 and device.type == "cuda"
-                else contextlib.nullcontext())
+    autocast = torch.autocast("cuda", dtype=torch.bfloat16) if autocast_on(cfg, device) else contextlib.nullcontext()
+    if cfg.compile and autocast_on(cfg, device):  # each layer shape compiled as the 2:4 op or dense GEMMs
+        for key, choice in par.from_main(plan_compiled(raw, cfg.batch_size * cfg.seq_len)).items():
+            dispatch.set_choice(key, choice)  # rank 0's measurement on every rank: the same code everywhere
     graphed = (cfg.step_graphs and device.type == "cuda" and not par.sharded and not cfg.compile
                and not recipe.starts_dense)
     model = raw
@@ -166,6 +169,11 @@ def setup(cfg: TrainConfig, data: TokenData | None, par: Parallel) -> Run:
         (out / "config.json").write_text(json.dumps(cfg.to_dict(), indent=2))
     return Run(cfg, par, device, recipe, data, out, raw, fwd, opt, sched, data_gen, step, autocast, start,
                ckpt is not None, ckpt.get("elapsed_s", 0.0) if ckpt is not None else 0.0)
+
+
+def autocast_on(cfg: TrainConfig, device: torch.device) -> bool:
+    """Whether the run computes under bf16 autocast (on the GPU unless ``--no-bf16``)."""
+    return cfg.bf16 and device.type == "cuda"
 
 
 def _optimizer(cfg: TrainConfig, raw: torch.nn.Module, recipe: Recipe, device: torch.device) -> torch.optim.Optimizer:
