@@ -122,5 +122,5 @@ def test_torchtitan_curves_keeps_one_line_a_step_and_round_trips(tmp_path, capsy
 def test_the_committed_torchtitan_steps_give_the_documented_losses():
     runs = torchtitan_curves.read_steps(ROOT / "docs" / "results" / "scale-out-4gpu" / "torchtitan_steps.tsv")
     assert runs["dense-1B-compiled"][300][0] == 1.69514 and runs["sste-1B-compiled"][300][0] == 1.61654
-    doc = (ROOT / "docs" / "torchtitan.md").read_text()
+    doc = (ROOT / "docs" / "notes" / "torchtitan.md").read_text()
     assert "1.6951" in doc and "1.6165" in doc
