@@ -13,7 +13,8 @@ its ``tokens_per_s`` is the loop's median over its logged windows after the firs
 per repeat (every cell, batch and recipe once, then again), so the machine's drift spreads over
 all of them. A compiled cell's ratio is to compiled dense, the fastest dense that path offers.
 ``--budget-s``: no run starts past that many seconds; the table then says which runs are missing.
-The table (markdown) and every run's numbers (JSON) are rewritten after each run under ``--out``.
+The table (markdown) and every run's numbers (JSON) are rewritten after each run under ``--out``;
+``--from-runs A.json B.json`` prints the table of saved runs merged (the same options, no runs).
 """
 
 from __future__ import annotations
@@ -83,7 +84,9 @@ def run_once(cmd: list[str], out: Path, timeout: float) -> dict | None:
         return None
     s = json.loads((out / "summary.json").read_text())
     warned = sum("could not be captured" in line or "AccumulateGrad" in line for line in res.stderr.splitlines())
-    return {"tokens_per_s": s["tokens_per_s"], "step_graphs": s.get("step_graphs"), "warnings": warned}
+    plans = {k: v for k, v in s.get("gemm_choices", {}).items() if k.startswith("compiled-layer")}
+    return {"tokens_per_s": s["tokens_per_s"], "step_graphs": s.get("step_graphs"), "warnings": warned,
+            "compiled_plans": plans}
 
 
 def table(results: dict[str, list[dict]], recipes: list[str], planned: dict[str, list[str]]) -> str:
@@ -100,9 +103,10 @@ def table(results: dict[str, list[dict]], recipes: list[str], planned: dict[str,
         ratios = [f"{med[r] / med['dense']:.2f}x" if med[r] and med.get("dense") else "n/a"
                   for r in recipes if r != "dense"]
         replays = [x["step_graphs"] for r in recipes for x in results.get(f"{key}|{r}", [])]
-        replay_txt = ("-" if not any(g and "eager_steps" in g for g in replays) else
-                      ", ".join(f"{g['replayed_steps']}/{g['replayed_steps'] + g['eager_steps']}" for g in replays
-                                if g and "eager_steps" in g))
+        counts = [f"{g['replayed_steps']}/{g['replayed_steps'] + g['eager_steps']}" for g in replays
+                  if g and "eager_steps" in g]
+        replay_txt = ("-" if not counts else f"{counts[0]} in each run" if len(set(counts)) == 1 and
+                      len(counts) == len(replays) else ", ".join(counts))
         runs = "/".join(str(len(got[r])) for r in recipes)
         lines.append(f"| {cell} | {batch} | {dense_txt} | " + " | ".join(ratios)
                      + f" | {runs} | {replay_txt} | `{cmd}` |")
@@ -124,6 +128,8 @@ def main() -> None:
     ap.add_argument("--timeout", type=float, default=240, help="seconds a run may take")
     ap.add_argument("--budget-s", type=float, default=None, help="start no run past this many seconds")
     ap.add_argument("--out", default=None, help="folder for table.md and runs.json")
+    ap.add_argument("--from-runs", nargs="+", default=None, metavar="RUNS_JSON",
+                    help="run nothing: the table of these runs.json files merged (with the options they ran with)")
     a = ap.parse_args(argv[: argv.index("--")] if "--" in argv else argv)
     known = cells(a.gpus)
     chosen = [known[c] for c in a.cells.split(",")]
@@ -140,7 +146,15 @@ def main() -> None:
         for b in batches:
             launch = "twofour" if cell.nproc == 1 else f"torchrun --nproc-per-node {cell.nproc} -m twofour"
             planned[f"{cell.name}|{b} x {a.seq_len}"] = " ".join(
-                [launch, shlex.join(["train", *train_args(b), *cell.args, "--recipe", "RECIPE"])])
+                [launch, shlex.join(["train", *train_args(b), *cell.args, "--recipe", "RECIPE"])]) + (
+                f"` beside {cell.busy} CPU-busy processes`" if cell.busy else "")
+    if a.from_runs:
+        for f in a.from_runs:
+            for key, runs in json.loads(Path(f).read_text()).items():
+                results.setdefault(key, []).extend(runs)
+        ran = {k: c for k, c in planned.items() if any(r.startswith(k + "|") for r in results)}
+        print(table(results, recipes, ran))
+        return
     with tempfile.TemporaryDirectory() as tmp:
         for rep in range(a.repeats):
             for cell in chosen:
