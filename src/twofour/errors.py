@@ -7,7 +7,8 @@ from __future__ import annotations
 
 import re
 
-__all__ = ["TwofourError", "TrainError", "DataError", "FormatError", "out_of_memory_message", "one_line"]
+__all__ = ["TwofourError", "TrainError", "DataError", "FormatError", "out_of_memory_message", "one_line",
+           "size_text"]
 
 
 class TwofourError(ValueError):
@@ -42,6 +43,11 @@ def out_of_memory_message(e: BaseException) -> str | None:
     asked = re.search(r"(?i)(?:tried to|unable to) allocate ([\d.]+ \w+)", text)
     size = f" (it asked for {_binary_units(asked.group(1))} more)" if asked else ""
     return f"out of memory{size}: try a smaller --batch-size (or --seq-len, or a smaller --model)"
+
+
+def size_text(n_bytes: int) -> str:
+    """A size in bytes as people read it: ``"1.5 GiB"``."""
+    return _binary_units(f"{n_bytes} bytes")
 
 
 def _binary_units(amount: str) -> str:

@@ -26,6 +26,7 @@ from .checkpoint import check_resumable, resume
 from .config import TrainConfig, lr_at, resolve_device
 from .data import TokenData, load_data
 from .graphs import Batches, GradAllReduce, StepGraphs
+from .memory import check_memory
 from .parallel import Parallel, checkpoint_blocks, grad_norm, shard
 from .runs import load_checkpoint, prepare_run_dir
 
@@ -134,6 +135,7 @@ def setup(cfg: TrainConfig, data: TokenData | None, par: Parallel) -> Run:
     if data is None:
         data = load_data(cfg.data, cfg.vocab_size)
     data.check(cfg.seq_len)
+    check_memory(cfg, data.vocab_size, device, par.world)  # before the run folder is touched
     out = prepare_run_dir(cfg) if par.main else Path(cfg.out_dir)
     par.barrier()
     ckpt = load_checkpoint(out, cfg) if cfg.resume else None  # ckpt.pt, or the sharded ckpt/'s meta.pt
