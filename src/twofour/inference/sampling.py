@@ -5,6 +5,8 @@ names: bytes (vocabulary 256: every text corpus twofour trains on), characters (
 from __future__ import annotations
 
 import abc
+import codecs
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Any
 
@@ -14,7 +16,14 @@ from torch.nn import functional as F
 from ..models.gpt import GPT
 from ..models.llama import Llama
 
-__all__ = ["generate", "sample_next", "Codec", "BYTES", "CharCodec", "IdCodec", "codec_from_dict"]
+__all__ = ["generate", "stream", "MAX_NEW_TOKENS", "sample_next", "Codec", "BYTES", "CharCodec", "IdCodec",
+           "codec_from_dict"]
+
+
+#: The most tokens ``twofour generate`` samples in one call (``--max-new-tokens``): far past any
+#: preset's context (the model sees at most ``block_size`` tokens of what it wrote), about an hour
+#: of output on a CPU; the output streams as it comes, and Ctrl-C stops it.
+MAX_NEW_TOKENS = 1_000_000
 
 
 def _check_sampling(temperature: float, top_k: int | None) -> None:
@@ -41,7 +50,16 @@ def sample_next(logits: torch.Tensor, temperature: float = 1.0, top_k: int | Non
 @torch.no_grad()
 def generate(model: GPT | Llama, idx: torch.Tensor, max_new_tokens: int, *, temperature: float = 1.0,
              top_k: int | None = None, generator: torch.Generator | None = None) -> torch.Tensor:
-    """``idx`` (B, T) followed by ``max_new_tokens`` sampled tokens (B, T + max_new_tokens).
+    """``idx`` (B, T) followed by ``max_new_tokens`` sampled tokens (B, T + max_new_tokens): the
+    tokens of :func:`stream`, joined."""
+    return torch.cat([idx, *stream(model, idx, max_new_tokens, temperature=temperature, top_k=top_k,
+                                   generator=generator)], 1)
+
+
+def stream(model: GPT | Llama, idx: torch.Tensor, max_new_tokens: int, *, temperature: float = 1.0,
+           top_k: int | None = None, generator: torch.Generator | None = None) -> Iterator[torch.Tensor]:
+    """The ``max_new_tokens`` tokens sampled after the prompt ``idx`` (B, T), one (B, 1) tensor at a
+    time as each comes (``twofour generate`` prints them so), in memory that does not grow with them.
 
     The prompt runs once through the model, filling a KV cache of ``block_size`` positions;
     then each new token is one cached forward. A prompt longer than the context keeps its last
@@ -52,9 +70,16 @@ def generate(model: GPT | Llama, idx: torch.Tensor, max_new_tokens: int, *, temp
     if max_new_tokens < 0:
         raise ValueError(f"max_new_tokens must be >= 0, got {max_new_tokens}")
     _check_sampling(temperature, top_k)
+    return _stream(model, idx, max_new_tokens, temperature, top_k, generator)
+
+
+@torch.no_grad()
+def _stream(model: GPT | Llama, idx: torch.Tensor, max_new_tokens: int, temperature: float, top_k: int | None,
+            generator: torch.Generator | None) -> Iterator[torch.Tensor]:
+    """:func:`stream`'s tokens, its arguments checked."""
     block = model.cfg.block_size
     cache = model.make_cache(idx.shape[0])
-    out = idx
+    tail = idx[:, -block:]  # the last block_size tokens of the text: what a new prompt is cut from
     filled = 0
 
     def prompt(tokens: torch.Tensor) -> torch.Tensor:
@@ -63,18 +88,18 @@ def generate(model: GPT | Llama, idx: torch.Tensor, max_new_tokens: int, *, temp
         filled = tokens.shape[1]
         return model(tokens, cache=cache)[0][:, -1]
 
-    logits = prompt(idx[:, -block:]) if max_new_tokens else None
+    logits = prompt(tail) if max_new_tokens else None
     for i in range(max_new_tokens):
         nxt = sample_next(logits, temperature, top_k, generator)
-        out = torch.cat([out, nxt], 1)
+        yield nxt
         if i + 1 == max_new_tokens:
             break
+        tail = torch.cat([tail, nxt], 1)[:, -block:]
         if filled == block:  # the context is full: start again from the last half
-            logits = prompt(out[:, -max(1, block // 2):])
+            logits = prompt(tail[:, -max(1, block // 2):])
         else:
             logits = model(nxt, cache=cache)[0][:, -1]
             filled += 1
-    return out
 
 
 class Codec(abc.ABC):
@@ -94,17 +119,27 @@ class Codec(abc.ABC):
         """The export config's ``tokenizer`` entry (:func:`codec_from_dict` reads it back)."""
         return {"kind": self.name}
 
+    def pieces(self) -> Callable[[list[int]], str]:
+        """A decoder for ids that come a few at a time: called with each piece's ids (an empty list
+        at the end flushes what it holds back), its texts joined are the text of all the ids."""
+        return self.decode
+
 
 class _Bytes(Codec):
-    """UTF-8 bytes, vocabulary 256; bytes that don't decode come out as U+FFFD."""
+    """UTF-8 bytes, vocabulary 256; bytes that don't decode come out as U+FFFD. Text holding bytes
+    that were not UTF-8 (a command line's, which Python keeps as lone surrogates) encodes to those bytes."""
 
     name = "bytes"
 
     def encode(self, text: str) -> list[int]:
-        return list(text.encode("utf-8"))
+        return list(text.encode("utf-8", errors="surrogateescape"))
 
     def decode(self, ids: list[int]) -> str:
         return bytes(ids).decode("utf-8", errors="replace")
+
+    def pieces(self) -> Callable[[list[int]], str]:
+        decoder = codecs.getincrementaldecoder("utf-8")(errors="replace")  # a character's bytes may come apart
+        return lambda ids: decoder.decode(bytes(ids), final=not ids)
 
 
 BYTES = _Bytes()
@@ -153,6 +188,16 @@ class IdCodec(Codec):
 
     def decode(self, ids: list[int]) -> str:
         return " ".join(str(i) for i in ids)
+
+    def pieces(self) -> Callable[[list[int]], str]:
+        started = False
+
+        def piece(ids: list[int]) -> str:
+            nonlocal started
+            text = (" " if started and ids else "") + self.decode(ids)
+            started = started or bool(ids)
+            return text
+        return piece
 
 
 def codec_from_dict(d: dict[str, Any] | None, vocab_size: int) -> Codec:
