@@ -5,47 +5,21 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
+import math
 import os
 import sys
 from pathlib import Path
-from typing import Any
 
 from .sparse.recipes import DEFAULT_RECIPE, RECIPES
 
 __all__ = ["main"]
 
 
-def _value(text: str) -> Any:
-    low = text.lower()
-    if low in ("true", "yes", "on"):
-        return True
-    if low in ("false", "no", "off"):
-        return False
-    for kind in (int, float):
-        try:
-            return kind(text)
-        except ValueError:
-            pass
-    raise argparse.ArgumentTypeError(f"option value {text!r} is not a bool or a number")
-
-
-def _option(text: str) -> tuple[str, Any]:
-    key, sep, val = text.partition("=")
-    if not sep or not key:
-        raise argparse.ArgumentTypeError(f"expected KEY=VALUE (e.g. decay=6e-5), got {text!r}")
-    key = key.replace("-", "_")
-    return key, (val if _precision_key(key) else _value(val))  # kept as text: _recipe_options refuses it by name
-
-
-def _precision_key(key: str) -> bool:
-    """An ``--opt`` key that means the precision, which ``--precision`` sets (``fp8``, ``fp8_rowwise``, ...)."""
-    return key == "precision" or key.startswith("fp8")
-
-
 def _run_args(p: argparse.ArgumentParser, default_out: str) -> None:
     from .fp8.precision import PRECISIONS  # noqa: PLC0415
     from .models.presets import PRESETS  # noqa: PLC0415
     from .training.config import COMPILE_MODES, REGIMES, TrainConfig  # noqa: PLC0415
+    from .training.options import parse_option  # noqa: PLC0415
     from .training.parallel import DEFAULT_FSDP, FSDP_POLICIES  # noqa: PLC0415
 
     d = TrainConfig()
@@ -54,11 +28,12 @@ def _run_args(p: argparse.ArgumentParser, default_out: str) -> None:
     g.add_argument("--n-layer", type=int, default=None, metavar="N",
                    help="the preset with N blocks instead of its own number (a deep shape on fewer GPUs)")
     g.add_argument("--sparse-attention", action="store_true", help="also make the attention projections 2:4")
-    g.add_argument("--data", default=None, help="text file or folder, folder of uint16 .bin shards, or hf:NAME_OR_PATH "
-                   "(default: Python's standard library source)")
-    g.add_argument("--vocab-size", type=int, default=None, help=".bin shards' vocabulary size (else read meta.pkl)")
+    g.add_argument("--data", default=None, help="text file or folder, folder of .bin token shards (uint16, or uint32 "
+                   "as meta.pkl's 'dtype' says), or hf:NAME_OR_PATH (default: Python's standard library source)")
+    g.add_argument("--vocab-size", type=int, default=None, help=".bin shards' vocabulary size, the model's (default: "
+                   "meta.pkl's; at least it)")
     g = p.add_argument_group("recipe")
-    g.add_argument("--opt", type=_option, action="append", default=[], metavar="KEY=VALUE",
+    g.add_argument("--opt", type=parse_option, action="append", default=[], metavar="KEY=VALUE",
                    help="recipe option, repeatable: mvue=false, decay=6e-5, mask_interval=40, dense_finetune=0.2, "
                         "bf16_finetune=0.1 (with an FP8 --precision: the last 10%% of the steps without FP8), ...")
     fp8 = g.add_mutually_exclusive_group()
@@ -129,23 +104,16 @@ def _run_args(p: argparse.ArgumentParser, default_out: str) -> None:
 def _config(a: argparse.Namespace, recipe: str):
     """A TrainConfig from the parsed options: every option named like a field sets that field."""
     from .training.config import TrainConfig  # noqa: PLC0415
+    from .training.options import check_fsdp_launch, opt_pairs  # noqa: PLC0415
 
     fields = {f.name for f in dataclasses.fields(TrainConfig)}
     given = {k: v for k, v in vars(a).items() if k in fields}
     data = a.data
     if data is not None and not data.startswith("hf:"):  # a path means the same folder from anywhere
         data = str(Path(data).expanduser().resolve())
-    return TrainConfig(**{**given, "recipe": recipe, "recipe_options": _recipe_options(a), "out_dir": a.out,
+    check_fsdp_launch(a.fsdp, "fsdp" in getattr(a, "given", ()))
+    return TrainConfig(**{**given, "recipe": recipe, "recipe_options": opt_pairs(a.opt), "out_dir": a.out,
                           "data": data})
-
-
-def _recipe_options(a: argparse.Namespace) -> dict[str, Any]:
-    """``--opt`` KEY=VALUE pairs; the precision's are refused, naming ``--precision``."""
-    for key, value in a.opt:
-        if _precision_key(key):
-            raise ValueError(f"--opt {key}={value}: the precision is --precision NAME (--fp8 for --precision fp8), "
-                             f"not a recipe option")
-    return dict(a.opt)
 
 
 def _given(a: argparse.Namespace) -> set[str]:
@@ -180,15 +148,21 @@ def _cmd_train(a: argparse.Namespace) -> int:
 
 def _cmd_compare(a: argparse.Namespace) -> int:
     from .training.compare import compare, results_table  # noqa: PLC0415
+    from .training.config import check_seed  # noqa: PLC0415
+    from .training.options import once  # noqa: PLC0415
 
     recipes = [r.strip() for r in a.recipes.split(",") if r.strip()]
     bad = [r for r in recipes if r not in RECIPES]
     if bad or not recipes:
         raise ValueError(f"unknown recipe {', '.join(bad) or '(none given)'}; valid recipes: {', '.join(RECIPES)}")
+    once(recipes, "--recipes", "give each recipe once (--seeds trains each several times)")
     try:
         seeds = [int(s) for s in a.seeds.split(",")] if a.seeds else None
     except ValueError:
         raise ValueError(f"--seeds takes comma-separated whole numbers (e.g. 1,2,3), got {a.seeds!r}") from None
+    once(seeds or [], "--seeds", "give each seed once")
+    for seed in seeds or []:
+        check_seed(seed, "--seeds")
     summaries = compare(recipes, _config(a, recipes[0]), seeds)
     print("\n" + results_table(summaries))
     print(f"table: {Path(a.out) / 'compare.md'}, plot: {Path(a.out) / 'compare.png'}")
@@ -213,13 +187,13 @@ def _cmd_generate(a: argparse.Namespace) -> int:
     import torch  # noqa: PLC0415
 
     from .inference.format import load_for_inference, read_export_config  # noqa: PLC0415
-    from .inference.sampling import IdCodec, codec_from_dict, generate  # noqa: PLC0415
-    from .training.config import resolve_device  # noqa: PLC0415
+    from .inference.sampling import MAX_NEW_TOKENS, IdCodec, codec_from_dict, stream  # noqa: PLC0415
+    from .training.config import MAX_SEED, resolve_device  # noqa: PLC0415
 
-    for opt, value, ok in (("--max-new-tokens", a.max_new_tokens, a.max_new_tokens >= 0),
-                           ("--temperature", a.temperature, a.temperature >= 0), ("--top-k", a.top_k, a.top_k >= 0)):
-        if not ok:  # (a NaN temperature fails too)
-            raise ValueError(f"{opt} must be >= 0, got {value}")
+    for opt, value, most in (("--max-new-tokens", a.max_new_tokens, MAX_NEW_TOKENS), ("--top-k", a.top_k, None),
+                             ("--temperature", a.temperature, None), ("--seed", a.seed, MAX_SEED)):
+        if not 0 <= value <= (most or math.inf):  # (a NaN temperature fails too)
+            raise ValueError(f"{opt} must be >= 0{f' and at most {most:,}' if most else ''}, got {value}")
     cfg = read_export_config(a.dir)
     device = resolve_device(a.device)
     codec = codec_from_dict(cfg.get("tokenizer"), cfg["model"]["vocab_size"])
@@ -231,9 +205,12 @@ def _cmd_generate(a: argparse.Namespace) -> int:
               file=sys.stderr)
     model = load_for_inference(a.dir, device)
     gen = torch.Generator(device).manual_seed(a.seed)
-    out = generate(model, torch.tensor([ids], device=device), a.max_new_tokens, temperature=a.temperature,
-                   top_k=a.top_k or None, generator=gen)
-    print(codec.decode(out[0].tolist()))
+    text = codec.pieces()  # the prompt, then each token as it comes
+    print(text(ids), end="", flush=True)
+    for nxt in stream(model, torch.tensor([ids], device=device), a.max_new_tokens, temperature=a.temperature,
+                      top_k=a.top_k or None, generator=gen):
+        print(text(nxt[0].tolist()), end="", flush=True)
+    print(text([]))
     return 0
 
 
@@ -307,7 +284,8 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("dir", help="export folder (a run folder after `twofour export RUN`)")
     g.add_argument("--prompt", default="\n", help="text to continue (token ids separated by spaces for a model "
                    "without a known tokenizer; default a newline)")
-    g.add_argument("--max-new-tokens", type=int, default=300, help="tokens to sample (default %(default)s)")
+    g.add_argument("--max-new-tokens", type=int, default=300, help="tokens to sample, printed as they come (default "
+                   "%(default)s, at most 1,000,000)")
     g.add_argument("--temperature", type=float, default=0.8, help="softmax temperature; 0 takes the most likely "
                    "token (default %(default)s)")
     g.add_argument("--top-k", type=int, default=50, help="sample among the k most likely tokens; 0: all "

@@ -25,7 +25,7 @@ from ..sparse.recipes import DEFAULT_RECIPE, Recipe, make_recipe, recipe_options
 from .parallel import FSDP_POLICIES
 
 __all__ = ["TrainConfig", "TrainError", "DEFAULT_LR", "Regime", "REGIMES", "lr_at", "resumed_config", "saved_options",
-           "option_name", "resolve_device", "LAUNCH_OPTIONS", "ADJUSTABLE_OPTIONS"]
+           "option_name", "resolve_device", "LAUNCH_OPTIONS", "ADJUSTABLE_OPTIONS", "MAX_SEED", "check_seed"]
 
 #: Peak learning rate per preset (each :class:`~twofour.models.Preset`'s ``lr``: GPT-3 paper's table
 #: for the GPT-2 sizes, higher for the small ones, as nanoGPT's 10M-parameter example).
@@ -150,6 +150,7 @@ class TrainConfig:
             if (value is not None or name not in ("grad_accum", "vocab_size", "n_layer")) and (
                     not isinstance(value, int) or isinstance(value, bool) or value < 1):
                 raise TrainError(f"{option_name(name)} must be a positive integer, got {value!r}")
+        check_seed(self.seed)
         self.recipe_object()  # after the integers: a bad --steps is named, not the recipe's total_steps
         for name in ("warmup", "skip_nonfinite", "ckpt_interval"):
             value = getattr(self, name)
@@ -216,6 +217,16 @@ class TrainConfig:
 
 
 _DEVICE = re.compile(r"auto|cpu|cuda(:\d+)?")
+#: The largest ``--seed``: torch's generators take 64 bits, and a rank's data stream adds to the seed.
+MAX_SEED = 2**63 - 1
+
+
+def check_seed(seed: Any, option: str = "--seed") -> None:
+    """TrainError naming ``option`` unless ``seed`` is a whole number from 0 to :data:`MAX_SEED`."""
+    if not isinstance(seed, int) or isinstance(seed, bool) or not 0 <= seed <= MAX_SEED:
+        raise TrainError(f"{option} must be a whole number from 0 to 2**63 - 1, got {seed}")
+
+
 #: torch.compile's modes. "reduce-overhead" replays the step's kernels as CUDA graphs: no host
 #: time per kernel (a sparse layer's custom ops cost the host more than a dense GEMM does; the
 #: real loop's gain from it is in docs/PERFORMANCE.md).
