@@ -1,5 +1,5 @@
 """Token streams for training: the default corpus (Python's own standard library, as bytes) and
-real data (a text file or folder, nanoGPT-style uint16 ``.bin`` shards, a local Hugging Face
+real data (a text file or folder, nanoGPT-style uint16 or uint32 ``.bin`` shards, a local Hugging Face
 dataset), all behind one small interface. Nothing is ever fetched from the network.
 """
 
@@ -22,7 +22,7 @@ import torch
 
 from ..errors import DataError
 
-__all__ = ["TokenData", "load_data", "DataError", "stdlib_files", "is_shard_folder"]
+__all__ = ["TokenData", "load_data", "DataError", "stdlib_files", "is_shard_folder", "SHARD_DTYPES", "shard_dtype"]
 
 VAL_FRACTION = 0.05
 
@@ -169,24 +169,46 @@ def is_shard_folder(path: Path) -> bool:
     return path.is_dir() and any(p.is_file() for pattern in ("*train*.bin", "*val*.bin") for p in path.glob(pattern))
 
 
+#: The token shards' element types, named by ``dtype`` in ``meta.pkl``: nanoGPT's uint16 (the
+#: default, ids below 65,536), or uint32 for a larger vocabulary (Llama 3's tokenizer: 128,256).
+SHARD_DTYPES = {"uint16": np.uint16, "uint32": np.uint32}
+
+
+def shard_dtype(meta: dict | None, where: Path) -> type[np.unsignedinteger]:
+    """The token shards' dtype that ``meta`` (a ``meta.pkl``'s dict, None without one) names."""
+    name = "uint16" if meta is None else meta.get("dtype", "uint16")
+    if not isinstance(name, str) or name not in SHARD_DTYPES:
+        raise DataError(f"{where}: dtype {name!r} is not one of {', '.join(SHARD_DTYPES)} (the token shards' type)")
+    return SHARD_DTYPES[name]
+
+
 def _bin_shards(folder: Path, vocab_size: int | None) -> TokenData:
     train = sorted(folder.glob("*train*.bin"))
     val = sorted(folder.glob("*val*.bin"))
     if not train or not val:
-        raise DataError(f"{folder}: expected train*.bin and val*.bin token shards (uint16, as nanoGPT writes)")
-    if vocab_size is None:
-        meta = folder / "meta.pkl"
-        if not meta.exists():
-            raise DataError(f"{folder}: .bin shards need their vocabulary size: pass --vocab-size "
-                            "(50257 for GPT-2's tokenizer) or put nanoGPT's meta.pkl beside them")
-        vocab_size = read_meta(meta)["vocab_size"]
+        raise DataError(f"{folder}: expected train*.bin and val*.bin token shards (uint16 or uint32)")
+    meta_path = folder / "meta.pkl"
+    meta = read_meta(meta_path) if meta_path.exists() else None
+    if meta is None and vocab_size is None:
+        raise DataError(f"{folder}: .bin shards need their vocabulary size: pass --vocab-size "
+                        "(50257 for GPT-2's tokenizer) or put nanoGPT's meta.pkl beside them")
+    if meta is not None and vocab_size is not None and vocab_size < meta["vocab_size"]:
+        raise DataError(f"--vocab-size {vocab_size} is below the vocabulary size {meta['vocab_size']} in {meta_path}: "
+                        "leave it out, or give a larger one (a tokenizer's padded size)")
+    vocab_size = vocab_size or meta["vocab_size"]
+    dtype = shard_dtype(meta, meta_path)
+    width = np.dtype(dtype).itemsize
+    if vocab_size > 1 << 8 * width:
+        raise DataError(f"{folder}: a vocabulary of {vocab_size:,} ids does not fit {np.dtype(dtype).name} token "
+                        "shards: " + ("write them as uint32 and put 'dtype': 'uint32' in meta.pkl beside them"
+                                      if dtype is np.uint16 else f"at most {1 << 8 * width:,} ids fit"))
 
     def load(paths: list[Path]) -> np.ndarray:
         for p in paths:
-            if p.stat().st_size % 2:
-                raise DataError(f"{p}: {p.stat().st_size} bytes is not a whole number of uint16 tokens (2 bytes "
-                                "each): the shard is truncated or not a token shard")
-        arrs = [np.memmap(p, dtype=np.uint16, mode="r") for p in paths if p.stat().st_size >= 2]
+            if p.stat().st_size % width:
+                raise DataError(f"{p}: {p.stat().st_size} bytes is not a whole number of {np.dtype(dtype).name} "
+                                f"tokens ({width} bytes each): the shard is truncated or not a token shard")
+        arrs = [np.memmap(p, dtype=dtype, mode="r") for p in paths if p.stat().st_size >= width]
         if not arrs:
             raise DataError(f"{folder}: the shards {', '.join(p.name for p in paths)} are empty")
         return arrs[0] if len(arrs) == 1 else np.concatenate(arrs)
@@ -235,27 +257,40 @@ def _hf_dataset(spec: str) -> TokenData:
     return TokenData(tr, va, 256, spec)
 
 
+def _as_bytes(vocab_size: int | None, name: str) -> None:
+    """DataError when a vocabulary size is given for data read as bytes, where it would go unused."""
+    if vocab_size is not None:
+        raise DataError(f"--vocab-size {vocab_size} sets the vocabulary of .bin token shards; {name} is text, read as "
+                        "bytes (vocabulary 256): leave --vocab-size out")
+
+
 def load_data(spec: str | None = None, vocab_size: int | None = None) -> TokenData:
     """The data named by ``spec``.
 
     ``None`` or ``"stdlib"``: Python's standard library source, as bytes (vocabulary 256);
     a text file: its bytes, the last 5% for validation; a folder of text files: their bytes, split
     by file (hidden files and folders below it are skipped, binary files skipped with a warning);
-    a folder with ``train*.bin`` and ``val*.bin``: uint16 token shards (``vocab_size`` or a
-    ``meta.pkl``, read as plain data only); ``hf:NAME_OR_PATH``: the ``text`` column of a local
-    Hugging Face dataset, as bytes.
+    a folder with ``train*.bin`` and ``val*.bin``: token shards, uint16 or as ``meta.pkl`` names
+    its ``dtype`` (:data:`SHARD_DTYPES`), of ``vocab_size`` ids, else ``meta.pkl``'s (read as plain
+    data only); ``hf:NAME_OR_PATH``: the ``text`` column of a local Hugging Face dataset, as bytes.
+    ``vocab_size`` is refused for data read as bytes.
     """
     if spec is None or spec == "stdlib":
+        _as_bytes(vocab_size, "the standard library corpus")
         files = stdlib_files()
         if not files:
             raise DataError("stdlib: found no .py files in this Python's standard library")
         return _split_files(files, Path(sysconfig.get_paths()["stdlib"]), "stdlib")
     if spec.startswith("hf:"):
+        _as_bytes(vocab_size, spec)
         return _hf_dataset(spec)
     path = Path(spec).expanduser()
     if not path.exists():
         raise DataError(f"{spec}: no such file or folder")
     path = path.resolve()  # "../corp" and "./x": hidden parts are only looked for below the data folder
+    if is_shard_folder(path):
+        return _bin_shards(path, vocab_size)
+    _as_bytes(vocab_size, spec)
     if path.is_file():
         if path.stat().st_size == 0:
             raise DataError(f"{spec}: the file is empty")
@@ -263,6 +298,4 @@ def load_data(spec: str | None = None, vocab_size: int | None = None) -> TokenDa
             raise DataError(f"{spec}: the file looks binary (a NUL byte or not UTF-8 in its first 8 KiB); "
                             "pass a text file, or a folder of .bin token shards")
         return _position_split(path.read_bytes(), str(path))
-    if is_shard_folder(path):
-        return _bin_shards(path, vocab_size)
     return _split_files(_text_files(path, spec), path, str(path))
