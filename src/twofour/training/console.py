@@ -7,6 +7,7 @@ checkpoint, stop" (:class:`Interrupted`), so an interrupted run always resumes.
 
 from __future__ import annotations
 
+import os
 import signal
 import sys
 import threading
@@ -86,15 +87,18 @@ class Progress:
 class StopRequest:
     """While active (a ``with`` block in the main thread), the first SIGINT or SIGTERM only sets a
     flag: the loop finishes its step, writes a checkpoint and raises :class:`Interrupted`. A second
-    signal raises KeyboardInterrupt at once (checkpoints are atomic, so the last one stays intact),
-    unless it comes within ``GRACE_S`` of the first: torchrun passes a terminal's Ctrl-C on to
-    workers that got it already, and that echo must not cancel the checkpoint."""
+    signal raises KeyboardInterrupt at once (checkpoints are atomic, so the last one stays intact).
+    Under torchrun only, one within ``GRACE_S`` of the first is taken for the same Ctrl-C: torchrun
+    passes a terminal's Ctrl-C on to workers that got it already, and that echo must not cancel
+    the checkpoint (``grace_s`` sets another time; 0: none)."""
 
     SIGNALS = (signal.SIGINT, signal.SIGTERM)
     GRACE_S = 1.0
 
-    def __init__(self, verbose: bool = True):
+    def __init__(self, verbose: bool = True, grace_s: float | None = None):
         self.verbose = verbose
+        under_torchrun = "TORCHELASTIC_RUN_ID" in os.environ  # set by torchrun for each worker
+        self.grace_s = grace_s if grace_s is not None else self.GRACE_S if under_torchrun else 0.0
         self.requested = False
         self._first = 0.0
         self._previous: dict[int, Any] = {}
@@ -114,7 +118,7 @@ class StopRequest:
 
     def _handle(self, signum: int, frame: object) -> None:
         if self.requested:
-            if time.monotonic() - self._first < self.GRACE_S:
+            if time.monotonic() - self._first < self.grace_s:
                 return
             raise KeyboardInterrupt
         self.requested, self._first = True, time.monotonic()
