@@ -1,6 +1,7 @@
 """twofour train / compare / export end to end on the CPU: outputs, resume, bad input, torchrun."""
 
 import csv
+import io
 import json
 import math
 import os
@@ -12,6 +13,7 @@ from pathlib import Path
 import pytest
 import torch
 
+import twofour
 from twofour import dispatch
 from twofour.cli import build_parser, main
 from twofour.functional import mask_24
@@ -202,7 +204,19 @@ def test_authors_regime_by_name(tmp_path, corpus, capsys):
     assert "--regime ours contradicts" in err and "authors" in err
 
 
-def test_export_and_generate(tmp_path, corpus, capsys):
+class _Flushes(io.StringIO):
+    """A stdout that keeps what had been written at each flush."""
+
+    def __init__(self):
+        super().__init__()
+        self.seen = []
+
+    def flush(self):
+        self.seen.append(self.getvalue())
+        super().flush()
+
+
+def test_export_and_generate(tmp_path, corpus, capsys, monkeypatch):
     out = tmp_path / "run"
     assert main(["train", *SMALL, "--data", corpus, "--out", str(out), "--recipe", "ste"]) == 0
     capsys.readouterr()
@@ -227,6 +241,21 @@ def test_export_and_generate(tmp_path, corpus, capsys):
         texts.append(capsys.readouterr().out)
     assert all(t.startswith("def f(x):") for t in texts)
     assert texts[0] == texts[1] and texts[3] == texts[4]
+    # the text streams: the prompt, then each token as it comes, adding up to the same text
+    from twofour.inference.sampling import MAX_NEW_TOKENS
+
+    monkeypatch.setattr(sys, "stdout", _Flushes())
+    assert main([*args, "--temperature", "0"]) == 0
+    streamed, flushes = sys.stdout.getvalue(), sys.stdout.seen
+    monkeypatch.undo()
+    assert streamed == texts[3] and len(flushes) == 21 and flushes[0] == "def f(x):"
+    # more tokens than one call samples, a seed out of range: one line each, naming the option
+    err = error_of([*args[:-1], "100000000"], capsys)
+    assert f"--max-new-tokens must be >= 0 and at most {MAX_NEW_TOKENS:,}" in err
+    assert "--seed must be" in error_of([*args, "--seed", "99999999999999999999999"], capsys)
+    # bytes that are not UTF-8 on the command line (kept by Python as lone surrogates) are bytes to a byte model
+    assert main([*args[:2], "--prompt", "\udcff\udcfedef", "--max-new-tokens", "3"]) == 0
+    assert capsys.readouterr().out.startswith("\ufffd\ufffddef")
     # a run folder holds its export by default; generate reads it there
     assert main(["export", str(out)]) == 0 and main(["generate", str(out), "--max-new-tokens", "5"]) == 0
     capsys.readouterr()
@@ -275,6 +304,14 @@ def test_bad_input(tmp_path, corpus, capsys):
     blocker.write_text("x")
     assert "cannot write" in error_of(["train", *SMALL, "--data", corpus, "--out", str(blocker / "run")], capsys)
     assert "valid recipes" in error_of(["compare", *SMALL, "--recipes", "dense,nope"], capsys)
+    # options the run would drop silently: each named, in one line
+    assert "leave --vocab-size out" in error_of([*base, "--data", corpus, "--vocab-size", "300"], capsys)
+    assert "--recipes names dense twice" in error_of(["compare", *SMALL, "--recipes", "dense,ste,dense"], capsys)
+    assert "--seeds names 1 twice" in error_of(["compare", *SMALL, "--seeds", "1,2,1"], capsys)
+    assert "--opt names decay twice" in error_of([*base, "--data", corpus, "--recipe", "sr-ste", "--opt", "decay=1e-4",
+                                                  "--opt", "decay=2e-4"], capsys)
+    assert "torchrun" in error_of([*base, "--data", corpus, "--fsdp"], capsys)  # one process: FSDP2 would not run
+    assert not (tmp_path / "x").exists()
 
 
 def test_never_overwrites_and_checks_checkpoints(tmp_path, corpus, capsys):
@@ -457,10 +494,13 @@ def test_every_option_is_checked(tmp_path, corpus, capsys):
                              ("--weight-decay", "-0.1", "--weight-decay"), ("--log-interval", "0", "--log-interval"),
                              ("--eval-iters", "0", "--eval-iters"), ("--vocab-size", "0", "--vocab-size"),
                              ("--lr", "nan", "--lr"), ("--lr", "1e6", "at most 1"), ("--stop-at", "99", "--stop-at"),
-                             ("--steps", "0", "--steps must be"), ("--skip-nonfinite", "-1", "--skip-nonfinite")]:
+                             ("--steps", "0", "--steps must be"), ("--skip-nonfinite", "-1", "--skip-nonfinite"),
+                             ("--seed", "99999999999999999999999", "--seed must be"), ("--seed", "-1", "--seed")]:
         assert says in error_of([*base, opt, value], capsys), opt
     assert "--steps must be" in error_of([*base, "--recipe", "t-sr-ste", "--steps", "0"], capsys)  # not total_steps
     assert "--seeds" in error_of(["compare", *SMALL, "--data", corpus, "--seeds", "1,x"], capsys)
+    assert "--seeds must be" in error_of(["compare", *SMALL, "--data", corpus, "--seeds", "1,99999999999999999999999"],
+                                         capsys)
     assert "--resume" in error_of([*base, "--reschedule"], capsys)
     assert "add --compile" in error_of([*base, "--compile-mode", "reduce-overhead"], capsys)
     # CUDA graphs hold a step's gradients in their own buffers: one micro-batch a step only
@@ -741,18 +781,53 @@ def test_skip_nonfinite_skips_steps_up_to_its_limit(tmp_path, corpus, capsys, ca
     assert json.loads((out / "config.json").read_text())["skip_nonfinite"] == 3
 
 
+def _refuse_writes(monkeypatch, folder):
+    """What a read-only ``folder`` does to root too, who writes into it anyway: every file opened
+    or created there for writing fails with EACCES (reads go on)."""
+    import builtins
+    import errno
+    import io
+
+    import twofour.inference.format as fmt
+
+    def inside(path):
+        return isinstance(path, (str, os.PathLike)) and Path(os.fspath(path)).absolute().is_relative_to(folder)
+
+    def refuse(path):
+        raise PermissionError(errno.EACCES, os.strerror(errno.EACCES), os.fspath(path))
+
+    real_open, real_os_open, real_save = builtins.open, os.open, fmt.save_file
+
+    def open_(file, mode="r", *args, **kwargs):
+        if inside(file) and set(mode) & set("wax+"):
+            refuse(file)
+        return real_open(file, mode, *args, **kwargs)
+
+    def os_open(path, flags, *args, **kwargs):
+        if inside(path) and flags & (os.O_WRONLY | os.O_RDWR | os.O_CREAT):
+            refuse(path)
+        return real_os_open(path, flags, *args, **kwargs)
+
+    monkeypatch.setattr(builtins, "open", open_)
+    monkeypatch.setattr(io, "open", open_)
+    monkeypatch.setattr(os, "open", os_open)
+    monkeypatch.setattr(fmt, "save_file", lambda tensors, path, *a, **k: refuse(path) if inside(path) else
+                        real_save(tensors, path, *a, **k))
+
+
 @pytest.mark.parametrize("how", ["read-only", "in-the-way"])
-def test_unwritable_outputs_end_in_one_line(tmp_path, corpus, capsys, how):
+def test_unwritable_outputs_end_in_one_line(tmp_path, corpus, capsys, monkeypatch, how):
     """An export into a folder that can't be written, and a run whose folder becomes unwritable
-    mid-run: one line and exit 2, the previous checkpoint intact. (Root writes into read-only
-    folders, so the second way puts a folder where the file goes: the write fails for anyone.)"""
-    if how == "read-only" and os.geteuid() == 0:
-        pytest.skip("root writes into read-only folders")
+    mid-run: one line and exit 2, the previous checkpoint intact. Read-only: the folder's mode
+    (and, since root writes into read-only folders and CI runs as root, every write there refused);
+    in the way: a folder where the file goes, which fails for anyone."""
     out = tmp_path / "run"
     assert main(["train", *SMALL, "--data", corpus, "--out", str(out), "--recipe", "ste", "--stop-at", "4"]) == 0
     before = (out / "ckpt.pt").read_bytes()
     if how == "read-only":
         out.chmod(0o555)
+        if os.geteuid() == 0:
+            _refuse_writes(monkeypatch, out)
     else:
         (out / "model.safetensors.tmp").mkdir()
         (out / "ckpt.pt.tmp").mkdir()
@@ -762,8 +837,10 @@ def test_unwritable_outputs_end_in_one_line(tmp_path, corpus, capsys, how):
         err = error_of(["train", "--out", str(out), "--resume", "--no-progress"], capsys)
         assert "cannot write" in err and ("intact" in err or how == "read-only")  # read-only: refused at the start
     finally:
+        monkeypatch.undo()
         out.chmod(0o755)
     assert (out / "ckpt.pt").read_bytes() == before
+    assert not (out / "model.safetensors").exists()
 
 
 def test_compare_names_what_a_copied_in_run_lacks(tmp_path, corpus, capsys):
@@ -783,17 +860,44 @@ def test_compare_names_what_a_copied_in_run_lacks(tmp_path, corpus, capsys):
     assert f"{copied / 'summary.json'} is corrupt" in error_of(args, capsys)
 
 
-def test_out_of_memory_is_one_line(tmp_path, capsys):
-    """A model too large for memory (a vocabulary of 2^40 token ids) ends in one line that
-    suggests a smaller batch, not a traceback."""
-    np = pytest.importorskip("numpy")
-    rng = np.random.default_rng(0)
-    rng.integers(0, 100, 5000, dtype=np.uint16).tofile(tmp_path / "train.bin")
-    rng.integers(0, 100, 500, dtype=np.uint16).tofile(tmp_path / "val.bin")
-    err = error_of(["train", *SMALL, "--data", str(tmp_path), "--vocab-size", str(2 ** 40), "--device", "cpu",
-                    "--out", str(tmp_path / "run")], capsys)
-    assert "out of memory" in err and "--batch-size" in err
-    assert not (tmp_path / "run").exists()
+def test_a_step_too_large_for_memory_is_refused_before_it_starts(tmp_path, corpus, capsys, monkeypatch):
+    """A batch that can't fit in the memory the device has free is refused before the run folder is
+    touched, with one line saying how many sequences could fit; the same command with a batch that
+    fits then runs in that folder. The estimate is a lower bound: nothing that fits is refused."""
+    import twofour.training.memory as memory
+    from twofour.training.config import TrainConfig
+
+    cfg = TrainConfig(batch_size=4, seq_len=32)
+    need = memory.step_memory(cfg, 256, torch.device("cpu"))
+    model = twofour.models.build_model("tiny", "dense", vocab_size=256, block_size=32)
+    assert need.state == 16 * sum(p.numel() for p in model.parameters())
+    monkeypatch.setattr(memory, "available_bytes", lambda device: need.state + 2 * need.per_sequence)
+    out = tmp_path / "run"
+    args = ["train", *SMALL, "--data", corpus, "--out", str(out)]
+    err = error_of([*args, "--batch-size", "4"], capsys)
+    assert err.startswith("twofour train: error: out of memory") and "--batch-size 4" in err
+    assert "at most 2 sequences could fit" in err and not out.exists()
+    assert main([*args, "--batch-size", "2"]) == 0  # no lock, no config.json left in the way
+    monkeypatch.undo()
+    with pytest.raises(twofour.TrainError, match="try a smaller --batch-size"):  # no machine holds this one
+        memory.check_memory(TrainConfig(batch_size=100_000_000, seq_len=32), 256, torch.device("cpu"))
+    huge = TrainConfig(model="llama-7b")  # weights and AdamW state: 108 GiB
+    monkeypatch.setattr(memory, "available_bytes", lambda device: 64 << 30)
+    with pytest.raises(twofour.TrainError, match="smaller --model .* a smaller --batch-size does not help"):
+        memory.check_memory(huge, 32000, torch.device("cpu"))
+
+
+def test_out_of_memory_during_the_run_is_one_line():
+    """What the estimate lets through and the allocator then refuses still ends in one line."""
+    from twofour.errors import out_of_memory_message
+
+    cpu = RuntimeError("[enforce fail at alloc_cpu.cpp:117] data. DefaultCPUAllocator: can't allocate memory: "
+                       "you tried to allocate 2199023255552 bytes. Error code 12 (Cannot allocate memory)")
+    assert out_of_memory_message(cpu) == ("out of memory (it asked for 2.0 TiB more): try a smaller --batch-size "
+                                          "(or --seq-len, or a smaller --model)")
+    assert "20.00 MiB" in out_of_memory_message(torch.OutOfMemoryError("CUDA out of memory. Tried to allocate "
+                                                                       "20.00 MiB"))
+    assert out_of_memory_message(RuntimeError("shapes cannot be multiplied")) is None
 
 
 def test_ckpt_interval_zero_writes_no_checkpoint(tmp_path, corpus, capsys):

@@ -1,5 +1,6 @@
 """The data sources behind --data: the standard library corpus, text, .bin shards, local HF datasets."""
 
+import json
 import os
 import pickle
 import subprocess
@@ -171,12 +172,51 @@ def test_bin_shards_with_meta_and_vocab_size(tmp_path, capsys):
     assert data.vocab_size == 1000 and len(data.train) == 5000
     with pytest.raises(DataError, match="outside the vocabulary"):
         load_data(str(tmp_path), vocab_size=100)
+    with pytest.raises(DataError, match="a vocabulary of 70,000 ids does not fit uint16 token shards"):
+        load_data(str(tmp_path), vocab_size=70_000)
     with open(tmp_path / "meta.pkl", "wb") as fh:
         pickle.dump({"vocab_size": 1024}, fh)
     assert load_data(str(tmp_path)).vocab_size == 1024
     assert main([*SMALL, "--data", str(tmp_path), "--out", str(tmp_path / "run")]) == 0
     ck = torch.load(tmp_path / "run" / "ckpt.pt", weights_only=False)
     assert ck["model"]["wte.weight"].shape[0] == 1024
+
+
+def test_uint32_shards_for_a_large_vocabulary(tmp_path, capsys):
+    """A tokenizer with more than 65,536 ids (Llama 3's 128,256) writes uint32 shards, which
+    meta.pkl names with 'dtype': 'uint32'; the model takes that vocabulary. uint16 shards (nanoGPT's,
+    the default) with such a vocabulary are refused, naming the way on."""
+    rng = np.random.default_rng(0)
+    vocab = 100_000
+    rng.integers(0, vocab, 5000, dtype=np.uint32).tofile(tmp_path / "train.bin")
+    rng.integers(0, vocab, 500, dtype=np.uint32).tofile(tmp_path / "val.bin")
+
+    def meta(**d):
+        with open(tmp_path / "meta.pkl", "wb") as fh:
+            pickle.dump({"vocab_size": vocab, **d}, fh)
+
+    meta()  # no dtype: uint16, which can't hold the ids
+    with pytest.raises(DataError, match="does not fit uint16 token shards: write them as uint32 and put 'dtype'"):
+        load_data(str(tmp_path))
+    meta(dtype="int8")
+    with pytest.raises(DataError, match="dtype 'int8' is not one of uint16, uint32"):
+        load_data(str(tmp_path))
+    meta(dtype="uint32")
+    data = load_data(str(tmp_path))
+    assert data.vocab_size == vocab and len(data.train) == 5000 and int(data.train.max()) >= 65_536
+    x, y = data.batch("train", 2, 16, torch.Generator().manual_seed(0))
+    assert torch.equal(x[:, 1:], y[:, :-1]) and int(x.max()) < vocab
+    with pytest.raises(DataError, match="--vocab-size 1000 is below the vocabulary size 100000"):
+        load_data(str(tmp_path), vocab_size=1000)
+    assert load_data(str(tmp_path), vocab_size=100_096).vocab_size == 100_096  # a padded size
+    # the model's output spans the whole vocabulary: its first loss is about ln(100,000), above ln(65,536)
+    assert main([*SMALL, "--data", str(tmp_path), "--out", str(tmp_path / "run"), "--steps", "1", "--ckpt-interval",
+                 "0", "--eval-interval", "1"]) == 0
+    assert json.loads((tmp_path / "run" / "summary.json").read_text())["final_val_loss"] > 11.3
+    with open(tmp_path / "val.bin", "ab") as fh:
+        fh.write(b"\0\0")  # half a uint32 token
+    with pytest.raises(DataError, match="not a whole number of uint32 tokens"):
+        load_data(str(tmp_path))
 
 
 def test_local_hugging_face_dataset(tmp_path):

@@ -122,3 +122,16 @@ def test_codecs():
     assert isinstance(codec_from_dict({"kind": "chars", "itos": list("ab")}, 2), CharCodec)
     assert isinstance(codec_from_dict({"kind": "bytes"}, 50304), IdCodec)  # inconsistent: no guessing
     assert isinstance(codec_from_dict(None, 10), IdCodec)
+    assert BYTES.encode("\udcff\udcfe") == [0xFF, 0xFE]  # a command line's bytes that aren't UTF-8
+
+
+def test_codecs_decode_text_that_comes_in_pieces():
+    """What `twofour generate` prints as the tokens come adds up to the text of all of them; a
+    character whose bytes come apart waits for its last byte."""
+    for codec, ids in ((BYTES, list("déf ✓".encode()) + [0xFF, 0x64]), (IdCodec(300), [3, 17, 299, 0]),
+                       (CharCodec(list("abc\n")), [2, 0, 3, 1])):
+        piece = codec.pieces()
+        parts = [piece(ids[:2]), *(piece([i]) for i in ids[2:]), piece([])]
+        assert "".join(parts) == codec.decode(ids), codec
+    piece = BYTES.pieces()
+    assert piece([0xE2, 0x9C]) == "" and piece([0x93]) == "✓" and piece([0xE2]) == "" and piece([]) == "\ufffd"

@@ -148,3 +148,23 @@ def test_interrupt_without_checkpoints_says_so(tmp_path, corpus):
     _, err = proc.communicate(timeout=120)
     assert proc.returncode == 130, err[-2000:]
     assert "nothing saved (--ckpt-interval 0)" in err and not (out / "ckpt.pt").exists()
+
+
+def test_a_second_ctrl_c_stops_at_once(monkeypatch):
+    """The first SIGINT asks for a checkpoint; the second, however soon, stops at once. Under
+    torchrun only, one within a second of the first is its echo (torchrun passes the terminal's
+    Ctrl-C on to workers that got it already) and is not taken for a second."""
+    from twofour.training.console import StopRequest
+
+    monkeypatch.delenv("TORCHELASTIC_RUN_ID", raising=False)
+    with StopRequest(verbose=False) as stop:
+        signal.raise_signal(signal.SIGINT)
+        assert stop.requested
+        with pytest.raises(KeyboardInterrupt):
+            signal.raise_signal(signal.SIGINT)
+    monkeypatch.setenv("TORCHELASTIC_RUN_ID", "test")
+    with StopRequest(verbose=False) as stop:
+        signal.raise_signal(signal.SIGINT)
+        signal.raise_signal(signal.SIGINT)  # the echo: ignored
+        assert stop.requested
+    assert signal.getsignal(signal.SIGINT) is signal.default_int_handler  # the handlers are given back

@@ -43,8 +43,8 @@ def test_recipe_lowers_the_loss(recipe, device):
     first, last = sum(losses[:5]) / 5, sum(losses[-5:]) / 5
     assert last < 0.6 * first, (recipe, first, last)
     assert all(0 <= f <= 1 for f in flips)
-    if recipe in ("ste", "sr-ste", "s-ste"):
-        assert max(flips) > 0  # masks really move during training
+    if recipe != "dense":  # masks really move during training (t-sr-ste's at its refresh, step 40; step's once on)
+        assert max(flips) > 0
     if recipe != "dense":
         layers = [layer for _, layer in twofour.sparse_layers(model)]
         assert len(layers) == 8 and all(layer._step == STEPS for layer in layers)  # 2 blocks x 4 linears
@@ -154,7 +154,9 @@ def test_model_state_round_trip_resumes_identically():
         m(x, y)[1].backward()
         o.step()
         o.zero_grad()
-    for (_, a), (_, b) in zip(twofour.sparse_layers(model), twofour.sparse_layers(fresh)):
+    pairs = list(zip(twofour.sparse_layers(model), twofour.sparse_layers(fresh)))
+    assert len(pairs) == 8  # 2 blocks x 4 linears, in both models
+    for (_, a), (_, b) in pairs:
         assert torch.equal(a.weight, b.weight) and torch.equal(a.mask, b.mask) and a._step == b._step == 11
 
 
