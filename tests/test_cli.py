@@ -341,7 +341,10 @@ def test_resume_takes_the_runs_settings(tmp_path, corpus, capsys):
     capsys.readouterr()
     err = error_of(["train", "--out", str(out), "--resume", "--steps", "4", "--reschedule"], capsys)
     assert "has done 4 steps already" in err and "larger than 4" in err  # refused before saying what it would do
-    assert main(["train", "--out", str(out), "--resume", "--no-progress"]) == 0  # no --data: the run's own
+    err = error_of(["train", "--out", str(out), "--resume", "--lr", "2e-3"], capsys)
+    assert "--lr 0.002 contradicts" in err and "0.001 by default" in err
+    # no --data: the run's own; --lr and --n-layer as the run has them by default (tiny's) are no contradiction
+    assert main(["train", "--out", str(out), "--resume", "--lr", "1e-3", "--n-layer", "4", "--no-progress"]) == 0
     cfg = json.loads((out / "config.json").read_text())
     assert cfg["data"] == corpus and cfg["recipe"] == "ste" and cfg["steps"] == 8 and cfg["batch_size"] == 4
     assert losses(out)[-1][0] == 8
