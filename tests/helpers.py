@@ -5,6 +5,7 @@ import socket
 import torch
 
 import twofour
+from twofour.cli import main
 from twofour.models import GPT, Llama
 
 
@@ -44,3 +45,11 @@ def free_port() -> int:
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))
         return sock.getsockname()[1]
+
+
+def error_of(args, capsys):
+    """The one line a ``twofour`` command that fails on bad input prints (its exit status is 2)."""
+    code = main(args)
+    err = capsys.readouterr().err.strip()
+    assert code == 2 and len(err.splitlines()) == 1, err
+    return err

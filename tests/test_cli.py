@@ -1,11 +1,13 @@
 """twofour train / compare / export end to end on the CPU: outputs, resume, bad input, torchrun."""
 
 import csv
+import errno
 import io
 import json
 import math
 import os
 import shutil
+import socket
 import subprocess
 import sys
 from pathlib import Path
@@ -18,9 +20,10 @@ from twofour import dispatch
 from twofour.cli import build_parser, main
 from twofour.functional import mask_24
 from twofour.sparse import sparse_layers
-from twofour.training.runs import pyplot, read_checkpoint, source_digest
+from twofour.training.checkpoint import read_checkpoint
+from twofour.training.runs import pyplot, source_digest
 
-from .helpers import free_port
+from .helpers import error_of, free_port
 
 SMALL = ["--model", "tiny", "--steps", "8", "--batch-size", "4", "--seq-len", "32", "--eval-interval", "4",
          "--eval-iters", "2", "--log-interval", "1", "--no-progress"]
@@ -283,13 +286,6 @@ def test_export_of_a_run_that_ended_dense(tmp_path, corpus, capsys):
     assert info["dense"] and info["sparse_layers"] == [] and "exported dense" in printed.err
 
 
-def error_of(args, capsys):
-    code = main(args)
-    err = capsys.readouterr().err.strip()
-    assert code == 2 and len(err.splitlines()) == 1, err
-    return err
-
-
 def test_bad_input(tmp_path, corpus, capsys):
     base = ["train", *SMALL, "--out", str(tmp_path / "x")]
     assert "no such file" in error_of([*base, "--data", str(tmp_path / "missing.txt")], capsys)
@@ -379,7 +375,13 @@ def test_resume_takes_the_runs_settings(tmp_path, corpus, capsys):
     that contradicts them is refused by name; --steps may grow only with --reschedule."""
     out = tmp_path / "run"
     assert main(["train", *SMALL, "--data", corpus, "--out", str(out), "--recipe", "ste", "--stop-at", "4"]) == 0
-    assert main(["train", "--out", str(out), "--resume", "--no-progress"]) == 0  # no --data: the run's own
+    capsys.readouterr()
+    err = error_of(["train", "--out", str(out), "--resume", "--steps", "4", "--reschedule"], capsys)
+    assert "has done 4 steps already" in err and "larger than 4" in err  # refused before saying what it would do
+    err = error_of(["train", "--out", str(out), "--resume", "--lr", "2e-3"], capsys)
+    assert "--lr 0.002 contradicts" in err and "0.001 by default" in err
+    # no --data: the run's own; --lr and --n-layer as the run has them by default (tiny's) are no contradiction
+    assert main(["train", "--out", str(out), "--resume", "--lr", "1e-3", "--n-layer", "4", "--no-progress"]) == 0
     cfg = json.loads((out / "config.json").read_text())
     assert cfg["data"] == corpus and cfg["recipe"] == "ste" and cfg["steps"] == 8 and cfg["batch_size"] == 4
     assert losses(out)[-1][0] == 8
@@ -915,3 +917,71 @@ def test_ckpt_interval_zero_writes_no_checkpoint(tmp_path, corpus, capsys):
     assert main(["train", *SMALL, "--data", corpus, "--out", str(tmp_path / "bad"), "--ckpt-interval", "0",
                  "--stop-at", "4"]) == 2
     assert "--ckpt-interval 0 writes no checkpoint" in capsys.readouterr().err
+
+
+def test_a_run_without_a_checkpoint_leads_to_overwrite(tmp_path, corpus, capsys):
+    """A run killed before its first checkpoint: a plain re-run and --resume both say that
+    --overwrite starts it again (not "pass --resume", not a bare "no checkpoint"), the folder as it
+    was; --resume of a folder holding no run says to leave --resume out."""
+    dead = tmp_path / "dead"
+    dead.mkdir()
+    files = {"config.json": b"{}", "metrics.csv": b"step,tokens\n1,512\n"}
+    for name, data in files.items():
+        (dead / name).write_bytes(data)
+    err = error_of(["train", *SMALL, "--data", corpus, "--out", str(dead)], capsys)
+    assert "wrote no checkpoint" in err and "--overwrite" in err and "pass --resume" not in err
+    err = error_of(["train", "--out", str(dead), "--resume"], capsys)
+    assert "wrote no checkpoint" in err and "--overwrite instead of --resume" in err
+    assert {p.name: p.read_bytes() for p in dead.iterdir()} == files
+    assert "leave out --resume" in error_of(["train", "--out", str(tmp_path / "none"), "--resume"], capsys)
+
+
+def test_resume_of_a_folder_a_live_run_holds_names_that_run(tmp_path, capsys):
+    """The live run may not have written a checkpoint yet: its lock is the reason, not the checkpoint."""
+    from twofour.training.lock import LOCK, _started  # noqa: PLC0415
+
+    out = tmp_path / "busy"
+    out.mkdir()
+    owner = os.getppid()  # a live process, not this one
+    (out / LOCK).write_text(json.dumps({"pid": owner, "host": socket.gethostname(), "started": _started(owner)}))
+    err = error_of(["train", "--out", str(out), "--resume"], capsys)
+    assert f"in use by another twofour run (process {owner}" in err and (out / LOCK).exists()
+
+
+def test_an_out_that_links_to_nothing_says_so(tmp_path, corpus, capsys):
+    link = tmp_path / "link"
+    link.symlink_to(tmp_path / "gone")
+    err = error_of(["train", *SMALL, "--data", corpus, "--out", str(link)], capsys)
+    assert f"symbolic link to {tmp_path / 'gone'}, which does not exist" in err and "File exists" not in err
+    assert link.is_symlink() and not (tmp_path / "gone").exists()
+
+
+def test_export_of_a_corrupt_checkpoint_gives_no_advice_meant_for_train(tmp_path, capsys):
+    torn = tmp_path / "torn"
+    torn.mkdir()
+    (torn / "ckpt.pt").write_bytes(b"PK\x03\x04 half a checkpoint")
+    err = error_of(["export", str(torn)], capsys)
+    assert "ckpt.pt is unreadable or corrupt" in err and "--overwrite" not in err and "--out" not in err
+    assert "--overwrite instead of --resume" in error_of(["train", "--out", str(torn), "--resume"], capsys)
+
+
+@pytest.mark.parametrize("fault", [OSError(errno.ENOSPC, "No space left on device"),
+                                   RuntimeError("[enforce fail at inline_container.cc:672] . unexpected pos 96 vs 84")],
+                         ids=["ENOSPC", "torch-short-write"])
+def test_a_full_disk_says_so_and_keeps_the_last_checkpoint(tmp_path, monkeypatch, fault):
+    from twofour.errors import TrainError  # noqa: PLC0415
+    from twofour.training.checkpoint import save_checkpoint  # noqa: PLC0415
+
+    path = tmp_path / "ckpt.pt"
+    save_checkpoint(path, {"step": 4})
+    before = path.read_bytes()
+
+    def full(obj, fh):
+        fh.write(b"part of it")
+        raise fault
+
+    monkeypatch.setattr(torch, "save", full)
+    with pytest.raises(TrainError) as info:
+        save_checkpoint(path, {"step": 8})
+    assert "the disk is full" in str(info.value) and f"the last checkpoint {path} is intact" in str(info.value)
+    assert path.read_bytes() == before and sorted(p.name for p in tmp_path.iterdir()) == ["ckpt.pt"]

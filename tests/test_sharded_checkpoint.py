@@ -14,13 +14,13 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
+from twofour.training.checkpoint import CKPT, SHARDED, checkpoint_path, read_checkpoint
+from twofour.training.checkpoint_sharded import sharded_folder
 from twofour.training.config import TrainConfig
 from twofour.training.export import export
 from twofour.training.parallel import DEFAULT_FSDP
-from twofour.training.runs import CKPT, checkpoint_path, read_checkpoint
-from twofour.training.sharded import SHARDED, sharded_folder
 
-from .helpers import free_port
+from .helpers import error_of, free_port
 
 
 def _fsdp_on_cpu() -> bool:
@@ -47,11 +47,11 @@ def _worker(rank: int, world: int, jobs: list[tuple[dict, tuple[str, int] | None
     from torch.distributed.checkpoint.filesystem import FileSystemWriter  # noqa: PLC0415
 
     from twofour.errors import TrainError  # noqa: PLC0415
-    from twofour.training import loop, sharded  # noqa: PLC0415
+    from twofour.training import checkpoint_sharded, loop  # noqa: PLC0415
 
-    switch, save, write = sharded._switch, loop.save, FileSystemWriter.write_data
+    switch, save, write = checkpoint_sharded._switch, loop.save, FileSystemWriter.write_data
 
-    def checked_save(out, cfg, raw, *args):
+    def checked_save(out, cfg, raw, *args, **kw):
         """Every save (on resumed runs too) first checks that each rank holds the very same masks,
         scales and step counters, whole tensors compared (the loop compares checksums)."""
         from twofour.sparse.convert import sparse_layers  # noqa: PLC0415
@@ -62,7 +62,7 @@ def _worker(rank: int, world: int, jobs: list[tuple[dict, tuple[str, int] | None
                     everyone = [torch.empty_like(buf) for _ in range(world)]
                     dist.all_gather(everyone, buf.contiguous())
                     assert all(torch.equal(b, everyone[0]) for b in everyone), f"{name} differs across ranks"
-        return save(out, cfg, raw, *args)
+        return save(out, cfg, raw, *args, **kw)
 
     loop.save = checked_save
     for cfg, fault, port in jobs:
@@ -79,7 +79,7 @@ def _worker(rank: int, world: int, jobs: list[tuple[dict, tuple[str, int] | None
                 raise OSError(28, "No space left on device")
             return write(self, plan, planner)
 
-        sharded._switch = dying_switch if kind == "kill" and rank == 0 else switch
+        checkpoint_sharded._switch = dying_switch if kind == "kill" and rank == 0 else switch
         FileSystemWriter.write_data = failing_write if kind == "fail" and rank == 1 else write
         try:
             loop.train(TrainConfig.from_dict(cfg))
@@ -165,7 +165,8 @@ def _check_same_world_and_kill(runs: Path) -> None:
     assert ck["step"] == 8 and len(ck["rng"]) == 2 and "model" not in ck
     for r in range(2):  # a failed write on one rank: a one-line TrainError on every rank, step 4 kept
         err = (runs / f"full-disk.rank{r}.err").read_text()
-        assert "cannot write the sharded checkpoint" in err and "previous checkpoint is intact" in err
+        assert "cannot write the sharded checkpoint" in err and "the disk is full" in err
+        assert "the last checkpoint" in err and "step-00000004 is intact" in err
     assert sharded_folder(runs / "full-disk").name == "step-00000004"
 
 
@@ -254,3 +255,30 @@ def test_run_folder_logic_knows_the_sharded_form(tmp_path):
     torch.save({"config": {}, "step": 4, "rng": [], "x": Path("x")}, folder / "meta.pt")
     with pytest.raises(TrainError, match="refused and was not loaded"):
         read_checkpoint(out)
+
+
+@pytest.mark.parametrize(("broken", "says"), [
+    ("empty", "ckpt/latest is empty"),
+    ("missing-step", "ckpt/latest names step-00000012, which is not in"),
+    ("outside", "ckpt/latest names '../../elsewhere', outside"),
+    ("absolute", "ckpt/latest names '/tmp', outside"),
+    ("no-meta", "ckpt/step-00000010 has no meta.pt")])
+def test_a_broken_sharded_pointer_says_what_is_wrong(tmp_path, corpus, capsys, broken, says):
+    """A ``ckpt/latest`` that names nothing readable, or a step folder without its meta.pt: --resume,
+    a plain re-run and ``twofour export`` each say exactly that and name the step folders there, in
+    one line, and leave the folder as it was."""
+    out = tmp_path / "f1"
+    folder = _fake_sharded(out, 10)
+    latest = out / SHARDED / "latest"
+    text = {"empty": "", "missing-step": "step-00000012\n", "outside": "../../elsewhere\n", "absolute": "/tmp\n"}
+    if broken in text:
+        latest.write_text(text[broken])
+    else:
+        (folder / "meta.pt").unlink()
+    before = sorted(p.relative_to(out) for p in out.rglob("*"))
+    for args in (["train", "--out", str(out), "--resume"], ["train", "--data", corpus, "--out", str(out)],
+                 ["export", str(out)]):
+        err = error_of(args, capsys)
+        assert says in err and f"{out / SHARDED} holds step-00000010" in err, err
+        assert ("--overwrite" in err) == (args[0] == "train"), err  # export's --overwrite is for the export
+    assert sorted(p.relative_to(out) for p in out.rglob("*")) == before and checkpoint_path(out) is None

@@ -32,6 +32,8 @@ LEVELS = {
 ALLOWED_SIDEWAYS: set[tuple[str, str]] = set()
 #: What the kernels know of the rest of the package: the switches and measured choices only.
 KERNEL_IMPORTS = {"kernels", "dispatch"}
+#: FSDP2's and DTensor's names: the sparse layer holds none of them (``sparse/sharded.py`` does).
+SHARDING_NAMES = ("fsdp", "dtensor", "to_local", "full_tensor", "device_mesh", "fully_shard")
 
 
 def _modules() -> list[tuple[str, Path]]:
@@ -123,6 +125,14 @@ def test_kernels_know_no_file_format():
     bad = [f"{m}:{line} imports {t}" for m, f in MODULES if _part(m) == "kernels" for t, line in _imports(m, f)
            if _part(t) not in KERNEL_IMPORTS]
     assert not bad, bad
+
+
+def test_the_sparse_layer_knows_nothing_of_fsdp2():
+    """``sparse/layer.py`` reads as a Linear with a recipe: what a sharded weight needs lives in
+    ``sparse/sharded.py`` (its code, comments and docstrings name neither FSDP2 nor DTensor)."""
+    lines = (PKG / "sparse" / "layer.py").read_text().lower().splitlines()
+    bad = [f"line {i}: {name}" for i, line in enumerate(lines, 1) for name in SHARDING_NAMES if name in line]
+    assert not bad, f"FSDP2/DTensor names in sparse/layer.py (they belong in sparse/sharded.py): {bad}"
 
 
 @pytest.mark.parametrize("mod,path", MODULES, ids=[m for m, _ in MODULES])

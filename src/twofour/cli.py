@@ -123,14 +123,14 @@ def _given(a: argparse.Namespace) -> set[str]:
 
 
 def _cmd_train(a: argparse.Namespace) -> int:
-    from .training.config import resumed_config  # noqa: PLC0415
+    from .training.checkpoint import CKPT, checkpoint_path  # noqa: PLC0415
     from .training.console import graphs_line  # noqa: PLC0415
     from .training.loop import train  # noqa: PLC0415
-    from .training.runs import CKPT, checkpoint_path, read_checkpoint  # noqa: PLC0415
+    from .training.runs import resume_config  # noqa: PLC0415
 
     cfg = _config(a, a.recipe)
     if a.resume:  # the run's own settings, from its checkpoint; options given must agree with them
-        cfg = resumed_config(read_checkpoint(Path(a.out))["config"], cfg, _given(a))
+        cfg = resume_config(a.out, cfg, _given(a))
         if cfg.reschedule and "steps" in _given(a):
             print(f"--reschedule: the learning-rate schedule now spans {cfg.steps} steps", file=sys.stderr)
     s = train(cfg)
@@ -322,8 +322,8 @@ def _explicit(parser: argparse.ArgumentParser, argv: list[str]) -> list[str]:
 
 def _interrupted(args: argparse.Namespace, e: KeyboardInterrupt) -> str:
     """What an interrupt left behind, and how to go on."""
+    from .training.checkpoint import checkpoint_path  # noqa: PLC0415
     from .training.console import Interrupted  # noqa: PLC0415
-    from .training.runs import checkpoint_path  # noqa: PLC0415
 
     if args.command not in ("train", "compare"):
         return "interrupted"

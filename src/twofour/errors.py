@@ -5,10 +5,13 @@ Each is a ``ValueError`` too, so code that caught ``ValueError`` before keeps wo
 
 from __future__ import annotations
 
+import errno
+import os
 import re
+from pathlib import Path
 
 __all__ = ["TwofourError", "TrainError", "DataError", "FormatError", "out_of_memory_message", "one_line",
-           "size_text"]
+           "size_text", "write_failure", "DISK_FULL", "missing_link"]
 
 
 class TwofourError(ValueError):
@@ -31,6 +34,32 @@ class FormatError(TrainError):
 def one_line(e: BaseException) -> str:
     """``Type: first line of the message``, for a log line about an exception that was handled."""
     return f"{type(e).__name__}: {(str(e).splitlines() or [''])[0]}"
+
+
+#: How a failed write reads when the disk (or the user's quota) is full.
+DISK_FULL = "the disk is full (no space left on device)"
+
+
+def write_failure(e: BaseException) -> str:
+    """Why a write failed, in a phrase: :data:`DISK_FULL` for ENOSPC, a full quota and torch.save's
+    short write (``[enforce fail at inline_container.cc:...] unexpected pos``), an OSError's own
+    text, else the message's first line."""
+    text = str(e)
+    if getattr(e, "errno", None) in (errno.ENOSPC, errno.EDQUOT) or "unexpected pos" in text:
+        return DISK_FULL
+    if isinstance(e, OSError) and e.strerror:
+        return e.strerror
+    return (text.splitlines() or [""])[0][:200] or type(e).__name__
+
+
+def missing_link(path: str | Path) -> str | None:
+    """A phrase naming the symbolic link among ``path`` and its parents that points to nothing
+    (creating the folder would fail with a bare "File exists"), or None when there is none."""
+    for p in (Path(path), *Path(path).parents):
+        if p.is_symlink() and not p.exists():
+            target = os.readlink(p)
+            return f"{p} is a symbolic link to {target}, which does not exist: create {target} or remove the link"
+    return None
 
 
 def out_of_memory_message(e: BaseException) -> str | None:

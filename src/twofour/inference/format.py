@@ -17,7 +17,7 @@ from safetensors import SafetensorError
 from safetensors.torch import load_file, save_file
 from torch import nn
 
-from ..errors import FormatError
+from ..errors import FormatError, missing_link, write_failure
 from ..models.common import FFN_IN_PATTERNS, GPTConfig, LlamaConfig
 from ..models.gpt import GPT
 from ..models.llama import Llama
@@ -30,7 +30,7 @@ from .packed import check_positions
 WEIGHTS, MODEL_CONFIG = "model.safetensors", "model_config.json"
 #: The weights file of each format ``save_inference`` writes.
 WEIGHTS_FILES = {"safetensors": WEIGHTS, "pt": "model.pt"}
-#: A training run's checkpoint (``twofour.training.runs.CKPT``), named here for a one-line hint:
+#: A training run's checkpoint (``twofour.training.checkpoint.CKPT``), named here for a one-line hint:
 #: inference never imports training.
 _RUN_CHECKPOINT = "ckpt.pt"
 
@@ -95,7 +95,8 @@ def save_inference(model: GPT | Llama, out: str | Path, *, dtype: torch.dtype | 
     try:
         out.mkdir(parents=True, exist_ok=True)
     except OSError as e:
-        raise FormatError(f"cannot create the export folder {out}: {e.strerror or e}") from None
+        why = missing_link(out) or e.strerror or e  # a link to nothing: not a bare "File exists"
+        raise FormatError(f"cannot create the export folder {out}: {why}") from None
     recipes = {layer.recipe.name for _, layer in sparse_layers(model)}
     dense_phase = [n for n, layer in sparse_layers(model) if layer.recipe.sparse and layer.is_dense_phase]
     sparse = to_inference(model, packed_state=True)
@@ -116,8 +117,7 @@ def save_inference(model: GPT | Llama, out: str | Path, *, dtype: torch.dtype | 
         else:
             _write_atomically(weights, lambda p: save_file(tensors, str(p)))
     except (OSError, RuntimeError, SafetensorError) as e:  # a read-only folder, a full disk
-        why = e.strerror if isinstance(e, OSError) and e.strerror else (str(e).splitlines() or [""])[0][:200]
-        raise FormatError(f"cannot write {weights}: {why}") from None
+        raise FormatError(f"cannot write {weights}: {write_failure(e)}") from None
     config = {"format": FORMAT, "format_version": FORMAT_VERSION, "architecture": arch,
               "model": dataclasses.asdict(model.cfg),
               "dtype": name, "weights": weights.name, "weights_bytes": weights.stat().st_size,

@@ -5,7 +5,6 @@ from __future__ import annotations
 import fnmatch
 import logging
 import warnings
-import weakref
 from collections.abc import Iterable, Iterator
 from typing import Any
 
@@ -15,6 +14,7 @@ from torch import nn
 from .layer import SparseLinear, advance_layers
 from .optim import STEPAdamW
 from .recipes import DEFAULT_RECIPE, Recipe, make_recipe
+from .sharded import refresh_where_gathered
 
 __all__ = ["sparsify", "attach", "advance", "add_masked_decay", "flip_rate", "sparse_layers", "DEFAULT_EXCLUDE"]
 
@@ -107,46 +107,7 @@ def advance(model: nn.Module, optimizer: torch.optim.Optimizer | None = None) ->
     sparse_phase = optimizer.switched if isinstance(optimizer, STEPAdamW) else None
     layers = [layer for _, layer in sparse_layers(model)]
     advance_layers(layers, sparse_phase)
-    if model not in _WALKED and any(layer._refresh_pending for layer in layers):
-        _refresh_where_gathered(model)
-
-
-_HOOKED: weakref.WeakSet = weakref.WeakSet()  # the FSDP2 units that already carry the refresh hook
-_WALKED: weakref.WeakSet = weakref.WeakSet()  # the models whose units were all looked at
-
-
-def _refresh_where_gathered(model: nn.Module) -> None:
-    """Under FSDP2, a forward pre-hook on each unit holding sparse layers, run after FSDP2's own
-    (which gathers the unit's weights): it applies the mask refreshes :func:`advance` left for the
-    gathered weight, eagerly, before the unit's forward. So a unit compiled whole (torchtitan
-    compiles each block with ``fullgraph``, activation checkpointing inside it) never meets a
-    refresh in its traced code. Installed once per unit."""
-    try:
-        from torch.distributed.fsdp import FSDPModule  # noqa: PLC0415
-    except ImportError:
-        return
-    _WALKED.add(model)
-    for unit in model.modules():
-        if not isinstance(unit, FSDPModule) or unit in _HOOKED:
-            continue
-        own = [m for m in _unit_modules(unit, FSDPModule) if isinstance(m, SparseLinear)]
-        if own:
-            unit.register_forward_pre_hook(lambda module, args, own=own: _apply_pending(own))
-        _HOOKED.add(unit)
-
-
-def _unit_modules(unit: nn.Module, unit_type: type) -> Iterator[nn.Module]:
-    """``unit`` and its submodules, leaving out those of nested units (their own FSDP2 units)."""
-    yield unit
-    for child in unit.children():
-        if not isinstance(child, unit_type):
-            yield from _unit_modules(child, unit_type)
-
-
-def _apply_pending(layers: list[SparseLinear]) -> None:
-    for layer in layers:
-        if layer._refresh_pending:
-            layer._refresh_gathered()
+    refresh_where_gathered(model, layers)  # a sharded weight's refresh: before its unit's next forward
 
 
 @torch.no_grad()

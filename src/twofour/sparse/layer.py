@@ -1,13 +1,15 @@
 """SparseLinear: an nn.Linear whose forward multiplies by a 2:4 effective weight.
 
-The dense ``weight`` stays the master the optimizer updates (so state-dict keys, optimizers,
-DDP and FSDP see a plain nn.Linear); the recipe's state (scale, mask, step counter, phase)
-lives in buffers. The recipe's :class:`~twofour.sparse.pruners.Pruner` says what the effective
+The dense ``weight`` stays the master the optimizer updates (so state-dict keys, optimizers and
+data-parallel wrappers see a plain nn.Linear); the recipe's state (scale, mask, step counter,
+phase) lives in buffers. The recipe's :class:`~twofour.sparse.pruners.Pruner` says what the effective
 weight is, its :class:`~twofour.fp8.precision.Precision` which GEMMs run in FP8. The forward runs
 the first of its routes that applies (``routes.py``: the GPU fast path of ``fastpath.py``, FP8,
 else the reference math of ``reference.py``): y = x W_eff^T + b, dX = dY W_eff, dW = dY^T X (or
 its MVUE 2:4 estimate) passed straight through to the master weight. SR-STE's masked decay is
 added once per optimizer step (:meth:`SparseLinear.add_masked_decay_`), not in the backward.
+What a sharded weight needs (a mask refresh deferred to where the whole weight is gathered)
+lives in ``sharded.py``.
 """
 
 from __future__ import annotations
@@ -23,6 +25,7 @@ from ..kernels import ops
 from .fastpath import CompressedWeight
 from .recipes import DEFAULT_RECIPE, Recipe, make_recipe
 from .routes import route_for
+from .sharded import DeferredRefresh, is_shard, local_rows
 
 __all__ = ["SparseLinear", "RECIPE_BUFFERS", "advance_layers"]
 
@@ -79,8 +82,7 @@ class SparseLinear(nn.Linear):
     _conv1d_layout = False
 
     def _save_to_state_dict(self, destination, prefix, keep_vars):
-        if self._refresh_pending:  # FSDP2: every rank saves, so each gathers the weight here
-            self.settle()
+        self.settle()  # a refresh left for the next forward: the saved mask is that forward's
         super()._save_to_state_dict(destination, prefix, keep_vars)
         if self._conv1d_layout:
             destination[prefix + "weight"] = destination[prefix + "weight"].t()
@@ -108,18 +110,15 @@ class SparseLinear(nn.Linear):
         state = self._initial_state(self.weight.detach()) if self._keeps_state else {}
         for name in RECIPE_BUFFERS:
             self.register_buffer(name, state.get(name))  # None (not in the state dict) if unused
+        self.deferred = DeferredRefresh()  # a mask refresh left for where the whole weight is (sharded.py)
         self._reset_host_state()
-        self.gathered_dtype: torch.dtype | None = None  # FSDP2: the dtype its forward gathers the weight in
 
     def _reset_host_state(self) -> None:
         """The host-side state of step 0: step count, phases, no cached 2:4 weight, nothing pending."""
         self._step, self._dense = 0, not self.recipe.sparse or self.recipe.starts_dense
         self._fp8 = self._fp8_phase()
         self.compressed = CompressedWeight()
-        # a mask refresh due at the last optimizer step but left to the next forward, where an
-        # FSDP2 shard's whole weight is gathered anyway (:func:`advance_layers`)
-        self._refresh_pending = False
-        self._fresh_flips = False  # flips written by a refresh in the forward since the last step
+        self.deferred.reset()
 
     @property
     def _keeps_state(self) -> bool:
@@ -149,7 +148,7 @@ class SparseLinear(nn.Linear):
 
         For engines that build the model on the meta device, then allocate it uninitialised
         (``to_empty``) and initialise the weights afterwards (torchtitan): the buffers made on the
-        meta device hold nothing until this runs. Works on an FSDP2-sharded weight (gathers it)."""
+        meta device hold nothing until this runs. Works on a sharded weight (gathers it)."""
         if not self._keeps_state:
             return
         for name, value in self._initial_state(self.weight.detach()).items():
@@ -229,9 +228,9 @@ class SparseLinear(nn.Linear):
 
     def _fused_refresh_ok(self) -> bool:
         """The mask refresh can run as the fused GPU kernel: a plain contiguous CUDA weight with
-        Triton present (not an FSDP2 shard), a recipe whose mask is a top-2 of |W|."""
+        Triton present (not a shard), a recipe whose mask is a top-2 of |W|."""
         w = self.weight
-        return (self.pruner.fused_refresh and ops.triton_ok(w) and w.is_contiguous() and not hasattr(w, "to_local")
+        return (self.pruner.fused_refresh and ops.triton_ok(w) and w.is_contiguous() and not is_shard(w)
                 and self.mask.device == w.device)
 
     def _refresh_mask_torch(self, w: torch.Tensor | None = None) -> None:
@@ -240,32 +239,17 @@ class SparseLinear(nn.Linear):
         self.flips.copy_((new != self.mask).sum())
         self.mask.copy_(new)
 
-    @torch.compiler.disable  # a kernel launch and buffer writes, once a step: eager under torch.compile
-    def _refresh_gathered(self, w: torch.Tensor | None = None) -> None:
-        """The pending refresh, before the forward (the unit's hook, :func:`twofour.advance`) or in
-        it: the weight is whole here (FSDP2 gathered it, the same on every rank), so each rank
-        computes the same mask without a collective of its own. ``w``: the whole weight gathered
-        elsewhere (:meth:`settle`). Its flips stay for the loop to read at the next step."""
-        self._refresh_pending, self._fresh_flips = False, True
-        if w is None:
-            w = self.weight.detach()
-            self.gathered_dtype = w.dtype
-        if self._fused_refresh_ok():
-            ops.refresh_masks_([w], [self.mask], [self.flips])
-        else:
-            self._refresh_mask_torch(w)
-
-    @torch.no_grad()
     def settle(self) -> None:
-        """Apply a mask refresh left pending for the next forward (FSDP2) now, from the whole
-        weight in the dtype the forward gathers it in: the saved mask is then the one the next
+        """Apply a mask refresh left pending for the next forward (a sharded weight's:
+        :class:`~twofour.sparse.sharded.DeferredRefresh`) now: the mask is then the one the next
         forward would compute. A collective on a sharded weight: every rank must call it."""
-        if not self._refresh_pending:
-            return
-        w = self.weight.detach()
-        if hasattr(w, "full_tensor"):
-            w = w.full_tensor()
-        self._refresh_gathered(w if self.gathered_dtype is None else w.to(self.gathered_dtype))
+        self.deferred.settle(self)
+
+    def keep_compressed(self, keep: bool) -> None:
+        """Whether the fast path keeps its compressed weight from one call to the next (the
+        default) or builds it for each call alone: less memory, as activation checkpointing wants
+        (:class:`~twofour.sparse.fastpath.CompressedWeight`)."""
+        self.compressed.keep = keep
 
     @torch.no_grad()
     def add_masked_decay_(self) -> None:
@@ -275,12 +259,7 @@ class SparseLinear(nn.Linear):
         g = self.weight.grad
         if not self.recipe.decay or self._dense or g is None:
             return
-        w, m = self.weight.detach(), self.mask
-        if hasattr(g, "to_local"):  # FSDP2: this rank's rows of the weight (torch.chunk's split)
-            mesh = w.device_mesh
-            g, w = g.to_local(), w.to_local()
-            rows = m.chunk(mesh.size(), dim=0)
-            m = rows[mesh.get_local_rank()] if mesh.get_local_rank() < len(rows) else m[:0]
+        g, w, m = local_rows(g, self.weight.detach(), self.mask)  # this rank's rows of a sharded weight
         g.add_(w.masked_fill(m, 0).to(g.dtype), alpha=self.recipe.decay)
 
     @property
@@ -308,8 +287,8 @@ class SparseLinear(nn.Linear):
         alone reads the output, as in an FFN) ``act(x W_eff^T + b)``, by the first route of
         :data:`twofour.sparse.routes.ROUTES` that applies: the fused linear+activation (GPU fast
         path with MVUE, eager), FP8, dense, the fast path eager or compiled, else the reference."""
-        if self._refresh_pending:  # unless advance(model)'s hook on the FSDP2 unit applied it already
-            self._refresh_gathered()
+        if self.deferred.pending:  # unless a hook before this forward applied it already (sharded.py)
+            self.deferred.apply(self)
         return route_for(self, x, act).run(self, x, act)
 
     def extra_repr(self) -> str:
@@ -323,10 +302,9 @@ def advance_layers(layers: Iterable[SparseLinear], sparse_phase: bool | None = N
     """Move each of ``layers`` on by one optimizer step (:meth:`SparseLinear.advance`), with one
     launch for all the step counters, one for the flip counters of layers not refreshed this step
     and one fused kernel launch per device and weight dtype for the masks refreshed on the GPU (a
-    model has tens of layers, and each launch costs host time). A layer whose weight is an FSDP2
-    shard refreshes its mask at its next forward instead, from the weight gathered there: no
-    collective per layer per step, and every rank computes the same mask (its flip count then
-    shows at that forward; :meth:`SparseLinear.settle` applies it early, as saving does)."""
+    model has tens of layers, and each launch costs host time). A layer whose weight is a shard
+    refreshes its mask where the whole weight is next gathered instead
+    (:class:`~twofour.sparse.sharded.DeferredRefresh`): its flip count then shows at that forward."""
     moved = [layer for layer in layers if layer._next_step(sparse_phase)]
     if not moved:
         return
@@ -337,9 +315,9 @@ def advance_layers(layers: Iterable[SparseLinear], sparse_phase: bool | None = N
     # step's (a refresh left to the forward): those stay for the loop to read once
     idle = []
     for layer in moved:
-        if layer not in due_set and layer.flips is not None and not layer._fresh_flips:
+        if layer not in due_set and layer.flips is not None and not layer.deferred.fresh_flips:
             idle.append(layer.flips)
-        layer._fresh_flips = False
+        layer.deferred.fresh_flips = False
     if idle:
         torch._foreach_zero_(idle)
     fused = [layer for layer in due if layer._fused_refresh_ok()]
@@ -349,8 +327,8 @@ def advance_layers(layers: Iterable[SparseLinear], sparse_phase: bool | None = N
     for layer in due:
         if layer in fused_set:
             continue
-        if hasattr(layer.weight, "to_local"):  # an FSDP2 shard: refreshed where the next forward gathers it
-            layer._refresh_pending = True
+        if is_shard(layer.weight):  # refreshed where the whole weight is next gathered
+            layer.deferred.pending = True
         else:
             layer._refresh_mask_torch()
     for layer in moved:

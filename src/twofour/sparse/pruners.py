@@ -21,17 +21,13 @@ import torch
 
 from ..functional import _fixed_scale, _mask_24, _soft_threshold_24, _transposable_mask_24
 from ..kernels import ops
+from .sharded import whole
 
 __all__ = ["Pruner", "NoPruning", "HardPruner", "SoftPruner", "TransposablePruner", "PRUNERS",
            "NONE", "HARD", "SOFT", "TRANSPOSABLE"]
 
 #: (compressed W, dense W_eff, compressed W^T or an empty tensor): what the fast path multiplies by.
 Compressed = tuple[torch.Tensor, torch.Tensor, torch.Tensor]
-
-
-def _whole(w: torch.Tensor) -> torch.Tensor:
-    """The whole weight, also when FSDP2 holds a shard of it (a DTensor)."""
-    return w.full_tensor() if hasattr(w, "full_tensor") else w
 
 
 class Pruner:
@@ -56,7 +52,7 @@ class Pruner:
 
     def mask(self, w: torch.Tensor) -> torch.Tensor:
         """The bool mask this kind tracks for ``w``: positions kept, flips counted on it."""
-        return _mask_24(_whole(w))
+        return _mask_24(whole(w))
 
     def refresh_due(self, step: int, interval: int) -> bool:
         """Whether the mask is recomputed after optimizer step ``step``."""
@@ -132,7 +128,7 @@ class SoftPruner(Pruner):
 
     def scale(self, w: torch.Tensor) -> torch.Tensor:
         """beta = <W, S(W)> / <S(W), S(W)> in float32 (the authors' ``init_scale``)."""
-        return _fixed_scale(_whole(w))
+        return _fixed_scale(whole(w))
 
     def effective(self, w, beta, mask):
         return beta.to(w.dtype) * _soft_threshold_24(w)
@@ -156,7 +152,7 @@ class TransposablePruner(Pruner):
         return super().unsupported(out_features, in_features)
 
     def mask(self, w: torch.Tensor) -> torch.Tensor:
-        return _transposable_mask_24(_whole(w))
+        return _transposable_mask_24(whole(w))
 
     def refresh_due(self, step: int, interval: int) -> bool:
         return step % interval == 0

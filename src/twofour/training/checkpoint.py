@@ -1,6 +1,12 @@
-"""Saving and resuming a run's checkpoint from the training loop, in the form the run needs:
-``ckpt.pt`` (one file, written by rank 0) for one process and DDP, the sharded ``ckpt/``
-(:mod:`twofour.training.sharded`, written by every rank, nothing gathered) for FSDP2.
+"""A run's checkpoint, in the form the run needs: ``ckpt.pt`` (one file, written atomically by
+rank 0) for one process and DDP, the sharded ``ckpt/`` for FSDP2 (its other half,
+:mod:`twofour.training.checkpoint_sharded`: written by every rank, nothing gathered).
+
+The loop calls :func:`save` and :func:`resume`, telling them whether the run is sharded; readers
+(``--resume``, ``twofour export``, ``twofour compare``) find a run folder's checkpoint with
+:func:`checkpoint_path` and read it with :func:`read_checkpoint` (:func:`load_model` loads its
+weights). Checkpoints hold only tensors and plain Python data (RNG states included), so they load
+with ``torch.load(..., weights_only=True)``: a file that smuggles in any other object is refused.
 
 Either form resumes in a run of any world size. On the world size that saved it, the resume is
 bit-exact: every rank gets back its own RNG states and data position. On another world size the
@@ -11,7 +17,12 @@ other RNGs take rank 0's saved states (equal on every rank of a run); one log li
 
 from __future__ import annotations
 
+import contextlib
 import logging
+import os
+import pickle
+import random
+import re
 import shutil
 from pathlib import Path
 from typing import Any
@@ -20,35 +31,153 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-from ..errors import TrainError
+from ..errors import TrainError, write_failure
 from ..sparse.convert import sparse_layers
 from ..version import __version__
-from .config import TrainConfig
-from .runs import CKPT, load_state_dicts, read_summary, rng_state, save_checkpoint, set_rng_state
-from .sharded import SHARDED, load_sharded, save_sharded
+from .checkpoint_sharded import META, SHARDED, load_sharded, save_sharded, sharded_folder, sharded_problem
+from .checkpoint_sharded import load_model as load_sharded_model
+from .config import TrainConfig, resumed_config
 
-__all__ = ["save", "resume", "check_resumable", "check_replicas", "data_seed"]
+__all__ = ["CKPT", "SHARDED", "save", "resume", "checkpoint_path", "read_checkpoint", "load_checkpoint", "load_model",
+           "save_checkpoint", "check_replicas", "data_seed"]
 
 log = logging.getLogger("twofour")
 
+CKPT = "ckpt.pt"
 #: The optimizer state dict's own entries, which DCP's state dicts carry; any other (STEP's phase)
 #: travels in the sharded checkpoint's meta.pt.
 _OPT_ENTRIES = ("state", "param_groups")
 
 
-def data_seed(seed: int, step: int, rank: int) -> int:
-    """The seed of rank ``rank``'s data stream when a run resumes at ``step`` on another world size."""
-    return int(np.random.SeedSequence([seed, step, rank]).generate_state(1, np.uint64)[0] >> 1)
+# --------------------------------------------------------------------------------------------
+# finding and reading
+# --------------------------------------------------------------------------------------------
 
 
-def check_resumable(ckpt: dict[str, Any], cfg: TrainConfig, out: Path) -> None:
-    """Raise TrainError if the checkpoint can't go on as ``cfg`` asks."""
-    step = ckpt["step"]
-    if cfg.stop_at is not None and step >= cfg.stop_at:
-        raise TrainError(f"--stop-at {cfg.stop_at} is not after the checkpoint's step {step}")
-    if step > cfg.steps or (step == cfg.steps and read_summary(out) is not None):
-        raise TrainError(f"the run in {out} has done {step} of {cfg.steps} steps; to train it further, "
-                         f"resume with --steps larger than {step} and --reschedule")
+def checkpoint_path(out: str | Path) -> Path | None:
+    """The newest checkpoint in run folder ``out``: ``ckpt.pt``, or the sharded checkpoint's step
+    folder; None when it holds neither. Both are there only when a run was killed just after
+    writing one form and before removing the other: the later step wins (``ckpt.pt`` on a tie)."""
+    out = Path(out)
+    single = out / CKPT if (out / CKPT).is_file() else None
+    sharded = sharded_folder(out)
+    if single is None or sharded is None:
+        return single or sharded
+    with contextlib.suppress(TrainError):
+        if _read_meta(sharded)["step"] > read_checkpoint(single)["step"]:
+            return sharded
+    return single
+
+
+def read_checkpoint(path: str | Path) -> dict[str, Any]:
+    """A twofour checkpoint (a run folder, ``ckpt.pt`` or a sharded checkpoint's step folder),
+    loaded with ``weights_only=True``: tensors and plain data only, so a crafted file can't run
+    code. A sharded checkpoint's dict holds its ``meta.pt`` and, under ``"sharded"``, the step
+    folder whose model and optimizer :func:`resume` and :func:`load_model` load. TrainError, one
+    line naming the file and what is wrong with it."""
+    path = Path(path)
+    if path.is_dir():
+        if (path / META).is_file():
+            return {**_read_meta(path), "sharded": str(path)}
+        found = checkpoint_path(path)
+        if found is None:
+            why = sharded_problem(path) or f"it holds neither {CKPT} nor {SHARDED}/"
+            raise TrainError(f"no checkpoint in {path}: {why}")
+        if found.is_dir():
+            return {**_read_meta(found), "sharded": str(found)}
+        path = found
+    if not path.exists():
+        raise TrainError(f"no checkpoint at {path}")
+    return _load_plain(path, {"config", "model", "step"}, "training checkpoint")
+
+
+def load_checkpoint(path: str | Path, cfg: TrainConfig) -> dict[str, Any]:
+    """:func:`read_checkpoint`, checking that ``cfg`` trains what the checkpoint's run trained
+    (:func:`twofour.training.config.resumed_config`; TrainError names the first option that differs)."""
+    ckpt = read_checkpoint(path)
+    resumed_config(ckpt["config"], cfg)
+    return ckpt
+
+
+def load_model(ckpt: dict[str, Any], model: torch.nn.Module) -> None:
+    """The weights and buffers of ``ckpt`` (:func:`read_checkpoint`'s dict, either form) into
+    ``model``, a whole model in one process: how ``twofour export`` reads a run."""
+    if "sharded" in ckpt:  # an FSDP2 run's: its shards read into the whole model
+        load_sharded_model(Path(ckpt["sharded"]), model)
+    else:
+        model.load_state_dict(ckpt["model"])
+
+
+def _load_plain(path: Path, required: set[str], what: str) -> dict[str, Any]:
+    """The dict in file ``path`` (``what`` names it in errors), loaded with ``weights_only=True``:
+    tensors and plain data only, so a crafted file can't run code; TrainError when it is refused,
+    unreadable, or lacks a ``required`` key."""
+    try:
+        # mmap: tensors are read when used, so reading a large checkpoint's settings is cheap
+        d = torch.load(path, map_location="cpu", weights_only=True, mmap=True)
+    except pickle.UnpicklingError as e:
+        found = re.search(r"GLOBAL ([\w.]+)", str(e))
+        names = f" ({found.group(1)})" if found else ""
+        raise TrainError(f"{path} is refused and was not loaded: it holds code{names}, not only tensors and plain "
+                         "data, and unpickling it could run that code") from None
+    except Exception as e:
+        raise TrainError(f"checkpoint {path} is unreadable or corrupt ({type(e).__name__})") from None
+    if not isinstance(d, dict) or not required <= set(d):
+        raise TrainError(f"{path} is not a twofour {what}")
+    return d
+
+
+def _read_meta(folder: Path) -> dict[str, Any]:
+    """A step folder's ``meta.pt``: config, step, RNG states and the rest (:func:`_load_plain`)."""
+    return _load_plain(folder / META, {"config", "step", "rng"}, "sharded checkpoint's meta.pt")
+
+
+# --------------------------------------------------------------------------------------------
+# writing
+# --------------------------------------------------------------------------------------------
+
+
+def save_checkpoint(path: Path, payload: dict[str, Any]) -> None:
+    """Write ``payload`` atomically: a kill at any moment leaves the previous checkpoint intact.
+    TrainError, saying so, when the file can't be written (a full disk, a read-only folder)."""
+    tmp = path.with_name(path.name + ".tmp")
+    try:
+        with tmp.open("wb") as fh:
+            torch.save(payload, fh)
+            fh.flush()
+            os.fsync(fh.fileno())
+        os.replace(tmp, path)
+    except (OSError, RuntimeError) as e:  # torch.save reports a failed write as a RuntimeError
+        with contextlib.suppress(OSError):
+            tmp.unlink(missing_ok=True)
+        kept = f"; the last checkpoint {path} is intact" if path.exists() else ""
+        raise TrainError(f"cannot write the checkpoint {tmp}: {write_failure(e)}{kept}") from None
+
+
+def save(out: Path, cfg: TrainConfig, raw: torch.nn.Module, opt: torch.optim.Optimizer, sched, step: int,
+         data_gen: torch.Generator, rank: int, world: int, elapsed_s: float, *, sharded: bool) -> Path:
+    """Checkpoint the run after ``step``; returns where it went. ``sharded``: the run is FSDP2's
+    (every rank writes its shards), else rank 0 writes ``ckpt.pt``. Every rank takes part (replica
+    check, RNG states). The form not written is removed once the new checkpoint is complete."""
+    if world > 1:
+        check_replicas(raw, world)
+    meta = {"config": cfg.to_dict(), "step": step, "vocab_size": raw.vocab_size, "scheduler": sched.state_dict(),
+            "rng": _per_rank(_rng_state(data_gen), world), "elapsed_s": elapsed_s, "twofour_version": __version__}
+    if sharded:
+        from torch.distributed.checkpoint.state_dict import get_state_dict  # noqa: PLC0415
+
+        model_sd, opt_sd = get_state_dict(raw, opt)  # sharded: each rank's own shards, replicated buffers once
+        extra = {k: v for k, v in opt.state_dict().items() if k not in _OPT_ENTRIES}
+        meta["optimizer_extra"] = _per_rank(extra, world)
+        folder = save_sharded(out, step, {"model": model_sd, "optimizer": opt_sd}, meta, rank, world)
+        if rank == 0:
+            (out / CKPT).unlink(missing_ok=True)  # an older one-file checkpoint (a resume from it)
+        return folder
+    model_sd, opt_sd = raw.state_dict(), opt.state_dict()
+    if rank == 0:
+        save_checkpoint(out / CKPT, {**meta, "model": model_sd, "optimizer": opt_sd})
+        shutil.rmtree(out / SHARDED, ignore_errors=True)  # an older sharded checkpoint (a resume from it)
+    return out / CKPT
 
 
 def check_replicas(raw: torch.nn.Module, world: int) -> None:
@@ -81,30 +210,74 @@ def _per_rank(value: Any, world: int) -> list[Any]:
     return values
 
 
-def save(out: Path, cfg: TrainConfig, raw: torch.nn.Module, opt: torch.optim.Optimizer, sched, step: int,
-         data_gen: torch.Generator, rank: int, world: int, elapsed_s: float) -> Path:
-    """Checkpoint the run after ``step``; returns where it went. Every rank takes part (replica
-    check, RNG states; under FSDP2 every rank writes its shards, else rank 0 writes ``ckpt.pt``).
-    The form not written is removed once the new checkpoint is complete."""
-    if world > 1:
-        check_replicas(raw, world)
-    meta = {"config": cfg.to_dict(), "step": step, "vocab_size": raw.vocab_size, "scheduler": sched.state_dict(),
-            "rng": _per_rank(rng_state(data_gen), world), "elapsed_s": elapsed_s, "twofour_version": __version__}
-    if world > 1 and cfg.fsdp is not None:
-        from torch.distributed.checkpoint.state_dict import get_state_dict  # noqa: PLC0415
+def _rng_state(data_gen: torch.Generator) -> dict[str, Any]:
+    """Every RNG a resumed run needs, as tensors and plain Python values (no numpy objects)."""
+    version, internal, gauss = random.getstate()
+    name, keys, pos, has_gauss, cached = np.random.get_state()
+    state = {"torch": torch.get_rng_state(), "python": [version, list(internal), gauss],
+             "numpy": [name, torch.from_numpy(keys.astype(np.int64)), int(pos), int(has_gauss), float(cached)],
+             "data": data_gen.get_state()}
+    if torch.cuda.is_available():
+        state["cuda"] = torch.cuda.get_rng_state_all()
+    return state
 
-        model_sd, opt_sd = get_state_dict(raw, opt)  # sharded: each rank's own shards, replicated buffers once
-        extra = {k: v for k, v in opt.state_dict().items() if k not in _OPT_ENTRIES}
-        meta["optimizer_extra"] = _per_rank(extra, world)
-        folder = save_sharded(out, step, {"model": model_sd, "optimizer": opt_sd}, meta, rank, world)
-        if rank == 0:
-            (out / CKPT).unlink(missing_ok=True)  # an older one-file checkpoint (a resume from it)
-        return folder
-    model_sd, opt_sd = raw.state_dict(), opt.state_dict()
+
+# --------------------------------------------------------------------------------------------
+# resuming
+# --------------------------------------------------------------------------------------------
+
+
+def data_seed(seed: int, step: int, rank: int) -> int:
+    """The seed of rank ``rank``'s data stream when a run resumes at ``step`` on another world size."""
+    return int(np.random.SeedSequence([seed, step, rank]).generate_state(1, np.uint64)[0] >> 1)
+
+
+def resume(ckpt: dict[str, Any], cfg: TrainConfig, raw: torch.nn.Module, opt: torch.optim.Optimizer, sched,
+           data_gen: torch.Generator, rank: int, world: int, *, sharded: bool) -> int:
+    """Load ``ckpt`` (:func:`read_checkpoint`'s dict, either form) into the run's model,
+    optimizer, schedule and RNGs, before :func:`twofour.sparse.attach`; returns the step it
+    resumes at. ``sharded``: this run's model is FSDP2's. Every rank calls it."""
+    saved = len(ckpt["rng"])
+    if "sharded" in ckpt:
+        from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict  # noqa: PLC0415
+
+        model_sd, opt_sd = get_state_dict(raw, opt)  # the shapes to fill: sharded under FSDP2, whole otherwise
+        load_sharded(Path(ckpt["sharded"]), {"model": model_sd, "optimizer": opt_sd})
+        set_state_dict(raw, opt, model_state_dict=model_sd, optim_state_dict=opt_sd)
+        extra = ckpt.get("optimizer_extra", [{}])[rank if saved == world else 0]
+    else:  # keyed by parameter names under FSDP2, by numbers otherwise: as this run needs it
+        _load_whole(raw, opt, ckpt["model"], _keyed(ckpt["optimizer"], raw, opt, sharded), sharded)
+        # loaded whole above, except where DCP's set_state_dict (FSDP2) leaves them out
+        extra = {k: v for k, v in ckpt["optimizer"].items() if k not in _OPT_ENTRIES} if sharded else {}
+    if extra:  # DCP's optimizer state dicts leave them out
+        opt.load_state_dict({**opt.state_dict(), **extra})
+    start = ckpt["step"]
+    sched.load_state_dict(ckpt["scheduler"])
+    sched.last_epoch = start - 1
+    sched.step()  # this step's lr from cfg's schedule (a new one under --reschedule)
+    if saved == world:
+        _set_rng_state(ckpt["rng"][rank], data_gen)
+        return start
+    _set_rng_state(ckpt["rng"][0], data_gen)
+    data_gen.manual_seed(data_seed(cfg.seed, start, rank))
     if rank == 0:
-        save_checkpoint(out / CKPT, {**meta, "model": model_sd, "optimizer": opt_sd})
-        shutil.rmtree(out / SHARDED, ignore_errors=True)  # an older sharded checkpoint (a resume from it)
-    return out / CKPT
+        log.warning("twofour: resuming step %d, saved by %d process(es), on %d: the model and optimizer are "
+                    "resharded, each rank's data stream starts anew from (seed, step, rank); not bit-exact with a "
+                    "run that did not stop", start, saved, world)
+    return start
+
+
+def _load_whole(model: torch.nn.Module, opt: torch.optim.Optimizer, model_sd: dict, opt_sd: dict,
+                sharded: bool) -> None:
+    """Load whole model and optimizer state dicts (a ``ckpt.pt``'s), sharding them under FSDP2."""
+    if not sharded:
+        model.load_state_dict(model_sd)
+        opt.load_state_dict(opt_sd)
+        return
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, set_state_dict  # noqa: PLC0415
+
+    set_state_dict(model, opt, model_state_dict=model_sd, optim_state_dict=opt_sd,
+                   options=StateDictOptions(full_state_dict=True))
 
 
 def _keyed(opt_sd: dict[str, Any], raw: torch.nn.Module, opt: torch.optim.Optimizer, by_name: bool) -> dict:
@@ -121,37 +294,13 @@ def _keyed(opt_sd: dict[str, Any], raw: torch.nn.Module, opt: torch.optim.Optimi
             "param_groups": [{**g, "params": [key[p] for p in g["params"]]} for g in opt_sd["param_groups"]]}
 
 
-def resume(ckpt: dict[str, Any], cfg: TrainConfig, raw: torch.nn.Module, opt: torch.optim.Optimizer, sched,
-           data_gen: torch.Generator, rank: int, world: int) -> int:
-    """Load ``ckpt`` (:func:`twofour.training.runs.read_checkpoint`'s dict) into the run's model,
-    optimizer, schedule and RNGs, before :func:`twofour.sparse.attach`; returns the step it
-    resumes at. Every rank calls it."""
-    fsdp = world > 1 and cfg.fsdp is not None
-    saved = len(ckpt["rng"])
-    if "sharded" in ckpt:
-        from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict  # noqa: PLC0415
-
-        model_sd, opt_sd = get_state_dict(raw, opt)  # the shapes to fill: sharded under FSDP2, whole otherwise
-        load_sharded(Path(ckpt["sharded"]), {"model": model_sd, "optimizer": opt_sd})
-        set_state_dict(raw, opt, model_state_dict=model_sd, optim_state_dict=opt_sd)
-        extra = ckpt.get("optimizer_extra", [{}])[rank if saved == world else 0]
-    else:  # keyed by parameter names under FSDP2, by numbers otherwise: as this run needs it
-        load_state_dicts(raw, opt, ckpt["model"], _keyed(ckpt["optimizer"], raw, opt, fsdp), fsdp)
-        # loaded whole above, except where DCP's set_state_dict (FSDP2) leaves them out
-        extra = {k: v for k, v in ckpt["optimizer"].items() if k not in _OPT_ENTRIES} if fsdp else {}
-    if extra:  # DCP's optimizer state dicts leave them out
-        opt.load_state_dict({**opt.state_dict(), **extra})
-    start = ckpt["step"]
-    sched.load_state_dict(ckpt["scheduler"])
-    sched.last_epoch = start - 1
-    sched.step()  # this step's lr from cfg's schedule (a new one under --reschedule)
-    if saved == world:
-        set_rng_state(ckpt["rng"][rank], data_gen)
-        return start
-    set_rng_state(ckpt["rng"][0], data_gen)
-    data_gen.manual_seed(data_seed(cfg.seed, start, rank))
-    if rank == 0:
-        log.warning("twofour: resuming step %d, saved by %d process(es), on %d: the model and optimizer are "
-                    "resharded, each rank's data stream starts anew from (seed, step, rank); not bit-exact with a "
-                    "run that did not stop", start, saved, world)
-    return start
+def _set_rng_state(state: dict[str, Any], data_gen: torch.Generator) -> None:
+    """Restore what :func:`_rng_state` saved."""
+    torch.set_rng_state(state["torch"])
+    version, internal, gauss = state["python"]
+    random.setstate((version, tuple(internal), gauss))
+    name, keys, pos, has_gauss, cached = state["numpy"]
+    np.random.set_state((name, keys.numpy().astype(np.uint32), pos, has_gauss, cached))
+    data_gen.set_state(state["data"])
+    if "cuda" in state and torch.cuda.is_available():
+        torch.cuda.set_rng_state_all(state["cuda"])

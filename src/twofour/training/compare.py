@@ -16,11 +16,12 @@ import numpy as np
 
 from ..errors import TrainError
 from ..sparse.recipes import RECIPES, recipe_options
+from .checkpoint import checkpoint_path
 from .config import LAUNCH_OPTIONS, TrainConfig
 from .data import load_data
 from .lock import RunLock
 from .loop import train
-from .runs import METRICS, checkpoint_path, pyplot, read_config, read_metrics, read_summary
+from .runs import METRICS, pyplot, read_config, read_metrics, read_summary
 
 log = logging.getLogger("twofour")
 

@@ -9,6 +9,7 @@ conversion, :func:`saved_options`.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import json
 import math
@@ -295,7 +296,8 @@ def resumed_config(saved: dict[str, Any], cfg: TrainConfig, given: set[str] | No
 
     ``given`` names the fields ``cfg`` sets explicitly (the command line's options); None means
     all of them (a config built in Python). A given field that changes what is trained (data,
-    schedule, batch, recipe, model, ...) must equal the checkpoint's, else TrainError names it;
+    schedule, batch, recipe, model, ...) must equal the checkpoint's, else TrainError names it
+    (one the checkpoint left unset equals what the default amounts to, :data:`_EFFECTIVE`);
     ``steps`` may change only with ``reschedule`` (the learning-rate schedule is recomputed)."""
     old = TrainConfig.from_dict(saved)
     merged = {}
@@ -304,16 +306,47 @@ def resumed_config(saved: dict[str, Any], cfg: TrainConfig, given: set[str] | No
         explicit = given is None or name in given
         if name in LAUNCH_OPTIONS or (name in ADJUSTABLE_OPTIONS and explicit):
             merged[name] = mine
-        elif explicit and _norm(mine) != _norm(theirs) and not (name == "steps" and cfg.reschedule):
+        elif explicit and not _same(name, mine, old) and not (name == "steps" and cfg.reschedule):
             hint = " or add --reschedule to recompute the schedule over the new --steps" if name == "steps" else ""
             raise TrainError(f"{option_name(name)} {_show(mine)} contradicts the run being resumed "
-                             f"({_show(theirs)} in its checkpoint): a resumed run keeps its settings; leave the "
-                             f"option out{hint}, or start a new run with another --out")
+                             f"({_show_saved(name, old)} in its checkpoint): a resumed run keeps its settings; leave "
+                             f"the option out{hint}, or start a new run with another --out")
         else:
             merged[name] = mine if explicit else theirs
     if not merged["compile"] and not (given is None or "compile_mode" in given):
         merged["compile_mode"] = "default"  # resumed with --no-compile: the saved mode goes with it
     return TrainConfig(**merged)
+
+
+#: The options whose unset value (None, or no recipe options) stands for a default derived from
+#: others: a value given on resume is compared with what the checkpoint's amounts to.
+_EFFECTIVE: dict[str, Any] = {
+    "lr": lambda c: c.peak_lr, "min_lr_ratio": lambda c: c.floor_ratio, "warmup": lambda c: c.warmup_steps,
+    "n_layer": lambda c: c.n_layer or PRESETS[c.model].config.n_layer,
+    "recipe_options": lambda c: c.recipe_object().to_dict(),
+}
+
+
+def _same(name: str, mine: Any, old: TrainConfig) -> bool:
+    """Whether ``mine``, given for field ``name`` on resume, trains what ``old`` (the checkpoint's
+    config) does: the same value, or the value its unset default amounts to."""
+    if _norm(mine) == _norm(getattr(old, name)):
+        return True
+    effective = _EFFECTIVE.get(name)
+    try:
+        return effective is not None and _norm(effective(dataclasses.replace(old, **{name: mine}))) == _norm(
+            effective(old))
+    except (TrainError, KeyError, TypeError, ValueError):  # a value that builds no run: it differs
+        return False
+
+
+def _show_saved(name: str, old: TrainConfig) -> str:
+    """The checkpoint's value of field ``name``, with what an unset default amounts to."""
+    value = getattr(old, name)
+    if value is None and name in _EFFECTIVE:
+        with contextlib.suppress(TrainError, KeyError, TypeError, ValueError):
+            return f"unset: {_EFFECTIVE[name](old)} by default"
+    return _show(value)
 
 
 def _norm(value: Any) -> Any:

@@ -12,11 +12,10 @@ import torch
 from ..errors import TrainError
 from ..inference.format import save_inference
 from ..inference.sampling import BYTES, CharCodec, Codec, IdCodec
+from .checkpoint import load_model, read_checkpoint
 from .config import TrainConfig
 from .data import is_shard_folder, read_meta
 from .loop import build_model
-from .runs import read_checkpoint
-from .sharded import load_model
 
 __all__ = ["export", "run_codec"]
 
@@ -49,10 +48,7 @@ def export(run: str | Path, out: str | Path | None = None, dtype: str = "bfloat1
     try:
         cfg = TrainConfig.from_dict(ckpt["config"])
         model = build_model(cfg, cfg.recipe_object(), ckpt["vocab_size"])
-        if "sharded" in ckpt:  # an FSDP2 run's: its shards read into the whole model here, one process
-            load_model(Path(ckpt["sharded"]), model)
-        else:
-            model.load_state_dict(ckpt["model"])
+        load_model(ckpt, model)  # an FSDP2 run's shards too: read into the whole model, in one process
     except TrainError:
         raise
     except Exception as e:

@@ -21,7 +21,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from ..errors import TrainError
+from ..errors import TrainError, missing_link
 
 log = logging.getLogger("twofour")
 
@@ -79,6 +79,9 @@ class RunLock:
         """Take the lock, taking over a stale one; TrainError if it is held or can't be written."""
         if self.folder.exists() and not self.folder.is_dir():
             raise TrainError(f"output folder {self.folder} exists and is not a folder")
+        dangling = missing_link(self.folder)
+        if dangling:
+            raise TrainError(f"--out {self.folder}: {dangling}, or choose another --out")
         self._created = not self.folder.exists()
         try:
             self.folder.mkdir(parents=True, exist_ok=True)
@@ -100,6 +103,17 @@ class RunLock:
             self._remove_folder()
             raise
         self._held = True
+
+    def holder(self) -> str | None:
+        """The refusal naming the live run that holds this folder's lock (what :meth:`acquire`
+        would raise), or None when there is no lock, it is stale, or it is this process's."""
+        if not self.path.exists():
+            return None
+        owner = self._owner()
+        if owner is not None and owner.get("host") == socket.gethostname() and (
+                owner.get("pid") == os.getpid() or not _alive(owner)):
+            return None
+        return self._held_message(owner)
 
     def release(self) -> None:
         """Remove the lock (if this process holds it), and the folder if this lock created it

@@ -31,13 +31,13 @@ import torch
 from torch.distributed.tensor import DTensor
 
 from ..errors import TrainError
-from .checkpoint import save
+from .checkpoint import CKPT, checkpoint_path, save
 from .config import TrainConfig
 from .console import Interrupted, Progress, StopRequest
 from .data import TokenData
 from .lock import RunLock
 from .parallel import Parallel, everywhere
-from .runs import CKPT, MetricsLog, checkpoint_path, write_summary
+from .runs import MetricsLog, write_summary
 from .setup import Run, build_model, flip_counters, setup, slow_path_warning
 
 __all__ = ["train", "build_model", "evaluate", "val_windows", "slow_path_warning"]
@@ -193,7 +193,7 @@ class Tally:
         if not _finite_weights(run.raw, run.par.world, run.device):
             raise TrainError(_diverged(f"the weights are not finite after step {done}", run.out, self.saved))
         self.written = save(run.out, run.cfg, run.raw, run.opt, run.sched, done, run.data_gen, run.par.rank,
-                            run.par.world, time.perf_counter() - self.t_start)
+                            run.par.world, time.perf_counter() - self.t_start, sharded=run.par.sharded)
         self.saved = done
         self.t_window = time.perf_counter()
 

@@ -4,7 +4,7 @@ an :class:`FSDPPolicy` says, optionally with activation checkpointing of every b
 The sparse layers need nothing of their own here: their masks, S-STE's scale and step counters
 are buffers, replicated on every rank and advanced the same way on each; under FSDP2 a layer's
 mask is refreshed in its forward, from the weight FSDP2 gathered there, so every rank computes
-the same mask with no collective of its own (:func:`twofour.sparse.layer.advance_layers`).
+the same mask with no collective of its own (:mod:`twofour.sparse.sharded`).
 """
 
 from __future__ import annotations
@@ -20,6 +20,7 @@ from torch.distributed.tensor import DTensor
 
 from ..errors import TrainError
 from ..sparse.layer import SparseLinear
+from ..sparse.sharded import set_gathered_dtype
 
 __all__ = ["Parallel", "FSDPPolicy", "FSDP_POLICIES", "DEFAULT_FSDP", "fsdp_policy", "shard", "checkpoint_blocks",
            "grad_norm", "everywhere"]
@@ -156,9 +157,7 @@ def shard(model: nn.Module, policy: FSDPPolicy, mesh=None) -> nn.Module:
     for i, unit in enumerate(units):
         fully_shard(unit, mesh=mesh, mp_policy=mp, reshard_after_forward=policy.reshard and i < len(units) - 1)
     fully_shard(model, mesh=mesh, mp_policy=mp)
-    for layer in model.modules():  # the dtype their forward sees the weight in: a mask saved
-        if isinstance(layer, SparseLinear):  # before any forward is computed from it too
-            layer.gathered_dtype = policy.param_dtype or layer.weight.dtype
+    set_gathered_dtype(model, policy.param_dtype)  # a mask saved before any forward is computed in it too
     return model
 
 
@@ -177,7 +176,7 @@ def checkpoint_blocks(model: nn.Module) -> nn.Module:
     for block in blocks:
         for layer in block.modules():
             if isinstance(layer, SparseLinear):
-                layer.compressed.keep = False
+                layer.keep_compressed(False)
     for child in list(model.modules()):
         for attr, sub in list(child.named_children()):
             if any(sub is b for b in blocks):

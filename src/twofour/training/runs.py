@@ -1,15 +1,10 @@
-"""A run folder and what it holds: ``ckpt.pt`` (written atomically, read safely) or, for FSDP2
-runs, the sharded ``ckpt/`` (:mod:`twofour.training.sharded`), ``metrics.csv``
-(plus TensorBoard when it is installed), ``config.json``, ``summary.json`` and ``curves.png``.
+"""A run folder and what it holds: its checkpoint (:mod:`twofour.training.checkpoint`),
+``metrics.csv`` (plus TensorBoard when it is installed), ``config.json``, ``summary.json`` and
+``curves.png``; whether a run may start in it or go on from it.
 
-Public: :func:`prepare_run_dir`, :func:`save_checkpoint`, :func:`read_checkpoint`,
-:func:`load_checkpoint`, :func:`checkpoint_path`, :func:`rng_state`, :func:`set_rng_state`,
-:func:`load_state_dicts`, :class:`MetricsLog`, :func:`read_metrics`, :func:`read_config`,
-:func:`read_summary`, :func:`pyplot`, :func:`plot_run`, :func:`write_summary`,
-:func:`source_digest`.
-
-Checkpoints hold only tensors and plain Python data (RNG states included), so they load with
-``torch.load(..., weights_only=True)``: a file that smuggles in any other object is refused.
+Public: :func:`prepare_run_dir`, :func:`resume_from`, :func:`resume_config`, :func:`check_resumable`,
+:class:`MetricsLog`, :func:`read_metrics`, :func:`read_config`, :func:`read_summary`, :func:`pyplot`,
+:func:`plot_run`, :func:`write_summary`, :func:`source_digest`.
 """
 
 from __future__ import annotations
@@ -18,8 +13,6 @@ import contextlib
 import csv
 import hashlib
 import json
-import os
-import random
 import shutil
 from pathlib import Path
 from typing import Any
@@ -30,16 +23,14 @@ import torch
 from .. import dispatch
 from ..errors import TrainError
 from ..inference.format import MODEL_CONFIG, WEIGHTS
+from .checkpoint import CKPT, SHARDED, checkpoint_path, read_checkpoint, sharded_problem
 from .config import TrainConfig, resumed_config, saved_options
-from .sharded import META, SHARDED, load_plain, read_meta, sharded_folder
+from .lock import RunLock
 
-__all__ = ["CKPT", "METRICS", "FIELDS", "WEIGHTS", "MODEL_CONFIG", "prepare_run_dir", "save_checkpoint",
-           "read_checkpoint", "load_checkpoint", "checkpoint_path", "rng_state", "set_rng_state",
-           "load_state_dicts",
-           "MetricsLog", "read_metrics", "read_config", "read_summary", "pyplot", "plot_run", "write_summary",
-           "source_digest"]
+__all__ = ["METRICS", "FIELDS", "WEIGHTS", "MODEL_CONFIG", "prepare_run_dir", "resume_from", "resume_config",
+           "check_resumable", "MetricsLog", "read_metrics", "read_config", "read_summary", "pyplot", "plot_run",
+           "write_summary", "source_digest"]
 
-CKPT = "ckpt.pt"
 METRICS = "metrics.csv"
 FIELDS = ["step", "tokens", "lr", "train_loss", "val_loss", "flip_rate", "tokens_per_s", "elapsed_s"]
 #: What a run (and ``twofour export`` of it, in either weights format) leaves in its folder: a
@@ -60,10 +51,15 @@ def prepare_run_dir(cfg: TrainConfig) -> Path:
     present = [n for n in (*_OUTPUTS, "tb") if (out / n).exists()]
     if cfg.resume:
         if checkpoint_path(out) is None:
-            raise TrainError(f"--resume: no checkpoint {out / CKPT} (or sharded {out / SHARDED}) to resume from")
+            raise TrainError(_no_checkpoint(out))
     elif {CKPT, SHARDED, METRICS} & set(present) and not cfg.overwrite:
-        raise TrainError(f"{out} already holds a run; pass --resume to continue it, --overwrite to replace it, "
-                         "or choose another --out")
+        if checkpoint_path(out) is not None:
+            raise TrainError(f"{out} already holds a run; pass --resume to continue it, --overwrite to replace it, "
+                             "or choose another --out")
+        broken = sharded_problem(out)
+        why = f"its checkpoint can't be read: {broken}" if broken else f"it wrote no checkpoint ({_NONE_WRITTEN})"
+        raise TrainError(f"{out} already holds a run that --resume can't continue: {why}; pass --overwrite to start "
+                         "it again, or choose another --out")
     elif present and not cfg.overwrite:
         raise TrainError(f"{out} holds {', '.join(present)}, which a run writes; pass --overwrite to replace "
                          "them, or choose another --out")
@@ -84,104 +80,63 @@ def prepare_run_dir(cfg: TrainConfig) -> Path:
     return out
 
 
-# --------------------------------------------------------------------------------------------
-# checkpoints
-# --------------------------------------------------------------------------------------------
+#: Why a run folder holding a run's outputs may hold no checkpoint.
+_NONE_WRITTEN = "it stopped before its first, or ran with --ckpt-interval 0"
 
 
-def rng_state(data_gen: torch.Generator) -> dict[str, Any]:
-    """Every RNG a resumed run needs, as tensors and plain Python values (no numpy objects)."""
-    version, internal, gauss = random.getstate()
-    name, keys, pos, has_gauss, cached = np.random.get_state()
-    state = {"torch": torch.get_rng_state(), "python": [version, list(internal), gauss],
-             "numpy": [name, torch.from_numpy(keys.astype(np.int64)), int(pos), int(has_gauss), float(cached)],
-             "data": data_gen.get_state()}
-    if torch.cuda.is_available():
-        state["cuda"] = torch.cuda.get_rng_state_all()
-    return state
+def _no_checkpoint(out: Path) -> str:
+    """Why ``--resume`` finds no checkpoint in run folder ``out``, and what to do (one line): a
+    live run holding the folder's lock is named first (it may not have written one yet)."""
+    held = RunLock(out).holder()
+    if held:
+        return held
+    broken = sharded_problem(out)
+    if broken:
+        return (f"--resume: no checkpoint to resume from in {out}: {broken}; --overwrite instead of --resume "
+                "starts the run again")
+    if any((out / name).exists() for name in _OUTPUTS):
+        return (f"--resume: the run in {out} wrote no checkpoint ({_NONE_WRITTEN}), so there is nothing to resume; "
+                "pass --overwrite instead of --resume to start it again, or choose another --out")
+    return f"--resume: {out} holds no run to resume (no {CKPT} or {SHARDED}/); leave out --resume to start one there"
 
 
-def set_rng_state(state: dict[str, Any], data_gen: torch.Generator) -> None:
-    """Restore what :func:`rng_state` saved."""
-    torch.set_rng_state(state["torch"])
-    version, internal, gauss = state["python"]
-    random.setstate((version, tuple(internal), gauss))
-    name, keys, pos, has_gauss, cached = state["numpy"]
-    np.random.set_state((name, keys.numpy().astype(np.uint32), pos, has_gauss, cached))
-    data_gen.set_state(state["data"])
-    if "cuda" in state and torch.cuda.is_available():
-        torch.cuda.set_rng_state_all(state["cuda"])
-
-
-def load_state_dicts(model: torch.nn.Module, opt: torch.optim.Optimizer, model_sd: dict, opt_sd: dict,
-                     fsdp: bool) -> None:
-    """Load whole model and optimizer state dicts (a ``ckpt.pt``'s), sharding them under FSDP2."""
-    if not fsdp:
-        model.load_state_dict(model_sd)
-        opt.load_state_dict(opt_sd)
-        return
-    from torch.distributed.checkpoint.state_dict import StateDictOptions, set_state_dict  # noqa: PLC0415
-
-    set_state_dict(model, opt, model_state_dict=model_sd, optim_state_dict=opt_sd,
-                   options=StateDictOptions(full_state_dict=True))
-
-
-def save_checkpoint(path: Path, payload: dict[str, Any]) -> None:
-    """Write ``payload`` atomically: a kill at any moment leaves the previous checkpoint intact.
-    TrainError, saying so, when the file can't be written (a full disk, a read-only folder)."""
-    tmp = path.with_name(path.name + ".tmp")
-    try:
-        with tmp.open("wb") as fh:
-            torch.save(payload, fh)
-            fh.flush()
-            os.fsync(fh.fileno())
-        os.replace(tmp, path)
-    except (OSError, RuntimeError) as e:  # torch.save reports a failed write as a RuntimeError
-        with contextlib.suppress(OSError):
-            tmp.unlink(missing_ok=True)
-        why = e.strerror if isinstance(e, OSError) and e.strerror else (str(e).splitlines() or [""])[0][:200]
-        kept = f"; the previous checkpoint {path} is intact" if path.exists() else ""
-        raise TrainError(f"cannot write the checkpoint {tmp}: {why}{kept}") from None
-
-
-def checkpoint_path(out: str | Path) -> Path | None:
-    """The newest checkpoint in run folder ``out``: ``ckpt.pt``, or the sharded checkpoint's step
-    folder; None when it holds neither. Both are there only when a run was killed just after
-    writing one form and before removing the other: the later step wins (``ckpt.pt`` on a tie)."""
+def resume_from(out: str | Path) -> dict[str, Any]:
+    """The checkpoint ``--resume`` continues the run in ``out`` from (the dict of
+    :func:`~twofour.training.checkpoint.read_checkpoint`); TrainError, one line saying why there is
+    none or why it can't be read, and what to do."""
     out = Path(out)
-    single = out / CKPT if (out / CKPT).is_file() else None
-    sharded = sharded_folder(out)
-    if single is None or sharded is None:
-        return single or sharded
-    with contextlib.suppress(TrainError):
-        if read_meta(sharded)["step"] > read_checkpoint(single)["step"]:
-            return sharded
-    return single
+    found = checkpoint_path(out)
+    if found is None:
+        raise TrainError(_no_checkpoint(out))
+    try:
+        return read_checkpoint(found)
+    except TrainError as e:
+        raise TrainError(f"--resume: {e}; --overwrite instead of --resume starts the run again, or choose another "
+                         "--out") from None
 
 
-def read_checkpoint(path: str | Path) -> dict[str, Any]:
-    """A twofour checkpoint (a run folder, ``ckpt.pt`` or a sharded checkpoint's step folder),
-    loaded with ``weights_only=True``: tensors and plain data only, so a crafted file can't run
-    code. A sharded checkpoint's dict holds its ``meta.pt`` and, under ``"sharded"``, the step
-    folder whose model and optimizer :mod:`twofour.training.sharded` loads. Raises TrainError."""
-    path = Path(path)
-    if path.is_dir():
-        if (path / META).is_file():
-            return {**read_meta(path), "sharded": str(path)}
-        path = checkpoint_path(path) or path / CKPT
-        if path.is_dir():
-            return {**read_meta(path), "sharded": str(path)}
-    if not path.exists():
-        raise TrainError(f"no checkpoint at {path}")
-    return load_plain(path, {"config", "model", "step"}, "training checkpoint")
+def resume_config(out: str | Path, cfg: TrainConfig, given: set[str] | None = None) -> TrainConfig:
+    """The settings ``--resume`` continues the run in ``out`` with: its checkpoint's, with ``cfg``'s
+    where they may differ (:func:`~twofour.training.config.resumed_config`; ``given``: the fields set
+    on the command line), checked against its step (:func:`check_resumable`); TrainError, one line,
+    before anything runs."""
+    ckpt = resume_from(out)
+    cfg = resumed_config(ckpt["config"], cfg, given)
+    check_resumable(ckpt, cfg, Path(out))
+    return cfg
 
 
-def load_checkpoint(path: str | Path, cfg: TrainConfig) -> dict[str, Any]:
-    """:func:`read_checkpoint`, checking that ``cfg`` trains what the checkpoint's run trained
-    (:func:`twofour.training.config.resumed_config`; TrainError names the first option that differs)."""
-    ckpt = read_checkpoint(path)
-    resumed_config(ckpt["config"], cfg)
-    return ckpt
+def check_resumable(ckpt: dict[str, Any], cfg: TrainConfig, out: Path) -> None:
+    """Raise TrainError if the run in ``out``, at its checkpoint ``ckpt``, can't go on as ``cfg`` asks."""
+    step = ckpt["step"]
+    if cfg.stop_at is not None and step >= cfg.stop_at:
+        raise TrainError(f"--stop-at {cfg.stop_at} is not after the checkpoint's step {step}")
+    if step > cfg.steps or (step == cfg.steps and read_summary(out) is not None):
+        if cfg.reschedule:
+            raise TrainError(f"--steps {cfg.steps} --reschedule: the run in {out} has done {step} steps already; to "
+                             f"train it further, give --steps larger than {step}")
+        raise TrainError(f"the run in {out} has done {step} of {cfg.steps} steps; to train it further, "
+                         f"resume with --steps larger than {step} and --reschedule")
 
 
 # --------------------------------------------------------------------------------------------

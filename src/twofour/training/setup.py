@@ -22,13 +22,13 @@ from ..sparse.compiled import plan_compiled
 from ..sparse.convert import attach, sparse_layers
 from ..sparse.optim import STEPAdamW
 from ..sparse.recipes import Recipe
-from .checkpoint import check_resumable, resume
+from .checkpoint import load_checkpoint, resume
 from .config import TrainConfig, lr_at, resolve_device
 from .data import TokenData, load_data
 from .graphs import Batches, GradAllReduce, StepGraphs
 from .memory import check_memory
 from .parallel import Parallel, checkpoint_blocks, grad_norm, shard
-from .runs import load_checkpoint, prepare_run_dir
+from .runs import check_resumable, prepare_run_dir
 
 __all__ = ["Run", "EagerStep", "setup", "build_model", "slow_path_warning"]
 
@@ -153,7 +153,8 @@ def setup(cfg: TrainConfig, data: TokenData | None, par: Parallel) -> Run:
     opt = _optimizer(cfg, raw, recipe, device)
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: lr_at(cfg, s) / cfg.peak_lr)
     data_gen = torch.Generator().manual_seed(cfg.seed + 7919 * par.rank)
-    start = resume(ckpt, cfg, raw, opt, sched, data_gen, par.rank, par.world) if ckpt is not None else 0
+    start = 0 if ckpt is None else resume(ckpt, cfg, raw, opt, sched, data_gen, par.rank, par.world,
+                                          sharded=par.sharded)
     attach(raw, opt)  # masks, refreshes and phases advance once per optimizer step
     autocast = torch.autocast("cuda", dtype=torch.bfloat16) if autocast_on(cfg, device) else contextlib.nullcontext()
     if cfg.compile and autocast_on(cfg, device):  # each layer shape compiled as the 2:4 op or dense GEMMs

@@ -1,5 +1,6 @@
-"""The sharded checkpoint of an FSDP2 run, written through ``torch.distributed.checkpoint`` (DCP):
-every rank writes its own shards of the model and optimizer, nothing is gathered on one rank.
+"""The sharded half of :mod:`twofour.training.checkpoint`: an FSDP2 run's checkpoint, written
+through ``torch.distributed.checkpoint`` (DCP): every rank writes its own shards of the model and
+optimizer, nothing is gathered on one rank.
 
 Layout in the run folder::
 
@@ -11,14 +12,14 @@ scheduler, every rank's RNG states and data position, the optimizer's non-tensor
 time, version. A save writes a new step folder, then replaces ``latest`` (``os.replace``, atomic)
 and only then removes the older step folders: a run killed at any moment leaves ``latest`` naming a
 complete checkpoint, and the folders it does not name (a partial save) are removed at the next save.
+A ``latest`` that names nothing readable is reported as such (:func:`sharded_problem`), naming the
+step folders there.
 """
 
 from __future__ import annotations
 
 import contextlib
 import os
-import pickle
-import re
 import shutil
 import warnings
 from pathlib import Path
@@ -27,10 +28,10 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from ..errors import TrainError
+from ..errors import TrainError, write_failure
 from .parallel import everywhere
 
-__all__ = ["SHARDED", "META", "sharded_folder", "save_sharded", "load_sharded", "load_plain", "read_meta",
+__all__ = ["SHARDED", "LATEST", "META", "sharded_folder", "sharded_problem", "save_sharded", "load_sharded",
            "load_model"]
 
 SHARDED = "ckpt"
@@ -40,12 +41,46 @@ META = "meta.pt"
 
 def sharded_folder(out: str | Path) -> Path | None:
     """The complete sharded checkpoint in run folder ``out`` (the step folder ``latest`` names), or
-    None when there is none."""
-    pointer = Path(out) / SHARDED / LATEST
-    if not pointer.is_file():
+    None when there is none (:func:`sharded_problem` says why)."""
+    return _latest(Path(out))[0]
+
+
+def sharded_problem(out: str | Path) -> str | None:
+    """Why run folder ``out``'s ``ckpt/`` holds no checkpoint to read, in a phrase naming the file
+    at fault and the step folders there (with how to use one that looks complete); None when it
+    holds one, or when ``out`` has no ``ckpt/``."""
+    root = Path(out) / SHARDED
+    folder, why = _latest(Path(out))
+    if folder is not None or not root.is_dir():
         return None
-    folder = pointer.parent / pointer.read_text().strip()
-    return folder if (folder / META).is_file() else None
+    steps = sorted(p.name for p in root.glob("step-*") if p.is_dir())
+    held = f"{root} holds {', '.join(steps)}" if steps else f"{root} holds no step folder"
+    complete = [name for name in steps if (root / name / META).is_file() and (root / name / ".metadata").is_file()]
+    if complete:
+        held += f"; if the save of {complete[-1]} finished, write that name into {root / LATEST} to use it"
+    return f"{why}; {held}"
+
+
+def _latest(out: Path) -> tuple[Path | None, str]:
+    """(the step folder ``ckpt/latest`` names, if it holds a ``meta.pt``; else None and why not)."""
+    root = out / SHARDED
+    pointer = root / LATEST
+    if not pointer.is_file():
+        return None, f"{pointer} is missing (no save finished)"
+    try:
+        name = pointer.read_text().strip()
+    except (OSError, UnicodeDecodeError) as e:
+        return None, f"{pointer} is unreadable ({write_failure(e)})"
+    if not name:
+        return None, f"{pointer} is empty"
+    if Path(name).is_absolute() or Path(name).name != name or name in (".", ".."):
+        return None, f"{pointer} names {name!r}, outside {root}"
+    folder = root / name
+    if not folder.is_dir():
+        return None, f"{pointer} names {name}, which is not in {root}"
+    if not (folder / META).is_file():
+        return None, f"{folder} has no {META} (its save did not finish)"
+    return folder, ""
 
 
 def _fsync(path: Path) -> None:
@@ -75,7 +110,7 @@ def save_sharded(out: Path, step: int, state: dict[str, Any], meta: dict[str, An
             root.mkdir(exist_ok=True)
             folder.mkdir()
         except OSError as e:  # told to every rank below, not raised on rank 0 alone (the others would wait)
-            why = _why(e)
+            why = write_failure(e)
     if not everywhere(why is None, world):
         raise TrainError(f"cannot create the sharded checkpoint's folder {folder}: {why or 'rank 0 failed'}")
     try:
@@ -85,13 +120,14 @@ def save_sharded(out: Path, step: int, state: dict[str, Any], meta: dict[str, An
     except (Exception, CheckpointException) as e:  # DCP's wraps every rank's errors: a BaseException
         why = _why(e)
     if not everywhere(why is None, world):
-        kept = "; the previous checkpoint is intact" if sharded_folder(out) else ""
+        last = sharded_folder(out)
+        kept = f"; the last checkpoint {last} is intact" if last else ""
         raise TrainError(f"cannot write the sharded checkpoint {folder}: {why or 'another rank failed'}{kept}")
     if rank == 0:
         try:
             _switch(root, folder.name)
         except OSError as e:
-            why = _why(e)
+            why = write_failure(e)
     if not everywhere(why is None, world):  # every rank learns whether the new checkpoint is the one to resume
         raise TrainError(f"cannot switch {root} to {folder.name}: {why or 'rank 0 failed'}; the previous "
                          "checkpoint is intact")
@@ -104,9 +140,7 @@ def _why(e: BaseException) -> str:
     if failures:
         rank, (e, _) = min(failures.items(), key=lambda kv: kv[0])
         return f"rank {rank}: {_why(e)}"
-    if isinstance(e, OSError) and e.strerror:
-        return e.strerror
-    return (str(e).splitlines() or [type(e).__name__])[0][:200] or type(e).__name__
+    return write_failure(e)
 
 
 def _write_meta(folder: Path, meta: dict[str, Any] | None) -> None:
@@ -128,31 +162,6 @@ def _switch(root: Path, name: str) -> None:
     for old in root.glob("step-*"):
         if old.name != name:
             shutil.rmtree(old, ignore_errors=True)
-
-
-def load_plain(path: Path, required: set[str], what: str) -> dict[str, Any]:
-    """The dict in file ``path`` (``what`` names it in errors), loaded with ``weights_only=True``:
-    tensors and plain data only, so a crafted file can't run code; TrainError when it is refused,
-    unreadable, or lacks a ``required`` key."""
-    try:
-        # mmap: tensors are read when used, so reading a large checkpoint's settings is cheap
-        d = torch.load(path, map_location="cpu", weights_only=True, mmap=True)
-    except pickle.UnpicklingError as e:
-        found = re.search(r"GLOBAL ([\w.]+)", str(e))
-        names = f" ({found.group(1)})" if found else ""
-        raise TrainError(f"{path} is refused and was not loaded: it holds code{names}, not only tensors and plain "
-                         "data, and unpickling it could run that code") from None
-    except Exception as e:
-        raise TrainError(f"checkpoint {path} is unreadable or corrupt ({type(e).__name__}); "
-                         "start again with --overwrite or another --out") from None
-    if not isinstance(d, dict) or not required <= set(d):
-        raise TrainError(f"{path} is not a twofour {what}")
-    return d
-
-
-def read_meta(folder: Path) -> dict[str, Any]:
-    """A step folder's ``meta.pt``: config, step, RNG states and the rest (:func:`load_plain`)."""
-    return load_plain(folder / META, {"config", "step", "rng"}, "sharded checkpoint's meta.pt")
 
 
 def load_sharded(folder: Path, state: dict[str, Any], alone: bool = False) -> None:
