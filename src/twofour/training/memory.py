@@ -43,14 +43,15 @@ class StepMemory:
         return self.state + self.per_sequence * self.batch_size
 
 
-def step_memory(cfg: TrainConfig, vocab_size: int, device: torch.device, world: int = 1) -> StepMemory:
-    """The least memory one step of ``cfg``'s run takes on one process (the model counted on the
-    meta device: nothing is allocated)."""
+def step_memory(cfg: TrainConfig, vocab_size: int, device: torch.device, shards: int = 1) -> StepMemory:
+    """The least memory one step of ``cfg``'s run takes on one process, its weights' state split
+    over ``shards`` processes (FSDP2; 1 otherwise); the model counted on the meta device: nothing
+    is allocated."""
     shape = {"n_layer": cfg.n_layer} if cfg.n_layer is not None else {}
     with torch.device("meta"):
         model = PRESETS[cfg.model].build(block_size=cfg.seq_len, vocab_size=vocab_size, **shape)
     weights = sum(p.numel() for p in model.parameters())
-    state = STATE_BYTES * weights // (world if world > 1 and cfg.fsdp is not None else 1)
+    state = STATE_BYTES * weights // shards
     half = device.type == "cuda" and cfg.bf16
     kept = KEPT_CHECKPOINTED if cfg.activation_checkpointing else KEPT_PER_BLOCK
     activations = cfg.seq_len * model.cfg.n_embd * model.cfg.n_layer * kept * (2 if half else 4)
@@ -81,11 +82,11 @@ def available_bytes(device: torch.device) -> int | None:
         return None
 
 
-def check_memory(cfg: TrainConfig, vocab_size: int, device: torch.device, world: int = 1) -> None:
+def check_memory(cfg: TrainConfig, vocab_size: int, device: torch.device, shards: int = 1) -> None:
     """TrainError, one line suggesting what to make smaller, when one step of the run can't fit in
     the memory ``device`` has free; nothing when it may fit, or when that can't be told."""
     free = available_bytes(device)
-    need = step_memory(cfg, vocab_size, device, world)
+    need = step_memory(cfg, vocab_size, device, shards)
     if free is None or need.total <= free:
         return
     where = "the CPU" if device.type == "cpu" else str(device)

@@ -135,7 +135,7 @@ def setup(cfg: TrainConfig, data: TokenData | None, par: Parallel) -> Run:
     if data is None:
         data = load_data(cfg.data, cfg.vocab_size)
     data.check(cfg.seq_len)
-    check_memory(cfg, data.vocab_size, device, par.world)  # before the run folder is touched
+    check_memory(cfg, data.vocab_size, device, par.world if par.sharded else 1)  # before the run folder is touched
     out = prepare_run_dir(cfg) if par.main else Path(cfg.out_dir)
     par.barrier()
     ckpt = load_checkpoint(out, cfg) if cfg.resume else None  # ckpt.pt, or the sharded ckpt/'s meta.pt
