@@ -29,12 +29,13 @@ import torch
 from torch import nn
 
 import twofour
-from twofour.inference import SparseInferenceLinear, speed
+from twofour import timing
+from twofour.inference import SparseInferenceLinear
 from twofour.models import FFN_IN_PATTERNS, FFN_PATTERNS, PRESETS
 from twofour.sparse import Recipe, attach, sparsify
 from twofour.training.config import CUDA_GRAPH_MODES
 
-LEAD_CYCLES = 150_000  # about 80 us of device time at Hopper's clocks: longer than a call's launch
+LEAD_CYCLES = timing.LEAD_CYCLES  # the dispatch's device-side wait before a timed window
 
 
 def _spin(stop) -> None:
@@ -72,8 +73,8 @@ def graph_ms(fn: Callable[[], object], *, inner: int = 1, reps: int = 20) -> flo
     """Milliseconds of one call of ``fn`` without the host's launch cost: ``inner`` calls captured
     back to back in one CUDA graph (after 2 calls on a side stream, where the dispatch measures
     and the kernels tune), replayed ``reps`` times, each replay timed by CUDA events; median / ``inner``
-    (``twofour.inference.speed.graph_ms``)."""
-    return speed.graph_ms(fn, reps, inner=inner)
+    (:func:`twofour.timing.graph_ms`)."""
+    return timing.graph_ms(fn, reps, inner=inner)
 
 
 def steps_ms(fn: Callable[[], object], n: int = 12, *, calls: int = 1, lead: bool = False) -> float:

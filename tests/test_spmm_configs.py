@@ -10,7 +10,7 @@ import types
 import pytest
 import torch
 
-from twofour import dispatch
+from twofour import dispatch, timing
 from twofour.kernels import cusparselt as real_cs
 from twofour.kernels import ops
 
@@ -61,7 +61,7 @@ def fake(monkeypatch):
                                plan_for=plan_for, cached_plan=plans.get, drop_plan=drop_plan,
                                forget_tuning=forget_tuning)
     monkeypatch.setattr(ops, "_cs", cs)
-    monkeypatch.setattr(dispatch, "median_ms", lambda fn: (ran.clear(), fn(), TIMES[ran[-1]])[-1])
+    monkeypatch.setattr(timing, "median_ms", lambda fn: (ran.clear(), fn(), TIMES[ran[-1]])[-1])
     monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: False)
     dispatch.clear_choices()
     yield types.SimpleNamespace(plans=plans, ran=ran, built=built)

@@ -16,7 +16,7 @@ PKG = Path(__file__).resolve().parents[1] / "src" / "twofour"
 #: Each part's level: a module may import only parts of its own level or below, and parts of one
 #: level do not import each other unless listed in ALLOWED_SIDEWAYS.
 LEVELS = {
-    "errors": 0, "version": 0, "dispatch": 0, "functional": 0,
+    "errors": 0, "version": 0, "dispatch": 0, "timing": 0, "functional": 0,
     "kernels": 1,
     "activations": 2,
     "fp8": 3,
@@ -29,7 +29,7 @@ LEVELS = {
     "cli": 9,
     "__main__": 10,
 }
-ALLOWED_SIDEWAYS: set[tuple[str, str]] = set()
+ALLOWED_SIDEWAYS: set[tuple[str, str]] = {("dispatch", "timing")}
 #: What the kernels know of the rest of the package: the switches and measured choices only.
 KERNEL_IMPORTS = {"kernels", "dispatch"}
 #: FSDP2's and DTensor's names: the sparse layer holds none of them (``sparse/sharded.py`` does).
@@ -125,6 +125,15 @@ def test_kernels_know_no_file_format():
     bad = [f"{m}:{line} imports {t}" for m, f in MODULES if _part(m) == "kernels" for t, line in _imports(m, f)
            if _part(t) not in KERNEL_IMPORTS]
     assert not bad, bad
+
+
+def test_kernels_import_no_timer():
+    """The kernels time nothing themselves: they ask the dispatch to choose (``graphed=True`` for
+    calls that run inside CUDA graphs), which times with ``twofour.timing``."""
+    bad = [f"{m}:{line} imports {t}" for m, f in MODULES if _part(m) == "kernels" for t, line in _imports(m, f)
+           if _part(t) == "timing"]
+    assert not bad, bad
+    assert "timing" not in KERNEL_IMPORTS
 
 
 def test_the_sparse_layer_knows_nothing_of_fsdp2():

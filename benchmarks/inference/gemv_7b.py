@@ -11,7 +11,7 @@ decoding step (GPU, under 5 minutes on an H100).
    weight once: none is in L2), median of 10 replays: dense (``F.linear``, cuBLAS), cuSPARSELt
    (``SparseInferenceLinear``'s ``sparse`` route, tokens padded to 8), every GEMV configuration,
    and the one the dispatch measures and keeps (``gemv24`` with no config); and cuSPARSELt and that
-   GEMV timed as ``SparseInferenceLinear``'s dispatch times its routes (``dispatch.median_ms``:
+   GEMV timed as ``SparseInferenceLinear``'s dispatch times its routes (``timing.median_ms``:
    eager calls on one weight copy, host time counted where it is longer than the kernel's). GB/s counts the
    weight bytes read (dense: 2 bytes an entry; 2:4: values + positions, 0.5625x); ``% copy``: of
    the copy bandwidth measured here (bytes read + written by a 256 MB copy).
@@ -31,7 +31,7 @@ from pathlib import Path
 import torch
 from torch.nn import functional as F
 
-from twofour import dispatch
+from twofour import dispatch, timing
 from twofour.functional import mask_24
 from twofour.inference import SparseInferenceLinear
 from twofour.inference.packed import pack_24
@@ -102,8 +102,8 @@ def time_shape(k: int, n: int, gen: torch.Generator, bad: set[str]) -> dict:
         row["dispatch"] = cycled_us([lambda v=v, p=p, x=x: gemv24(x, v, p) for _, v, p, _ in ws])
         # as the inference layer's dispatch times its routes: eager calls, host time counted where longer
         _, v, p, lin = ws[0]
-        row["eager"] = {"cusparselt": 1e3 * dispatch.median_ms(lin.routes(x)["sparse"]),
-                        "gemv": 1e3 * dispatch.median_ms(lambda v=v, p=p, x=x: gemv24(x, v, p))}
+        row["eager"] = {"cusparselt": 1e3 * timing.median_ms(lin.routes(x)["sparse"]),
+                        "gemv": 1e3 * timing.median_ms(lambda v=v, p=p, x=x: gemv24(x, v, p))}
         res["tokens"][t] = row
     del ws
     torch.cuda.empty_cache()

@@ -18,8 +18,9 @@ recorded with :func:`record_failure`, logged once as a warning on the ``twofour`
 skipped from then on (:func:`failed`); :func:`failures` lists them.
 
 What stays with its module is memoization, not policy: compiled functions (``fp8/quantize.py``),
-Triton launch configurations and cuSPARSELt plans (``kernels/``). This module imports only torch
-and the standard library, so that every part of the package, the kernels included, may read it.
+Triton launch configurations and cuSPARSELt plans (``kernels/``). This module imports only torch,
+the standard library and :mod:`twofour.timing` (its timers), so that every part of the package,
+the kernels included, may read it.
 """
 
 from __future__ import annotations
@@ -28,13 +29,15 @@ import contextlib
 import json
 import logging
 import os
-import statistics
 from collections.abc import Callable, Iterator
 
 import torch
 
+from . import timing
+from .timing import _one_line
+
 __all__ = ["fast", "gemm", "build_kernels", "set_fast", "set_gemm", "set_build_kernels", "override", "GEMM_MODES",
-           "choice_key", "can_measure", "median_ms", "graph_median_ms", "replay_ms", "end_failed_capture",
+           "choice_key", "can_measure",
            "choose", "measure", "recorded", "choices", "choice_lines", "set_choice", "clear_choices",
            "on_choice_change", "failed", "record_failure", "working", "failures", "clear_failures"]
 
@@ -104,7 +107,6 @@ def override(*, fast: bool | None = None, gemm: str | None = None,
 
 _choices: dict[str, dict] = {}
 _on_change: list[Callable[[], None]] = []
-_LEAD_CYCLES = 150_000  # about 80 us of device time at Hopper's clocks: longer than one call's launch
 
 
 def choice_key(kind: str, m: int, k: int, n: int, b_order: str, dtype: torch.dtype,
@@ -123,120 +125,17 @@ def can_measure() -> bool:
     return not (tracing or torch.cuda.is_current_stream_capturing())
 
 
-def _one_line(e: BaseException) -> str:
-    """``Type: first line of the message`` (:func:`twofour.errors.one_line`, which this module, at the
-    package's lowest level, does not import)."""
-    return f"{type(e).__name__}: {(str(e).splitlines() or [''])[0]}"
-
-
-def median_ms(fn: Callable[[], object], reps: int = 5, calls: int = 4) -> float:
-    """Median over ``reps`` windows of the CUDA-event time per call of ``fn``, each window
-    ``calls`` calls back to back behind a short device-side wait, after 2 warm-up calls: how the
-    dispatch times its candidates.
-
-    The wait keeps the device busy while the host launches the window's first call, and later
-    calls launch while earlier ones run, as in a training loop whose GPU runs ahead of the host:
-    a candidate's host time counts only where it is longer than its device time (timing each
-    call alone from an idle device would add its whole launch cost, which under
-    ``torch.compile`` and CUDA graphs the loop does not pay)."""
-    for _ in range(2):
-        fn()
-    torch.cuda.synchronize()
-    times = []
-    for _ in range(reps):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        torch.cuda._sleep(_LEAD_CYCLES)
-        start.record()
-        for _ in range(calls):
-            fn()
-        end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end) / calls)
-    return statistics.median(times)
-
-
-def graph_median_ms(fn: Callable[[], object], reps: int = 5, calls: int = 4) -> float:
-    """Median over ``reps`` replays of a CUDA graph of ``calls`` calls of ``fn``, per call: the
-    device time alone, as a caller that replays graphs (decoding) runs it; a candidate whose
-    host time exceeds its kernel's (a Triton launch at a few tokens) is not charged for it, as
-    :func:`median_ms` would. A candidate that can't be captured scores infinity (it could not run
-    inside the caller's graph either), and the device is left as it was (:func:`end_failed_capture`)."""
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    graph, pool, failure = torch.cuda.CUDAGraph(), torch.cuda.graph_pool_handle(), None
-    with torch.cuda.stream(side):
-        for _ in range(2):  # warm-up on the capturing stream: what a library sets up per stream, set up now
-            fn()
-        graph.capture_begin(pool=pool, capture_error_mode="thread_local")
-        try:
-            for _ in range(calls):
-                fn()
-        except Exception as e:  # noqa: BLE001 - the capture still has to end
-            failure = e
-        try:
-            graph.capture_end()
-        except Exception as e:  # noqa: BLE001 - a voided capture
-            failure = failure or e
-    torch.cuda.current_stream().wait_stream(side)
-    if failure is not None:
-        log.debug("twofour: a candidate could not be captured for timing: %s", _one_line(failure))
-        del failure
-        graph.reset()
-        end_failed_capture(side.device, pool)
-        return float("inf")
-    return replay_ms(graph, reps, calls)
-
-
-def end_failed_capture(device: torch.device, pool: tuple) -> None:
-    """Undo what a capture that failed to end leaves behind in torch 2.11 (later versions clean up
-    themselves, and then both steps change nothing).
-
-    Its ``capture_end`` stops at the failed ``cudaStreamEndCapture``, before it ends the
-    allocator's routing of the device's new blocks to the capture's pool, so that routing is
-    ended here. And its generator keeps one capture flag, set when a capture begins and cleared
-    only when one ends well, so every later random draw outside a graph (MVUE's seeds, dropout)
-    would stop with "Offset increment outside graph capture encountered unexpectedly": a capture
-    of one small kernel, which ends well, clears it again."""
-    try:
-        torch._C._cuda_endAllocateToPool(device.index, pool)
-    except (AttributeError, RuntimeError):  # already ended (the capture got that far, or a later torch)
-        pass
-    graph = torch.cuda.CUDAGraph()
-    try:
-        with torch.cuda.device(device), torch.cuda.graph(graph, capture_error_mode="thread_local"):
-            torch.zeros(1, device=device).add_(1)
-        torch.cuda.synchronize(device)
-    except Exception as e:  # noqa: BLE001 - what is left wrong then shows where it matters
-        log.warning("twofour: could not reset the CUDA generator after a failed capture (%s)", _one_line(e))
-    finally:
-        graph.reset()
-
-
-def replay_ms(graph: torch.cuda.CUDAGraph, reps: int, calls: int = 1) -> float:
-    """Median over ``reps`` replays of ``graph`` of its CUDA-event time, divided by the ``calls``
-    it holds."""
-    graph.replay()  # the first replay uploads the graph: not timed
-    times = []
-    for _ in range(reps):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        graph.replay()
-        end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end) / calls)
-    return statistics.median(times)
-
-
 def choose(kind: str, m: int, k: int, n: int, b_order: str, dtype: torch.dtype,
-           candidates: dict[str, Callable[[], object]], timer: Callable[[Callable[[], object]], float] | None = None
-           ) -> str:
+           candidates: dict[str, Callable[[], object]], timer: Callable[[Callable[[], object]], float] | None = None,
+           *, graphed: bool = False) -> str:
     """The candidate to run for this operation and shape: an override, a recorded measurement,
     or measure now (:func:`measure`).
 
     :data:`gemm` (``TWOFOUR_GEMM``) ``dense`` or ``sparse`` forces a side for every GEMM;
     :func:`set_choice` forces one. Where nothing may be measured (:func:`can_measure`) the
     recorded choice is used, else the first sparse candidate. ``timer`` times a candidate in ms
-    (default :func:`median_ms`; :func:`graph_median_ms` for calls that run inside CUDA graphs).
+    (default :func:`twofour.timing.median_ms`); ``graphed`` times it as a caller that replays CUDA
+    graphs runs it (:func:`twofour.timing.graph_median_ms`), for the kernels, which import no timer.
     """
     if len(candidates) == 1:
         return next(iter(candidates))
@@ -248,14 +147,14 @@ def choose(kind: str, m: int, k: int, n: int, b_order: str, dtype: torch.dtype,
         return hit["choice"]
     if not can_measure():
         return next((c for c in candidates if c.startswith("sparse")), next(iter(candidates)))
-    return measure(key, candidates, timer)
+    return measure(key, candidates, timing.graph_median_ms if graphed and timer is None else timer)
 
 
 def measure(key: str, candidates: dict[str, Callable[[], object]],
             timer: Callable[[Callable[[], object]], float] | None = None) -> str:
-    """Time every candidate (``timer``, default :func:`median_ms`), record the times and the
+    """Time every candidate (``timer``, default :func:`twofour.timing.median_ms`), record the times and the
     fastest under ``key``, and return its name."""
-    timer = timer or median_ms  # looked up now, not when this function was defined
+    timer = timer or timing.median_ms  # looked up now, not when this function was defined
     times = {name: timer(fn) for name, fn in candidates.items()}
     best = min(times, key=times.get)
     _choices[key] = {"choice": best, "ms": {k2: round(v, 4) for k2, v in times.items()}}

@@ -140,7 +140,7 @@ class SparseInferenceLinear(nn.Module):
                                                                 self.bias is not None), "the 2:4 inference kernel")
             # timed as graph replays: the decoding that pays runs as one (an eager step waits on the host anyway)
             choice = dispatch.choose("inf" if self.bias is None else "inf+bias", n, self.in_features, x2.shape[0],
-                                     order, cdt, routes, dispatch.graph_median_ms)
+                                     order, cdt, routes, graphed=True)
             return routes[choice]().reshape(*x.shape[:-1], n)
         if self._dense_key != self._key():
             self.prepare()

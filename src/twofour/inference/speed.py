@@ -1,22 +1,22 @@
 """Timing an exported model against its dense twin on a GPU, as ``twofour bench --inference`` and
-``benchmarks/inference/`` do: the pair of models, CUDA-graph timing, prefill and decoding rows."""
+``benchmarks/inference/`` do: the pair of models, prefill and decoding rows (timed by
+:func:`twofour.timing.graph_ms`)."""
 
 from __future__ import annotations
 
-from collections.abc import Callable
 from pathlib import Path
 
 import torch
 from torch import nn
 
-from .. import dispatch
+from .. import timing
 from ..models.common import FFN_PATTERNS
 from ..models.llama import Llama
 from ..models.presets import PRESETS
 from ..sparse.convert import sparsify
 from .format import load_for_inference, save_inference
 
-__all__ = ["exported_pair", "captured", "graph_ms", "tokens_row", "default_vocab"]
+__all__ = ["exported_pair", "tokens_row", "default_vocab"]
 
 #: The vocabulary a preset's random model gets by default: Llama's tokenizer, else GPT-2's (padded).
 LLAMA_VOCAB, GPT_VOCAB = 32000, 50304
@@ -42,30 +42,6 @@ def exported_pair(preset: str, folder: str | Path, *, vocab_size: int, context: 
     return load_for_inference(folder, device), load_for_inference(folder, device, dense=True), cfg
 
 
-def captured(fn: Callable[[], object], inner: int = 1) -> torch.cuda.CUDAGraph:
-    """``inner`` calls of ``fn`` captured back to back in a CUDA graph, after 2 calls on a side
-    stream (where the dispatch measures and the kernels tune: nothing is measured while capturing)."""
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):
-        fn(), fn()
-    torch.cuda.current_stream().wait_stream(side)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        for _ in range(inner):
-            fn()
-    return graph
-
-
-def graph_ms(fn: Callable[[], object], reps: int, inner: int = 1) -> float:
-    """Median ms of ``reps`` replays of ``fn`` captured in a CUDA graph (:func:`captured`; ``inner``
-    calls back to back, the time divided by ``inner``)."""
-    graph = captured(fn, inner)
-    ms = dispatch.replay_ms(graph, reps, inner)
-    del graph
-    return ms
-
-
 def tokens_row(phase: str, b: int, models: dict[str, nn.Module], vocab: int, prompt: int, steps: int) -> str:
     """A markdown row of tokens/s of each model (``dense``, ``2:4``) and their ratio: a prefill of
     ``b`` x ``prompt`` tokens through the static KV cache, or ``steps`` greedy decoding steps after
@@ -75,11 +51,11 @@ def tokens_row(phase: str, b: int, models: dict[str, nn.Module], vocab: int, pro
         idx = torch.randint(0, vocab, (b, prompt), device="cuda")
         if phase == "prefill":  # each replay writes positions 0.. again
             cache = model.make_cache(b, prompt)
-            ms[name] = graph_ms(lambda m=model, c=cache, i=idx: (c.reset(), m(i, cache=c)), steps) / (b * prompt)
+            ms[name] = timing.graph_ms(lambda m=model, c=cache, i=idx: (c.reset(), m(i, cache=c)), steps) / (b * prompt)
         else:  # the cache holds the prompt, the graph's 2 warm-up steps and the steps timed
             cache = model.make_cache(b, -(-(prompt + steps + 2) // 16) * 16)
             tok = model(idx, cache=cache)[0][:, -1:].argmax(-1)
             step = lambda m=model, c=cache, t=tok: t.copy_(m(t, cache=c)[0][:, -1:].argmax(-1))  # noqa: E731
-            ms[name] = graph_ms(step, steps) / b
+            ms[name] = timing.graph_ms(step, steps) / b
         del cache
     return f"| {phase} | {b} | {1e3 / ms['dense']:,.0f} | {1e3 / ms['2:4']:,.0f} | {ms['dense'] / ms['2:4']:.2f}x |"

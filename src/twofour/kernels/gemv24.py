@@ -354,7 +354,7 @@ def _choose(x, values, positions, bias, y, quad: bool) -> Config:
     where = (n, k, _block_tokens(t), x.dtype, bias is not None)
     calls = dispatch.working("gemv24", calls, where, "the 2:4 GEMV configuration")
     order = "bias" if bias is not None else "nobias"
-    return cands[dispatch.choose("gemv24", n, k, _block_tokens(t), order, x.dtype, calls, dispatch.graph_median_ms)]
+    return cands[dispatch.choose("gemv24", n, k, _block_tokens(t), order, x.dtype, calls, graphed=True)]
 
 
 def triton_kernels() -> dict[str, object]:

@@ -29,7 +29,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from .. import dispatch
+from .. import timing
 from ..errors import one_line
 from ..sparse.layer import SparseLinear
 from .parallel import everywhere
@@ -156,7 +156,7 @@ class StepGraphs:
             torch.cuda.set_stream(stream)  # a capture that fails to end leaves its side stream current
             # what failed inside comes second, where ending the voided capture raised over it
             failure = one_line(e) + (f" (after {one_line(e.__context__)})" if e.__context__ is not None else "")
-            dispatch.end_failed_capture(device, pool)
+            timing.end_failed_capture(device, pool)
         if self.reduce is not None and not everywhere(failure is None, self.reduce.world, self.reduce.group):
             failure = failure or "another process could not capture its step"  # all go eager together
         if failure is not None:
