@@ -1,15 +1,22 @@
-"""CUTLASS's sm90 2:4 layout (``kernels/sm90_layout.py``) and the library's builder, on the CPU; the
+"""CUTLASS's sm90 2:4 layout (``benchmarks/gemm/sm90/layout.py``, the benchmark
+``gemm/cutlass_sm90.py``'s GEMM, out of the package) and the library's builder, on the CPU; the
 GEMM itself on an H100/H200 (marked gpu)."""
+
+import sys
+from pathlib import Path
 
 import pytest
 import torch
 
 from twofour.functional import mask_24
 from twofour.kernels import compress as ck
-from twofour.kernels import cutlass as builder
 from twofour.kernels import layout as cslt
-from twofour.kernels import sm90, sm90_layout
 from twofour.kernels.triton_common import HAS_TRITON
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks" / "gemm"))
+from sm90 import cutlass as builder  # noqa: E402
+from sm90 import gemm as sm90  # noqa: E402
+from sm90 import layout as sm90_layout  # noqa: E402
 
 
 def _pruned(m: int, k: int, seed: int = 0) -> torch.Tensor:
@@ -92,7 +99,7 @@ def test_library_is_built_only_when_asked(monkeypatch, tmp_path):
     error naming the ways to build; with build_missing the builder runs; a cached build or
     TWOFOUR_SM90_LIB is returned as it is."""
     calls = _no_build_here(monkeypatch, tmp_path)
-    with pytest.raises(RuntimeError, match="not built .*python -m twofour.kernels.cutlass") as ex:
+    with pytest.raises(RuntimeError, match="not built .*python -m sm90.cutlass") as ex:
         builder.library_path()
     assert "\n" not in str(ex.value) and calls == []
     assert builder.library_path(build_missing=True) == tmp_path / "built.so" and len(calls) == 1
@@ -105,7 +112,7 @@ def test_library_is_built_only_when_asked(monkeypatch, tmp_path):
 
 
 def test_build_command_line(monkeypatch, tmp_path, capsys):
-    from twofour.kernels.cutlass import __main__ as cli
+    from sm90.cutlass import __main__ as cli
 
     calls = []
     monkeypatch.setattr(cli, "build", lambda configs, out_dir, jobs: calls.append((configs, out_dir, jobs)) or
@@ -115,34 +122,31 @@ def test_build_command_line(monkeypatch, tmp_path, capsys):
     assert str(tmp_path / builder.LIB_NAME) in capsys.readouterr().out
 
 
-def test_unbuilt_route_is_skipped_and_logged_once_per_process(monkeypatch, tmp_path, caplog):
-    """Where the library is not built, the forward's sm90 candidate is dropped at once, with one
-    warning for the whole process, whatever the number of shapes and calls; nothing is compiled
-    unless dispatch.build_kernels allows it."""
+def test_unbuilt_library_is_skipped_and_logged_once_per_process(monkeypatch, tmp_path, caplog):
+    """Where the library is not built, :func:`available` is False at once, with one warning for the
+    whole process, whatever the number of calls; nothing is compiled unless
+    ``cutlass.build_kernels`` allows it."""
     from twofour import dispatch
-    from twofour.kernels import ops
 
     calls = _no_build_here(monkeypatch, tmp_path)
     monkeypatch.setattr(dispatch, "_failures", {})
     monkeypatch.setattr(sm90, "_lib", None)
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (9, 0))
-    with caplog.at_level("WARNING", logger="twofour"), dispatch.override(build_kernels=False):
+    monkeypatch.setattr(builder, "build_kernels", False)
+    with caplog.at_level("WARNING", logger="twofour"):
         for _ in range(3):
-            for m, k in ((64, 256), (128, 512), (256, 1280)):
-                a = cslt.compress_reference(_pruned(m, k))
-                assert not ops.sm90_ok(a, torch.randn(8, k).bfloat16(), m, None)
+            assert not sm90.available()
     warned = [r for r in caplog.records if "sm90" in r.getMessage()]
     assert len(warned) == 1 and "not built" in warned[0].getMessage() and calls == []
     assert list(dispatch.failures()) == [("sm90-cutlass", "load")]
     monkeypatch.setattr(dispatch, "_failures", {})
-    with dispatch.override(build_kernels=True):  # opted in: the builder runs (its stand-in makes no file)
-        assert not sm90.available() and len(calls) == 1
-    assert not dispatch.build_kernels
+    builder.set_build_kernels(True)  # opted in: the builder runs (its stand-in makes no file)
+    assert not sm90.available() and len(calls) == 1
 
 
 def test_extra_not_installed_is_logged_at_info(monkeypatch, caplog):
-    """No nvcc or CUTLASS headers (the ``kernels`` extra not installed) is a choice, not a failure:
+    """No nvcc or CUTLASS headers (not installed) is a choice, not a failure:
     the route is skipped with one INFO line, no warning, on every rank of a run."""
     from twofour import dispatch
 
@@ -153,10 +157,11 @@ def test_extra_not_installed_is_logged_at_info(monkeypatch, caplog):
     monkeypatch.setattr(builder, "_find_cutlass", lambda: None)
     monkeypatch.delenv("TWOFOUR_SM90_LIB", raising=False)
     monkeypatch.delenv("TWOFOUR_CUTLASS", raising=False)
-    with caplog.at_level("INFO", logger="twofour"), dispatch.override(build_kernels=False):
+    monkeypatch.setattr(builder, "build_kernels", False)
+    with caplog.at_level("INFO", logger="twofour"):
         assert not sm90.available() and not sm90.available()
     (record,) = [r for r in caplog.records if "sm90" in r.getMessage()]
-    assert record.levelname == "INFO" and "pip install 'twofour[kernels]'" in record.getMessage()
+    assert record.levelname == "INFO" and "pip install nvidia-cuda-nvcc" in record.getMessage()
     assert issubclass(builder.ToolchainMissing, RuntimeError)
 
 
@@ -214,45 +219,3 @@ def test_compression_kernel_writes_the_sm90_layout(shape, tile, device):
     assert torch.equal(values.cpu(), ref_v) and torch.equal(e.cpu(), ref_e)
     with pytest.raises(ValueError, match="multiple of 128"):
         ck.compress(torch.randn(64, 96, device=device), "hard", layout=ck.SM90)
-
-
-def test_operand_reordered_once_per_buffer():
-    """The forward's sm90 route reorders a weight buffer's metadata once while the buffer lives
-    and again after the buffer changes in place."""
-    from twofour.kernels import ops
-
-    a = cslt.compress_reference(_pruned(64, 256, seed=2))
-    v1, e1 = ops._sm90_operand(a, 64, 256)
-    v2, e2 = ops._sm90_operand(a, 64, 256)
-    assert e1 is e2 and torch.equal(e1, sm90_layout.compress_reference(_pruned(64, 256, seed=2))[1])
-    a.add_(0)  # a new version: reordered again
-    assert ops._sm90_operand(a, 64, 256)[1] is not e1
-    key = id(a)
-    del a, v1, v2
-    assert key not in ops._sm90_meta
-
-
-def test_sm90_route_not_offered_off_the_gpu():
-    from twofour.kernels import ops
-
-    a = cslt.compress_reference(_pruned(64, 256))
-    assert not ops.sm90_ok(a, torch.randn(8, 256).bfloat16(), 64, None)
-
-
-@pytest.mark.gpu
-def test_forward_route_against_dense():
-    """``ops.spmm_sm90`` (the forward's ``sparse_sm90`` candidate) from a cuSPARSELt buffer: the
-    configuration checked and chosen, the product right, no failure recorded."""
-    if not torch.cuda.is_available() or not sm90.available():
-        pytest.skip("needs an sm90 GPU and the sm90 library")
-    from twofour import dispatch
-    from twofour.kernels import ops
-
-    for t, k, m in ((333, 1280, 5120), (2048, 4096, 1024)):
-        x = torch.randn(t, k, device="cuda", dtype=torch.bfloat16)
-        buf, wd = ops.compress(torch.randn(m, k, device="cuda"), "hard", dense_out=True)
-        assert ops.sm90_ok(buf, x, m, None)
-        y = ops.spmm_sm90(buf, x, m)
-        ref = x.float() @ wd.float().t()
-        assert y.shape == (t, m) and ((y.float() - ref).abs().max() / ref.abs().max()).item() < 2e-2
-        assert not [r for r in dispatch.failures() if r[0] == "sm90-cutlass"]

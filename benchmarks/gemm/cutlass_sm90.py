@@ -1,8 +1,8 @@
-"""CUTLASS's sm90 2:4 GEMM (``twofour.kernels.sm90``) against cuBLAS dense and cuSPARSELt (H100/H200).
+"""CUTLASS's sm90 2:4 GEMM (``benchmarks/gemm/sm90/``) against cuBLAS dense and cuSPARSELt (H100/H200).
 
     PYTHONPATH=src python benchmarks/gemm/cutlass_sm90.py [--tokens 16384] [--ncu] [--quick]
 
-1. Builds the library if it is not built yet (``twofour.kernels.cutlass``, minutes of nvcc;
+1. Builds the library if it is not built yet (``sm90/cutlass/``, minutes of nvcc;
    ``TWOFOUR_SM90_LIB`` loads one built before)
    and checks the layout: twofour's compression (cuSPARSELt's buffer, metadata reordered) against
    CUTLASS's own compressor, byte for byte.
@@ -34,10 +34,15 @@ import torch
 
 from twofour import dispatch
 from twofour.kernels import compress as ck
-from twofour.kernels import ops, sm90, sm90_layout
+from twofour.kernels import ops
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # benchmarks/: common.py
 from common import bench_ms, gemm_tflops, gpu_line, md_head, md_row  # noqa: E402
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))  # benchmarks/gemm/: the sm90 package
+from sm90 import cutlass  # noqa: E402
+from sm90 import gemm as sm90  # noqa: E402
+from sm90 import layout as sm90_layout  # noqa: E402
 
 SHAPES = [("llama-7b up", 4096, 11008), ("llama-7b down", 11008, 4096), ("llama-3-8b up", 4096, 14336),
           ("llama-3-8b down", 14336, 4096), ("gpt2-774m fc", 1280, 5120), ("gpt2-774m proj", 5120, 1280)]
@@ -168,9 +173,9 @@ def main() -> None:
     if args.ncu_child:
         return ncu_child(args.ncu_child)
     t0 = time.time()
-    dispatch.set_build_kernels(True)  # a benchmark of this route builds it (training does not, by default)
+    cutlass.set_build_kernels(True)  # this benchmark builds the library where it is not built yet
     if not sm90.available():
-        sys.exit(f"the sm90 2:4 GEMM is not available here (an H100/H200 and the kernels extra are needed): "
+        sys.exit(f"the sm90 2:4 GEMM is not available here (an H100/H200, nvcc and the CUTLASS headers are needed): "
                  f"{dispatch.failures()}")
     cfgs = sm90.configs()
     dense_rate = gemm_tflops()

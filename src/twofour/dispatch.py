@@ -3,17 +3,15 @@ routes that failed.
 
 Switches, read from the environment once at import: ``TWOFOUR_FAST=0`` turns the fast path off
 (plain torch everywhere); ``TWOFOUR_GEMM=dense`` or ``=sparse`` forces one side for every GEMM
-instead of the measured choice (``auto``); ``TWOFOUR_BUILD_KERNELS=1`` lets a kernel library that
-is not built yet (CUTLASS's sm90 2:4 GEMM: minutes of nvcc) compile at its first use, which is off
-by default so that no training step stalls on a compiler. Change them at run time with
-:func:`set_fast`, :func:`set_gemm` and :func:`set_build_kernels` (or the :func:`override`
-context); the hot path reads these module attributes, never the environment.
+instead of the measured choice (``auto``). Change them at run time with :func:`set_fast` and
+:func:`set_gemm` (or the :func:`override` context); the hot path reads these module attributes,
+never the environment.
 
 Measured choices: where an operation has several routes (dense or 2:4 GEMMs, Triton or compiled
 quantization, cuSPARSELt's algorithm configurations), :func:`choose` times each once per shape
 and keeps the fastest; :func:`choices` lists them, :func:`set_choice` pins one.
 
-Failed routes: a route that raises (a kernel that does not build, a GEMM a library refuses) is
+Failed routes: a route that raises (a kernel that does not compile, a GEMM a library refuses) is
 recorded with :func:`record_failure`, logged once as a warning on the ``twofour`` logger, and
 skipped from then on (:func:`failed`); :func:`failures` lists them.
 
@@ -36,7 +34,7 @@ import torch
 from . import timing
 from .timing import _one_line
 
-__all__ = ["fast", "gemm", "build_kernels", "set_fast", "set_gemm", "set_build_kernels", "override", "GEMM_MODES",
+__all__ = ["fast", "gemm", "set_fast", "set_gemm", "override", "GEMM_MODES",
            "choice_key", "can_measure",
            "choose", "measure", "recorded", "choices", "choice_lines", "set_choice", "clear_choices",
            "on_choice_change", "failed", "record_failure", "working", "failures", "clear_failures"]
@@ -57,9 +55,6 @@ def _gemm_from_env() -> str:
 fast: bool = os.environ.get("TWOFOUR_FAST", "1").strip() != "0"
 #: ``auto`` (measure dense and 2:4 once per GEMM and keep the faster), ``dense`` or ``sparse``.
 gemm: str = _gemm_from_env()
-#: Whether a kernel library missing from the cache is compiled at first use (TWOFOUR_BUILD_KERNELS=1;
-#: default off: ``python -m twofour.kernels.cutlass`` builds it beforehand).
-build_kernels: bool = os.environ.get("TWOFOUR_BUILD_KERNELS", "0").strip() == "1"
 
 
 def set_fast(enabled: bool) -> None:
@@ -76,29 +71,19 @@ def set_gemm(mode: str) -> None:
     gemm = mode
 
 
-def set_build_kernels(enabled: bool) -> None:
-    """Let a kernel library that is not built yet compile at its first use (minutes), or not."""
-    global build_kernels
-    build_kernels = bool(enabled)
-
-
 @contextlib.contextmanager
-def override(*, fast: bool | None = None, gemm: str | None = None,
-             build_kernels: bool | None = None) -> Iterator[None]:
+def override(*, fast: bool | None = None, gemm: str | None = None) -> Iterator[None]:
     """Set the switches inside a ``with`` block and restore them after (tests, benchmarks)."""
-    old = (globals()["fast"], globals()["gemm"], globals()["build_kernels"])
+    old = (globals()["fast"], globals()["gemm"])
     try:
         if fast is not None:
             set_fast(fast)
         if gemm is not None:
             set_gemm(gemm)
-        if build_kernels is not None:
-            set_build_kernels(build_kernels)
         yield
     finally:
         set_fast(old[0])
         set_gemm(old[1])
-        set_build_kernels(old[2])
 
 
 # --------------------------------------------------------------------------------------------

@@ -22,7 +22,8 @@ from __future__ import annotations
 import torch
 
 __all__ = ["VALID_CODES", "positions_width", "group_codes", "position_codes", "unpack_24", "compressed_size",
-           "compress_reference", "compress_codes", "decompress_reference", "supported_shape"]
+           "compress_reference", "compress_codes", "decompress_reference", "supported_shape",
+           "codes_from_meta"]
 
 
 #: The six codes ``i0 | i1 << 2`` with i0 < i1 (which two of the four positions are kept).
@@ -106,7 +107,7 @@ def _meta_bytes(codes: torch.Tensor, itemsize: int = 2) -> torch.Tensor:
     return (c[0::2] | (c[1::2] << 4)).to(torch.uint8)
 
 
-def _codes_from_meta(meta: torch.Tensor, m: int, k: int, itemsize: int) -> torch.Tensor:
+def codes_from_meta(meta: torch.Tensor, m: int, k: int, itemsize: int) -> torch.Tensor:
     """The (M, K/4) codes of metadata bytes: the inverse of :func:`_meta_bytes`."""
     mp, g = -(-m // 64) * 64, k // 4
     meta = meta.to(torch.int32)
@@ -158,7 +159,7 @@ def decompress_reference(buf: torch.Tensor, m: int, k: int, dtype: torch.dtype =
     nval = m * k // 2 * size
     values = _bits(buf[:nval].view(dtype)).reshape(m, k // 2, 1)
     g = k // 4
-    codes = _codes_from_meta(buf[nval:], m, k, size)
+    codes = codes_from_meta(buf[nval:], m, k, size)
     idx = torch.stack([codes & 3, codes >> 2], -1).long()  # (m, g, 2)
     out = torch.zeros(m, g, 4, dtype=values.dtype, device=buf.device)
     out.scatter_(2, idx, values.reshape(m, g, 2))

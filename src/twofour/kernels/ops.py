@@ -17,22 +17,19 @@ from __future__ import annotations
 import dataclasses
 import logging
 import threading
-import weakref
 
 import torch
 
 from .. import dispatch
 from . import compress as _ck
 from . import cusparselt as _cs
-from . import sm90 as _sm90
-from . import sm90_layout as _sm90_layout
 from .layout import compressed_size
 from .mask import refresh_mask_, refresh_masks_
 from .triton_common import HAS_TRITON
 
 log = logging.getLogger(__name__)
 
-__all__ = ["spmm", "spmm_sm90", "sm90_ok", "compress", "refresh_mask_", "refresh_masks_", "order", "fast_available",
+__all__ = ["spmm", "compress", "refresh_mask_", "refresh_masks_", "order", "fast_available",
            "triton_ok", "as_2d"]
 
 
@@ -166,80 +163,6 @@ def _tune(plan: _cs.Plan, a: torch.Tensor, b: torch.Tensor, out: torch.Tensor, b
                 _cs.drop_plan(p)
         plan.tuned = plans[best]
         return plan.tuned
-
-
-_SM90_ROUTE = "sm90-cutlass"
-_sm90_meta: dict[int, tuple[int, int, torch.Tensor]] = {}  # id(buffer) -> (data_ptr, version, E); no view of it
-
-
-def sm90_ok(a: torch.Tensor, x2: torch.Tensor, m: int, bias: torch.Tensor | None) -> bool:
-    """CUTLASS's sm90 2:4 GEMM can run ``x2 @ W^T`` here: no bias, bf16, x2 row-major, K a
-    multiple of 128 and M of 8, an sm90 GPU and the library loaded (built beforehand, or at first
-    use only under ``TWOFOUR_BUILD_KERNELS=1``; the first failure is logged once and the route
-    skipped from then on)."""
-    return (bias is None and x2.dtype == torch.bfloat16 and a.dtype == torch.uint8 and order(x2) == "row"
-            and x2.shape[0] > 0 and _sm90_layout.supported_shape(m, x2.shape[1])
-            and not dispatch.failed((_SM90_ROUTE, m, x2.shape[1])) and _sm90.available(x2.device))
-
-
-def _sm90_operand(a: torch.Tensor, m: int, k: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """(values, E) of a cuSPARSELt buffer ``a``: the values are a view, E is reordered once per
-    buffer (the weight's buffer lives for an optimizer step) and kept while ``a`` lives; while a
-    CUDA graph is captured it is reordered in the graph."""
-    if torch.compiler.is_compiling() or (a.is_cuda and torch.cuda.is_current_stream_capturing()):
-        return _sm90_layout.from_cusparselt(a, m, k)
-    hit = _sm90_meta.get(id(a))
-    if hit is not None and hit[0] == a.data_ptr() and hit[1] == a._version:
-        return _sm90_layout.values_of(a, m, k), hit[2]
-    values, e = _sm90_layout.from_cusparselt(a, m, k)
-    if hit is None:  # the entry holds no view of ``a`` (that would keep it alive): it goes with ``a``
-        weakref.finalize(a, _sm90_meta.pop, id(a), None)
-    _sm90_meta[id(a)] = (a.data_ptr(), a._version, e)
-    return values, e
-
-
-def spmm_sm90(a: torch.Tensor, x2: torch.Tensor, m: int) -> torch.Tensor:
-    """y (N, M) row-major = x2 (N, K) @ W^T through CUTLASS's sm90 2:4 GEMM, W given as the
-    cuSPARSELt buffer ``a`` (the route needs :func:`sm90_ok`). The kernel configuration is
-    measured once per shape (:func:`twofour.dispatch.choices` key ``sm90:MxKxN:...:configs``,
-    value the configuration's name); every configuration's product is checked against
-    cuSPARSELt's on a sample of the output first. If the route fails, that is logged once and
-    cuSPARSELt runs instead, from then on for this (M, K)."""
-    try:
-        return _spmm_sm90(a, x2, m)
-    except Exception as ex:  # noqa: BLE001 - a failed build, launch or check falls back to cuSPARSELt
-        dispatch.record_failure((_SM90_ROUTE, m, x2.shape[1]), "the CUTLASS sm90 2:4 GEMM", ex, instead="cuSPARSELt")
-        return _spmm(a, x2.t(), m, True).t()
-
-
-def _spmm_sm90(a: torch.Tensor, x2: torch.Tensor, m: int) -> torch.Tensor:
-    n, k = x2.shape
-    values, e = _sm90_operand(a, m, k)
-    cfgs = {c.name: c for c in _sm90.configs()}
-    name = dispatch.choice_key("sm90", m, k, n, "col", x2.dtype, ("configs",))
-    chosen = dispatch.recorded(name)
-    if chosen is None:
-        if not dispatch.can_measure():
-            chosen = next(iter(cfgs))
-        else:
-            ref = _spmm(a, x2.t(), m, True).t().float().reshape(-1)[:: max(1, n * m // 65536)]
-            atol = 1e-2 * ref.abs().max().item() + 1e-6
-            good = {}
-            for cname, cfg in cfgs.items():
-                try:
-                    y = _sm90.gemm(values, e, x2, cfg).float().reshape(-1)[:: max(1, n * m // 65536)]
-                except (RuntimeError, ValueError) as ex:
-                    log.debug("sm90 configuration %s left out at %s: %s", cname, name, ex)
-                    continue
-                if torch.allclose(y, ref, rtol=2e-2, atol=atol):
-                    good[cname] = cfg
-                else:
-                    log.warning("sm90 configuration %s gave another product than cuSPARSELt at %s; left out", cname,
-                                name)
-            if not good:
-                raise RuntimeError(f"no sm90 configuration runs {name} correctly")
-            chosen = dispatch.measure(name, {c: (lambda c=c: _sm90.gemm(values, e, x2, good[c])) for c in good})
-    return _sm90.gemm(values, e, x2, cfgs[chosen])
 
 
 def _compress(x: torch.Tensor, mode: str, scale: torch.Tensor | None, mask: torch.Tensor | None,

@@ -106,8 +106,6 @@ def _forward_gemm(x2: torch.Tensor, wc: torch.Tensor, wdense: torch.Tensor, b: t
         cands["sparse_dc"] = lambda: ops.spmm(wc, x2.t(), n, True, b).t()
         if transposed_output:
             cands["sparse_dr"] = lambda: ops.spmm(wc, x2.t(), n, False, b).t()
-        if ops.sm90_ok(wc, x2, n, b):  # CUTLASS's sm90 kernel, where it builds (else skipped, logged once)
-            cands["sparse_sm90"] = lambda: ops.spmm_sm90(wc, x2, n)
     cands = dict(sorted(cands.items(), key=lambda kv: kv[0] == "dense"))  # sparse first (see dispatch.choose)
     return cands[dispatch.choose("fwd" if b is None else "fwd+bias", n, k, t, bo, x2.dtype, cands)]()
 

@@ -1,14 +1,14 @@
 """Builds the CUTLASS sm90 2:4 GEMM library (``gemm_config.cu`` once per configuration plus
 ``common.cu``) into one shared library with plain ``extern "C"`` entry points (raw device
 pointers, sizes, a stream; cudart linked statically), so that the same file loads under any torch
-through ctypes (:mod:`twofour.kernels.sm90`).
+through ctypes (:mod:`sm90.gemm`).
 
 Compiled into a per-user cache keyed by the sources, the configurations, the flags and the
-compiler, with the pip-only toolchain of the ``kernels`` extra: ``nvcc`` from ``nvidia-cuda-nvcc``
+compiler, with a pip-only toolchain: ``nvcc`` from ``nvidia-cuda-nvcc``
 and the CUTLASS headers from ``nvidia-cutlass`` (``TWOFOUR_NVCC`` and ``TWOFOUR_CUTLASS`` point
 elsewhere; ``TWOFOUR_SM90_LIB`` names a library built beforehand). The build takes minutes, so it
-runs only when asked: ``python -m twofour.kernels.cutlass``, or at first use where
-``TWOFOUR_BUILD_KERNELS=1`` (:data:`twofour.dispatch.build_kernels`).
+runs only when asked: ``python -m sm90.cutlass`` from ``benchmarks/gemm/``, or at first use where
+``TWOFOUR_BUILD_KERNELS=1`` (:data:`build_kernels`, :func:`set_build_kernels`).
 """
 
 from __future__ import annotations
@@ -24,10 +24,22 @@ import subprocess
 import tempfile
 from pathlib import Path
 
-__all__ = ["GemmConfig", "CONFIGS", "Toolchain", "ToolchainMissing", "toolchain", "build", "library_path", "LIB_NAME"]
+__all__ = ["build_kernels", "set_build_kernels",
+           "GemmConfig", "CONFIGS", "Toolchain", "ToolchainMissing", "toolchain", "build", "library_path", "LIB_NAME"]
 
 log = logging.getLogger(__name__)
 HERE = Path(__file__).resolve().parent
+
+#: Whether a library missing from the cache is compiled at its first use (TWOFOUR_BUILD_KERNELS=1;
+#: default off: ``python -m sm90.cutlass`` builds it beforehand).
+build_kernels: bool = os.environ.get("TWOFOUR_BUILD_KERNELS", "0").strip() == "1"
+
+
+def set_build_kernels(enabled: bool) -> None:
+    """Let the library compile at its first use (minutes) when it is not built yet, or not."""
+    global build_kernels
+    build_kernels = bool(enabled)
+
 SOURCES = ("sm90_sparse.cuh", "gemm_config.cu", "common.cu")
 LIB_NAME = "libtwofour_sm90.so"
 
@@ -131,7 +143,8 @@ def toolchain() -> Toolchain:
     nvcc, cutlass = _find_nvcc(), _find_cutlass()
     if nvcc is None or cutlass is None:
         missing = " and ".join(w for w, p in (("nvcc", nvcc), ("the CUTLASS headers", cutlass)) if p is None)
-        raise ToolchainMissing(f"the sm90 2:4 GEMM needs {missing}: pip install 'twofour[kernels]' "
+        raise ToolchainMissing(f"the sm90 2:4 GEMM needs {missing}: pip install nvidia-cuda-nvcc "
+                               "nvidia-cuda-runtime nvidia-cuda-cccl nvidia-cutlass "
                                "(or set TWOFOUR_NVCC / TWOFOUR_CUTLASS)")
     return Toolchain(nvcc, cutlass)
 
@@ -205,5 +218,5 @@ def library_path(build_missing: bool = False) -> Path:
     if build_missing:
         return build(tc=tc)
     raise RuntimeError(f"the sm90 2:4 GEMM library is not built (minutes of nvcc): run `python -m "
-                       f"twofour.kernels.cutlass` once, or set TWOFOUR_BUILD_KERNELS=1 to build it at first use "
-                       f"or TWOFOUR_SM90_LIB to a built {LIB_NAME}")
+                       f"sm90.cutlass` (in benchmarks/gemm) once, or set TWOFOUR_BUILD_KERNELS=1 to build it at "
+                       f"first use or TWOFOUR_SM90_LIB to a built {LIB_NAME}")

@@ -1,10 +1,10 @@
 """The CUTLASS sm90 2:4 GEMM route (Hopper, bf16): ``Y = X @ W^T`` with W (M, K) 2:4 in CUTLASS's
-layout (:mod:`twofour.kernels.sm90_layout`) and X (N, K) row-major, Y (N, M) row-major; one
-library built by :mod:`twofour.kernels.cutlass`, loaded with ctypes (no torch C++ ABI).
+layout (:mod:`sm90.layout`) and X (N, K) row-major, Y (N, M) row-major; one
+library built by :mod:`sm90.cutlass`, loaded with ctypes (no torch C++ ABI).
 
 Without a compiler, CUTLASS headers or an sm90 GPU, :func:`available` is False and the reason is
-recorded once (:func:`twofour.dispatch.record_failure`, one log line: INFO where the ``kernels``
-extra is not installed, else a warning); callers fall back.
+recorded once (:func:`twofour.dispatch.record_failure`, one log line: INFO where nvcc or the
+CUTLASS headers are not installed, else a warning); callers fall back.
 """
 
 from __future__ import annotations
@@ -15,8 +15,10 @@ import threading
 
 import torch
 
-from .. import dispatch
-from . import sm90_layout
+from twofour import dispatch
+
+from . import cutlass
+from . import layout as sm90_layout
 from .cutlass import CONFIGS, GemmConfig, ToolchainMissing, library_path
 
 __all__ = ["available", "configs", "load", "gemm", "compress_cutlass", "workspace_bytes"]
@@ -40,12 +42,12 @@ def _declare(lib: ctypes.CDLL) -> None:
 
 def load(path: str | None = None) -> ctypes.CDLL:
     """The library (found at first call, and built then only where
-    :data:`twofour.dispatch.build_kernels` allows; ``path`` loads that file instead). Loading
+    :data:`sm90.cutlass.build_kernels` allows; ``path`` loads that file instead). Loading
     needs no GPU: the host-side layout probe runs anywhere."""
     global _lib
     with _lock:
         if _lib is None or path is not None:
-            lib = ctypes.CDLL(str(path or library_path(dispatch.build_kernels)))
+            lib = ctypes.CDLL(str(path or library_path(cutlass.build_kernels)))
             _declare(lib)
             if path is not None:
                 return lib
@@ -61,7 +63,7 @@ def configs(lib: ctypes.CDLL | None = None) -> list[GemmConfig]:
 
 def available(device: torch.device | int | None = None) -> bool:
     """The route can run here: an sm90 GPU and a library that loads (built beforehand, or now where
-    :data:`twofour.dispatch.build_kernels` allows). The first failure is logged once per process
+    :data:`sm90.cutlass.build_kernels` allows). The first failure is logged once per process
     and remembered: later calls, at any shape, return False at once."""
     if dispatch.failed(_ROUTE) or not torch.cuda.is_available():
         return False
@@ -72,7 +74,7 @@ def available(device: torch.device | int | None = None) -> bool:
     except Exception as e:  # noqa: BLE001 - no compiler, no headers, a failed build: the route is skipped
         # the extra not installed is a choice (logged at INFO), unless a build was asked for; a
         # build or load that broke, a warning
-        level = logging.INFO if isinstance(e, ToolchainMissing) and not dispatch.build_kernels else logging.WARNING
+        level = logging.INFO if isinstance(e, ToolchainMissing) and not cutlass.build_kernels else logging.WARNING
         dispatch.record_failure(_ROUTE, "the CUTLASS sm90 2:4 GEMM", e, instead="cuSPARSELt", level=level)
         return False
     return True

@@ -1,6 +1,6 @@
 """CUTLASS's sm90 2:4 layout of a row-major (M, K) bf16 matrix, in plain torch (the reference).
 
-What CUTLASS 3.x's Hopper sparse GEMM (``kernels/cutlass/``) reads, from its
+What CUTLASS 3.x's Hopper sparse GEMM (``cutlass/``) reads, from its
 ``Sm90GemmSparseConfig`` for 16-bit elements and K tiles of 128:
 
 * values: the kept entries, row-major, two per group of 4 in ascending column order (M x K/2
@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import torch
 
-from .layout import _codes_from_meta, group_codes
+from twofour.kernels.layout import codes_from_meta, group_codes
 
 __all__ = ["supported_shape", "meta_bytes", "pack_meta", "unpack_meta", "compress_reference", "decompress_reference",
            "from_cusparselt", "split", "values_of"]
@@ -101,7 +101,7 @@ def from_cusparselt(buf: torch.Tensor, m: int, k: int, dtype: torch.dtype = torc
     _check(m, k)
     size = torch.finfo(dtype).bits // 8
     nval = m * k // 2 * size
-    return values_of(buf, m, k, dtype), pack_meta(_codes_from_meta(buf[nval:], m, k, size))
+    return values_of(buf, m, k, dtype), pack_meta(codes_from_meta(buf[nval:], m, k, size))
 
 
 def values_of(buf: torch.Tensor, m: int, k: int, dtype: torch.dtype = torch.bfloat16) -> torch.Tensor:

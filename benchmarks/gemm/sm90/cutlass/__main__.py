@@ -1,7 +1,7 @@
-"""Build the CUTLASS sm90 2:4 GEMM library into the cache, where the dispatch finds it (minutes of
-nvcc; the ``kernels`` extra's toolchain):
+"""Build the CUTLASS sm90 2:4 GEMM library into the cache, where `sm90.gemm` finds it (minutes of
+nvcc, CUTLASS's headers):
 
-    python -m twofour.kernels.cutlass [--jobs N] [--out DIR]
+    python -m sm90.cutlass [--jobs N] [--out DIR]
 """
 
 from __future__ import annotations
@@ -14,7 +14,7 @@ from . import CONFIGS, build
 
 def main(argv: list[str] | None = None) -> None:
     """Compile and link every configuration, print the library's path."""
-    ap = argparse.ArgumentParser(prog="python -m twofour.kernels.cutlass", description=__doc__.splitlines()[0])
+    ap = argparse.ArgumentParser(prog="python -m sm90.cutlass", description=__doc__.splitlines()[0])
     ap.add_argument("--jobs", type=int, default=None, help="nvcc processes at once (default: one per CPU core)")
     ap.add_argument("--out", default=None, help="folder for the library instead of the cache "
                                                 "(then load it with TWOFOUR_SM90_LIB)")
