@@ -34,7 +34,7 @@ MODES = {"hard": 0, "soft": 1, "mask": 2, "mvue": 3}
 @dataclasses.dataclass(frozen=True)
 class Layout:
     """The compressed layout the kernel writes: the values are alike, the metadata is ordered for
-    one GEMM (cuSPARSELt's, ``layout.py``, or CUTLASS's sm90 kernel's, ``sm90_layout.py``)."""
+    one GEMM (cuSPARSELt's, ``layout.py``, or CUTLASS's sm90 kernel's, ``benchmarks/gemm/sm90/layout.py``)."""
 
     name: str
     sm90: bool
@@ -105,7 +105,7 @@ if HAS_TRITON:
         if MODE == 3:
             y0, y1 = mvue_rescale(y0, y1, k0, k1, k2, k3, a0, a1, a2, a3)
         v0, v1 = out_bits(y0, OUT_BF16), out_bits(y1, OUT_BF16)
-        if WRITE_SPARSE and SM90:  # CUTLASS's sm90 layout (sm90_layout.py)
+        if WRITE_SPARSE and SM90:  # CUTLASS's sm90 layout (benchmarks/gemm/sm90/layout.py)
             store_compressed_sm90(v0, v1, i0, i1, r, band, pc, m_rows, k_cols, vals, meta, BC)
         elif WRITE_SPARSE:  # cuSPARSELt's layout (skipped when only the dense matrix is read)
             store_compressed(v0, v1, i0, i1, r, band, pc, m_rows, k_cols, n_ct, vals, meta, BC)

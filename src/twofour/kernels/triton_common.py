@@ -218,7 +218,7 @@ if HAS_TRITON:
     @triton.jit
     def store_compressed_sm90(v0, v1, i0, i1, r, band, pc, m_rows, k_cols, vals, meta, BC: tl.constexpr):
         """Write a (64, BC) band like :func:`store_compressed`, the metadata in CUTLASS's sm90 layout
-        (``sm90_layout.py``): one 16-bit word per row and 4 groups, word ``r1 + 2 g2 + 8 r0 + 64 g1 +
+        (``benchmarks/gemm/sm90/layout.py``): one 16-bit word per row and 4 groups, word ``r1 + 2 g2 + 8 r0 + 64 g1 +
         128 r2`` of its 64 x 128 atom (row 16 r2 + 8 r1 + r0, group 8 g2 + 4 g1 + g0 of the atom)."""
         Q: tl.constexpr = BC // 16
         vv = tl.reshape(tl.join(v0, v1), (64, BC // 2))
