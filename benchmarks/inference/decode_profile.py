@@ -30,7 +30,8 @@ from torch.autograd import DeviceType
 from torch.profiler import ProfilerActivity, profile
 
 from twofour.inference import SparseInferenceLinear
-from twofour.inference.speed import captured, default_vocab, exported_pair
+from twofour.inference.speed import default_vocab, exported_pair
+from twofour.timing import captured
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # benchmarks/: common.py
 from common import copy_bandwidth, gpu_line, graph_ms, kernel_times, md_head, md_row, weight_bytes  # noqa: E402
