@@ -4,11 +4,10 @@ tiny preset), the exported pair it times, its refusal without a GPU, and its rep
 import pytest
 import torch
 
-from twofour.bench import exported_pair, fp8_report, inference_report, layer_report
+from twofour.bench import exported_pair, fp8_report, inference_report, layer_report, throughput
+from twofour.bench.throughput import throughput_table, train_throughput
 from twofour.cli import main
 from twofour.inference import SparseInferenceLinear
-from twofour.training import throughput
-from twofour.training.throughput import throughput_table, train_throughput
 
 
 def cpu_args(corpus):

@@ -29,8 +29,8 @@ import torch
 from torch.autograd import DeviceType
 from torch.profiler import ProfilerActivity, profile
 
+from twofour.bench.speed import default_vocab, exported_pair
 from twofour.inference import SparseInferenceLinear
-from twofour.inference.speed import default_vocab, exported_pair
 from twofour.timing import captured
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # benchmarks/: common.py

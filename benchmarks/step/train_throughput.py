@@ -6,7 +6,7 @@
         [--compile-modes default,reduce-overhead]
         [-- ARGS FOR EVERY twofour train RUN, e.g. --data DIR]
 
-The logic (and the meaning of each column) is ``twofour.training.throughput.train_throughput``'s, the
+The logic (and the meaning of each column) is ``twofour.bench.throughput.train_throughput``'s, the
 last section of ``twofour bench``; tokens/s is each run's ``summary.json`` ``tokens_per_s``.
 Without ``dense`` among the recipes, or without compiled runs, the ratios read n/a.
 """
@@ -20,7 +20,7 @@ from pathlib import Path
 
 import torch
 
-from twofour.training.throughput import throughput_table, train_throughput
+from twofour.bench.throughput import throughput_table, train_throughput
 from twofour.version import __version__
 
 
@@ -33,7 +33,7 @@ def main() -> None:
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--steps", type=int, default=40)
     ap.add_argument("--batch-size", default=None, help="micro-batch per model, comma-separated "
-                    "(default: twofour.training.throughput.TRAIN_BATCH's, e.g. gpt2-124m 32, gpt2-774m 16)")
+                    "(default: twofour.bench.throughput.TRAIN_BATCH's, e.g. gpt2-124m 32, gpt2-774m 16)")
     ap.add_argument("--seq-len", type=int, default=1024)
     modes = ap.add_mutually_exclusive_group()
     modes.add_argument("--no-compile", action="store_true", help="eager runs only")

@@ -215,7 +215,7 @@ def _cmd_generate(a: argparse.Namespace) -> int:
 
 
 def _cmd_bench(a: argparse.Namespace) -> int:
-    from .bench import run_bench  # noqa: PLC0415
+    from .bench.report import run_bench  # noqa: PLC0415
 
     run_bench(a)
     return 0

@@ -21,17 +21,17 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from . import dispatch
-from .fp8 import scaled_mm_available
-from .inference.speed import default_vocab, exported_pair, tokens_row
-from .kernels import cusparselt, ops
-from .models.common import MLP, GPTConfig
-from .models.llama import GatedMLP
-from .models.presets import PRESETS
-from .sparse.convert import sparsify
-from .sparse.layer import SparseLinear
-from .training.throughput import throughput_table, train_throughput
-from .version import __version__
+from .. import dispatch
+from ..fp8 import scaled_mm_available
+from ..kernels import cusparselt, ops
+from ..models.common import MLP, GPTConfig
+from ..models.llama import GatedMLP
+from ..models.presets import PRESETS
+from ..sparse.convert import sparsify
+from ..sparse.layer import SparseLinear
+from ..version import __version__
+from .speed import default_vocab, exported_pair, tokens_row
+from .throughput import throughput_table, train_throughput
 
 __all__ = ["run_bench", "layer_report", "fp8_report", "inference_report", "fwd_bwd_step", "exported_pair"]
 

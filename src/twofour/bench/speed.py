@@ -10,11 +10,11 @@ import torch
 from torch import nn
 
 from .. import timing
+from ..inference.format import load_for_inference, save_inference
 from ..models.common import FFN_PATTERNS
 from ..models.llama import Llama
 from ..models.presets import PRESETS
 from ..sparse.convert import sparsify
-from .format import load_for_inference, save_inference
 
 __all__ = ["exported_pair", "tokens_row", "default_vocab"]
 

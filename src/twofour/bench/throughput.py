@@ -14,8 +14,8 @@ import tempfile
 from collections.abc import Sequence
 from pathlib import Path
 
-from .checkpoint import CKPT, SHARDED
-from .runs import read_summary
+from ..training.checkpoint import CKPT, SHARDED
+from ..training.runs import read_summary
 
 __all__ = ["train_throughput", "throughput_table", "TRAIN_BATCH"]
 
