@@ -43,9 +43,8 @@ class Recipe:
             and the authors' code) fits it once, when the layer is made sparse, and never again.
         dense_finetune: fraction of ``total_steps`` at the end trained dense (masks dropped).
         bf16_finetune: with an FP8 precision, the fraction of ``total_steps`` at the end trained
-            without FP8 (the compute dtype's GEMMs, bf16 in training). At gpt2-124m over 200M
-            tokens the last 10 % in bf16 ended no closer to bf16 than FP8 throughout
-            (docs/RESULTS.md).
+            without FP8 (the compute dtype's GEMMs, bf16 in training); its effect on quality is in
+            docs/RESULTS.md.
         total_steps: the run's length in optimizer steps; needed for ``dense_finetune`` and
             ``bf16_finetune``.
         starts_dense: the layer begins dense and an Adam-aware optimizer switches it (STEP).
@@ -96,8 +95,8 @@ _TABLE: dict[str, tuple[dict[str, Any], dict[str, Any]]] = {
 }
 RECIPES: tuple[str, ...] = tuple(_TABLE)
 #: The recipe ``twofour train``, :func:`twofour.sparsify` and :class:`~twofour.SparseLinear` use
-#: when none is named: the one constant to switch when the evidence (docs/RESULTS.md) says so.
-#: STE: its paired gap to dense was smaller than S-STE's in every run with files there.
+#: when none is named: the one constant to switch when the evidence says so (README.md, "The
+#: default recipe", and docs/RESULTS.md).
 DEFAULT_RECIPE = "ste"
 
 
