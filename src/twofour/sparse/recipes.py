@@ -29,8 +29,8 @@ class Recipe:
             ``HARD`` (top-2 of 4), ``SOFT`` (S-STE soft threshold with a fixed per-tensor scale)
             or ``TRANSPOSABLE`` (2:4 both ways, refreshed periodically).
         mvue: estimate dW from an unbiased 2:4 MVUE of dY^T instead of the dense dY^T. On the GPU
-            fast path only where that route (the estimate's compression plus the 2:4 GEMM)
-            measures faster than the dense dW GEMM; elsewhere dW is exact.
+            fast path only where that route (the estimate's compression plus the 2:4 GEMM) is
+            faster than the dense dW GEMM; elsewhere dW is exact.
         precision: which GEMMs run in FP8 and how (:data:`~twofour.fp8.precision.PRECISIONS`):
             ``bf16`` (none, the default) or an FP8 one, through ``torch._scaled_mm`` on the
             effective weight, else its plain-torch reference (:mod:`twofour.fp8`). Every recipe
