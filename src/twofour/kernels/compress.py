@@ -220,7 +220,8 @@ def _compress(x: torch.Tensor, mode: str, *, out_dtype: torch.dtype = torch.bflo
                   BIG=max(span, m * k) >= 2**31, QUAD_LOADS=x.stride(0) == 1 and k > 1,
                   WRITE_SPARSE=sparse_out, SM90=layout.sm90)
     if x.is_cuda:  # tile width and warps measured once per shape and mode (triton.autotune), then
-        # launched directly: the autotuner's own dispatch costs ~12 us of host time per call
+        # launched directly: the autotuner's own dispatch costs host time per call
+        # (docs/notes/fastpath-experiments.md, "Autotuner dispatch")
         key = (m, k, x.stride(0), x.stride(1), x.dtype, tuple(consts.values()))
         cfg = tile or _launch.get(key)
         if cfg is None:

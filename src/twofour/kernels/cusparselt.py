@@ -1,19 +1,19 @@
 """A thin binding to cuSPARSELt through ``nvmath-python``, with plans built once and reused.
 
-torch's own ``torch._cslt_sparse_mm`` rebuilds its cuSPARSELt plan on every call (0.4-1.3 ms
-of host time, docs/design.md, section 4); a :class:`Plan` here is built once per shape, dtype and
-operand order and costs ~20-30 us per call. Every plan computes
+torch's own ``torch._cslt_sparse_mm`` rebuilds its cuSPARSELt plan on every call, which costs
+host time (docs/notes/gemm-and-compression.md); a :class:`Plan` here is built once per shape,
+dtype and operand order and reused. Every plan computes
 
     D (M x N) = A (M x K, 2:4 along K, row-major, compressed) @ B (K x N)
 
 with B and D in row- or column-major order, as the caller's memory already is. A and B are
 bf16, fp16 or FP8 (both e4m3 or both e5m2, with B column-major, on GPUs with FP8 sparse tensor
-cores), D is A's dtype or another (bf16 from FP8 operands; the GEMM does not scale them:
-``benchmarks/fp8/fp8_spmm.py`` found cuSPARSELt 0.8 on the H100 refusing per-row alpha for FP8 and
-ignoring device-side operand scales). A plan optionally
+cores), D is A's dtype or another (bf16 from FP8 operands; the GEMM does not scale them, since
+cuSPARSELt 0.8 refuses per-row alpha for FP8 and ignores device-side operand scales:
+docs/notes/fp8.md). A plan optionally
 adds a bias vector (one value per row of D) in the GEMM's epilogue: a plan built with a bias
 reads the pointer from its matmul descriptor at each call, so a call with another bias tensor
-only resets that pointer (checked on the H200, ``benchmarks/gemm/bias_epilogue.py``).
+only resets that pointer (docs/notes/fastpath-experiments.md).
 
 cuSPARSELt has several algorithm configurations per shape (kernel tile shapes and schedules) and
 runs the first by default; a plan can be built for any of them (``config``), and the dispatch in

@@ -4,10 +4,9 @@ Tensorwise: one kernel reduces max |t| over the whole tensor (a grid-stride loop
 program), a second reads ``t`` again and writes ``q = sat(t / scale)`` and, on request, ``q^T``
 row-major, reading its tile a second time along the other axis (mostly from cache) rather than
 transposing the cast tile in registers (two reads from memory and one or two FP8 writes: the
-scale needs the whole tensor's amax before the first cast). On an H100 the in-register transpose
-of a tile read from float32 wrote wrong bytes in every fourth row of ``q^T``, with an FP8 or a
-float32 tile alike (``benchmarks/fp8/fp8_route_check.py``). Rowwise: one kernel per band of rows reduces each row's
-amax and casts the row on a second read of it (mostly from L2). ``scale`` is
+scale needs the whole tensor's amax before the first cast), because the in-register transpose
+of a tile read from float32 wrote wrong bytes (docs/notes/fp8.md). Rowwise: one kernel per band
+of rows reduces each row's amax and casts the row on a second read of it (mostly from L2). ``scale`` is
 ``amax * (1 / fmax)``, 1 where that is 0 (an all-zero tensor or row), NaN or inf where the amax
 is; quotients are IEEE-rounded (``div_rn``) and then rounded to the FP8 grid in float32: the same
 scales and bytes as ``twofour.fp8``'s plain-torch reference.
@@ -225,8 +224,8 @@ TRANSPOSE_TILE = (128, 128, 8)
 
 def transpose(q: torch.Tensor, tile: tuple[int, int, int] | None = None) -> torch.Tensor:
     """``q^T`` row-major, for a contiguous 2-D tensor of 1-byte elements (FP8 from
-    :func:`quantize`): one Triton pass on a GPU (65-88 % of copy bandwidth on an H100, where
-    torch's strided copy of a 1-byte transpose ran at 9-10 %), plain torch elsewhere (the same
+    :func:`quantize`): one Triton pass on a GPU (torch's strided copy of a 1-byte transpose is
+    far slower: docs/PERFORMANCE.md), plain torch elsewhere (the same
     bytes). ``tile``: (BM, BN, warps) on a GPU, default :data:`TRANSPOSE_TILE` (the interpreter
     uses a small tile of its own)."""
     if q.dim() != 2 or not q.is_contiguous() or q.element_size() != 1:

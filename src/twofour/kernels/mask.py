@@ -4,8 +4,8 @@ written over the old one, and the number of positions that changed added to that
 counter.
 
 The plain-torch version (``functional._mask_24``, a comparison and a sum) builds a 4 x 4
-comparison per group and ran at 0.58 ms a layer on the H200 (42 ms of a 259 ms gpt2-774m step
-for its 72 FFN layers, docs/notes/fastpath-experiments.md); this kernel reads each weight and old
+comparison per group, a sizeable part of a step (docs/notes/fastpath-experiments.md); this
+kernel reads each weight and old
 mask once and writes the new mask. All the layers of a model go in one launch (the kernel reads
 their addresses from a table on the device), so that a step's refresh costs one launch of host
 time, not three a layer. Tested against the reference on the CPU under Triton's interpreter.
