@@ -12,8 +12,8 @@ each GEMM falls back to the reference (dequantize, multiply in the compute dtype
 The forward GEMM of a 2:4 weight also has an FP8 2:4 route, taken where it measures faster than
 the dense FP8 GEMM with every cost counted: the e4m3 weight compressed into cuSPARSELt's layout (a
 Triton kernel), its FP8 2:4 GEMM, and one pass over the output for the operands' scales and the
-bias, since cuSPARSELt 0.8 on sm90 refuses a per-row alpha for FP8 and ignores device-side
-operand scales (``benchmarks/fp8/fp8_spmm.py``), and a host-side alpha would need the scale on the
+bias, since cuSPARSELt 0.8 refuses a per-row alpha for FP8 and ignores device-side operand
+scales (docs/notes/fp8.md), and a host-side alpha would need the scale on the
 host (a sync per GEMM). cuSPARSELt builds FP8 2:4 GEMMs of two e4m3 or two e5m2 operands, not
 of one of each: with e5m2 gradients the backward GEMMs stay dense; with e4m3 gradients and one
 scale, dW with MVUE has an FP8 2:4 route on the estimate (:func:`_mvue_dw`, the estimate written
