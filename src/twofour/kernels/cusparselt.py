@@ -1,7 +1,7 @@
 """A thin binding to cuSPARSELt through ``nvmath-python``, with plans built once and reused.
 
 torch's own ``torch._cslt_sparse_mm`` rebuilds its cuSPARSELt plan on every call, which costs
-host time (docs/notes/gemm-and-compression.md); a :class:`Plan` here is built once per shape,
+host time (docs/notes/torch-24-entry-points.md); a :class:`Plan` here is built once per shape,
 dtype and operand order and reused. Every plan computes
 
     D (M x N) = A (M x K, 2:4 along K, row-major, compressed) @ B (K x N)
