@@ -57,8 +57,9 @@ def _exact_dw(dy2: torch.Tensor, qd: torch.Tensor | None, sd: torch.Tensor | Non
 
 def _transposed(q: torch.Tensor) -> torch.Tensor:
     """``q^T`` row-major: a view where ``q`` is column-major, else one pass of
-    :func:`twofour.kernels.fp8cast.transpose` on a GPU (torch's strided copy, about a tenth as
-    fast for 1-byte elements, where the kernel cannot run or once it failed: logged once)."""
+    :func:`twofour.kernels.fp8cast.transpose` on a GPU; torch's strided copy, far slower for
+    1-byte elements (docs/PERFORMANCE.md), where the kernel cannot run or once it failed (logged
+    once)."""
     if q.t().is_contiguous():
         return q.t()
     route = ("fp8-transpose-triton", q.device.type, q.dtype)

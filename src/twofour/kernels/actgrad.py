@@ -13,9 +13,9 @@ gate|up output (``swiglu.py``: column 2j is gate_j, 2j+1 up_j; ``dz`` interleave
 
 ``z`` is column-major: z^T stored row-major, as a 2:4 GEMM with ``transposed_output`` leaves it,
 so that the rows of ``dz^T`` are contiguous and each program reads and writes a (64 features,
-BC tokens) tile as it lies (32 gate, up pairs for SwiGLU). A version for a row-major ``z``,
-transposing each tile in registers, was slower than the gradient and the standalone MVUE kernel
-apart (docs/notes/training-speed.md), so a row-major ``z`` takes that unfused route. The values
+BC tokens) tile as it lies (32 gate, up pairs for SwiGLU). A row-major ``z`` takes the unfused
+route (the gradient, then the standalone MVUE kernel): transposing each tile in registers makes
+the fused kernel slower than those two (docs/notes/training-speed.md). The values
 are rounded to the output dtype first, and the estimate
 drawn from those, with the draws, counters and layout of ``compress.compress(dz.t(), "mvue",
 seed=...)`` on a row-major ``dz^T``: the tests check the compressed bytes against that kernel run

@@ -332,9 +332,10 @@ dispatch.on_choice_change(lambda: _chosen.clear())  # a choice set or cleared is
 
 def _config(x, values, positions, bias, y, quad: bool) -> Config:
     """The measured configuration (:func:`_choose`), kept per shape once measured or recorded: a
-    decoding step calls the GEMV per layer, and rebuilding the ~60 candidates and their dispatch key
-    at each call costs tens of microseconds of host time, more than the kernel at Llama-7B's shapes,
-    which the dispatch's own timing of the inference routes then counts against ``sparse_gemv``."""
+    decoding step calls the GEMV per layer, and rebuilding the candidates and their dispatch key at
+    each call would cost more host time than the kernel takes, which the dispatch's timing of the
+    inference routes would count against ``sparse_gemv`` (docs/notes/gemv24.md, "Eager timing of the
+    routes")."""
     where = (values.shape[0], x.shape[1], _block_tokens(x.shape[0]), x.dtype, bias is not None, quad, dispatch.gemm)
     hit = _chosen.get(where)
     if hit is None:

@@ -14,7 +14,7 @@ columns', which a sum may.
   of x its position selects, x read from L1 as int64 words of a group's four inputs and the
   entry taken by a shift of 16 x its position, so a group costs two multiply-adds rather than
   the dense four.
-* :func:`_quad_multi_kernel` (CUDA cores, up to 8 tokens; measured from 2): each quad's eight
+* :func:`_quad_multi_kernel` (CUDA cores, up to 8 tokens; a candidate from 2): each quad's eight
   weight entries placed once (zero where not kept) and multiplied with every token's inputs,
   one (rows, quads) accumulator a token; x read as 16-byte vectors of a token's inputs for the
   step's quads.

@@ -64,8 +64,8 @@ class CompressedWeight:
     :func:`twofour.training.parallel.checkpoint_blocks` checkpoints, evaluations included),
     nothing is kept past the call and nothing kept earlier stays: the forward and its
     recomputation compress each, as compiled code does, and so does each micro-batch. Kept,
-    every layer's weight would stay for the step, 3.1 bytes per weight on every rank (16.4 GiB a
-    GPU at the Llama-3-8B shape, docs/notes/scale-out.md)."""
+    every layer's compressed weight would stay for the whole step on every rank (its size:
+    docs/notes/scale-out.md, "Memory")."""
 
     def __init__(self) -> None:
         self._key: tuple | None = None
@@ -235,10 +235,10 @@ def _mvue_dw(dy2: torch.Tensor, x2: torch.Tensor) -> torch.Tensor:
     """dW on the MVUE 2:4 estimate of dY^T where that pays, else the exact dense dW.
 
     The two routes are timed whole, once per shape: the sparse one is the fused kernel reading
-    dY^T in place (a transposing copy first measured slower) and writing the compressed
-    estimate, then the 2:4 GEMM; the dense one is the plain dY^T X GEMM, with no estimate at
-    all. So MVUE runs only where its compression plus the sparse GEMM beat the dense GEMM, and
-    elsewhere dW is exact (unbiased either way)."""
+    dY^T in place (cheaper than a transposing copy: docs/notes/fastpath-experiments.md) and
+    writing the compressed estimate, then the 2:4 GEMM; the dense one is the plain dY^T X GEMM,
+    with no estimate at all. So MVUE runs only where its compression plus the sparse GEMM beat
+    the dense GEMM, and elsewhere dW is exact (unbiased either way)."""
     t, n = dy2.shape
     cands = {"sparse": lambda: _mvue_sparse_dw(dy2, x2), "dense": lambda: dy2.t() @ x2}
     return cands[dispatch.choose("dw-mvue", n, t, x2.shape[1], ops.order(x2), dy2.dtype, cands)]()

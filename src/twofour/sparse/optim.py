@@ -7,10 +7,10 @@ of the steps), or at ``t_max`` at the latest, ``v`` is frozen and used as a fixe
 preconditioner from then on, and ``twofour.attach`` turns the STEP layers' 2:4 masks on.
 
 The change is measured relative to ``v`` itself, so the switch does not depend on the scale of
-the loss or the gradients. (An absolute threshold on ``mean |v_t - v_{t-1}|``, as first
-written here, fired at ``t_min`` in every GPT-2 run: GPT gradients make ``v`` tiny.) Once ``v``
-tracks a stationary gradient distribution the relative change sits near ``1 - beta2``, so the
-default ``switch_eps`` is ``1 - beta2``: switch when ``v`` moves no faster than noise alone.
+the loss or the gradients (GPT's gradients make ``v`` so small that an absolute threshold on
+``mean |v_t - v_{t-1}|`` is met at ``t_min`` in every run). Once ``v`` tracks a stationary
+gradient distribution the relative change sits near ``1 - beta2``, so the default
+``switch_eps`` is ``1 - beta2``: switch when ``v`` moves no faster than noise alone.
 """
 
 from __future__ import annotations
