@@ -194,6 +194,17 @@ def test_mask_refresh_of_many_layers_in_one_call(device):
     assert [f.item() for f in flips] == [0] * len(shapes)
 
 
+def test_mask_refresh_of_an_unaligned_mask(device):
+    """A mask at an odd byte offset (a view into a larger buffer) is refreshed byte by byte, its
+    neighbour untouched."""
+    w = torch.randn(16, 32, device=device)
+    buf = torch.zeros(w.numel() + 2, dtype=torch.bool, device=device)
+    mask, flips = buf[1:-1].view(w.shape), torch.zeros((), dtype=torch.long, device=device)
+    ops.refresh_mask_(w, mask, flips)
+    assert torch.equal(mask, mask_24(w)) and flips.item() == w.numel() // 2
+    assert not buf[0] and not buf[-1]
+
+
 def test_mask_refresh_bad_input():
     w = torch.randn(8, 8)
     with pytest.raises(ValueError, match="bool mask"):
