@@ -77,10 +77,14 @@ def _fused_run(layer: SparseLinear, x: torch.Tensor, act: Activation | None) -> 
 
 def _fp8_run(layer: SparseLinear, x: torch.Tensor, act: Activation | None) -> torch.Tensor:
     """The GEMMs the recipe's precision puts in FP8 (``torch._scaled_mm`` or FP8 2:4, else their
-    reference), on the fused kernel's dense effective weight where the fast path runs eagerly."""
+    reference), on the fused kernel's dense effective weight where the fast path takes the call:
+    once per optimizer step eagerly, as the custom op ``twofour::compress`` under ``torch.compile``
+    (one pass over the weight where Inductor's pruning takes several, docs/notes/fp8-peer.md)."""
     r, dense = layer.recipe, layer._dense
-    if dense or torch.compiler.is_compiling() or not _fast(layer, x):
+    if dense or not _fast(layer, x):
         w_eff = layer.effective_weight()
+    elif torch.compiler.is_compiling():
+        w_eff = layer.pruner.compress(layer.weight.detach(), layer.beta, layer.mask, compute_dtype(x), sparse=False)[1]
     else:  # the fused kernel's dense effective weight (no 2:4 operands), once per optimizer step
         w_eff = _compressed(layer, compute_dtype(x), sparse=False)[1]
     return _then(act, fp8_linear(x, layer.weight, layer.bias, w_eff, precision=r.precision,
