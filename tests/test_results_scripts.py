@@ -127,3 +127,24 @@ def test_the_committed_torchtitan_steps_give_the_documented_losses():
     at = next(i for i, r in enumerate(cells) if r[0].startswith("1B, compiled") and r[1] == "300")
     header = next(r for r in reversed(cells[:at]) if r[0] == "flavor, mode")  # its table's
     assert cells[at][header.index("loss at the last step, dense / s-ste")] == "1.6951 / 1.6165"
+
+
+def test_the_fp8_peer_tables_recompute_from_their_run_files():
+    """benchmarks/fp8/peer.py --from-json gives, from the committed runs, the ratios and ceilings
+    docs/notes/fp8-peer.md quotes."""
+    import importlib.util  # noqa: PLC0415
+    import json  # noqa: PLC0415
+
+    spec = importlib.util.spec_from_file_location("peer", ROOT / "benchmarks" / "fp8" / "peer.py")
+    peer = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(peer)
+    runs = [(name, json.loads((ROOT / "docs" / "results" / "fp8-peer" / f"{name}.json").read_text()))
+            for name in ("h200", "h200-before")]
+    table = peer.report(runs, [2.0])
+    note = (ROOT / "docs" / "notes" / "fp8-peer.md").read_text()
+    assert "| ste-fp8 | 81.32 | 100,735 | 1.142x | 0.939x |" in table
+    assert "| s-ste-fp8 | 79.43 | 103,140 | 1.170x | 0.961x |" in table
+    for row, measured, at2 in (("ste-fp8", "1.034x (r=1.42)", "1.059x"), ("s-ste-fp8", "1.070x (r=1.42)", "1.125x"),
+                               ("ste", "1.053x (r=1.43)", "1.092x"), ("s-ste", "1.116x (r=1.43)", "1.207x")):
+        assert any(x.startswith(f"| {row} | ") and f"{measured} | {at2} (r=2.00) |" in x for x in table.splitlines())
+        assert f"{measured.replace('r=', 'r = ')} | {at2} |" in note

@@ -1,0 +1,295 @@
+"""twofour's recipes beside torchao's float8 training at a preset's shape (GPU, compiled): tokens/s
+as ratios to bf16 dense and to torchao float8, and, per row, where the step's GPU time goes.
+
+    PYTHONPATH=src python benchmarks/fp8/peer.py [--preset llama-8b --layers 4 --batch 8 --vocab 32000]
+        [--rows dense,ao-float8,ste-fp8,s-ste-fp8,dense-fp8,ste,s-ste] [--json out.json]
+
+Each row builds the preset (``--layers`` blocks, sequence 1024) on the GPU, converts its FFN
+linears (twofour's recipe with its precision, or torchao's ``convert_to_float8_training`` with the
+tensorwise recipe), compiles it (as ``twofour train --compile`` does) and times forward, backward and
+fused AdamW: the median of ``--runs`` windows of ``--steps`` steps each, after 3 warm-up steps.
+Then torch.profiler records 3 steps, and the row's GPU time is split by kernel kind: dense GEMMs,
+2:4 GEMMs (cuSPARSELt), attention, Inductor's fused kernels, twofour's own Triton kernels (the
+weight passes: pruning, scaling, quantizing, compressing; the activation casts), the optimizer,
+the rest. The bound rows put the GEMMs against the measured tensor-core rate and the weight
+passes against one pass over the FFN weights at copy bandwidth. torchao is optional: without it
+its row says so and the ratios use the rows that ran.
+"""
+
+from __future__ import annotations
+
+import argparse
+import ast
+import gc
+import json
+import re
+import sys
+from collections.abc import Callable
+from pathlib import Path
+
+import torch
+from torch import nn
+from torch.autograd import DeviceType
+from torch.profiler import ProfilerActivity, profile
+
+from twofour.models import FFN_PATTERNS, PRESETS
+from twofour.sparse import make_recipe
+from twofour.sparse.convert import matches
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # benchmarks/: common.py
+from common import (  # noqa: E402
+    copy_bandwidth,
+    gemm_tflops,
+    gpu_line,
+    kernel_times,
+    md_head,
+    md_row,
+    preset_train_step,
+    steps_ms,
+)
+
+#: row name -> (twofour recipe, precision); "ao-float8" is bf16 dense converted by torchao
+ROWS = {
+    "dense": ("dense", "bf16"),
+    "ao-float8": ("dense", "bf16"),
+    "dense-fp8": ("dense", "fp8"),
+    "ste": ("ste", "bf16"),
+    "s-ste": ("s-ste", "bf16"),
+    "ste-fp8": ("ste", "fp8"),
+    "s-ste-fp8": ("s-ste", "fp8"),
+}
+
+#: Profiler ranges that a CPU+CUDA profile also lists among the GPU's entries (compiled graphs,
+#: the optimizer step): spans over kernels counted on their own, so left out of the kinds.
+RANGES = re.compile(r"^(## .* ##|Optimizer\.\w+#)")
+
+#: The operators whose device time (their kernels included) the GEMM table lists, by input shapes.
+GEMM_OPS = re.compile(r"^(aten::(mm|addmm|_scaled_mm|bmm|matmul|linear)|twofour::)")
+
+KINDS = ("GEMM dense", "GEMM 2:4", "attention", "Inductor", "twofour Triton", "optimizer", "other")
+
+
+def ao_float8(model: nn.Module) -> None:
+    """torchao's float8 training (tensorwise scaling) on the FFN linears, as torchtitan's converter does."""
+    from torchao.float8 import Float8LinearConfig, convert_to_float8_training  # noqa: PLC0415
+
+    convert_to_float8_training(model, config=Float8LinearConfig.from_recipe_name("tensorwise"),
+                               module_filter_fn=lambda _m, fqn: matches(fqn, FFN_PATTERNS))
+
+
+def twofour_kernels() -> set[str]:
+    """Names of the Triton kernels twofour defines (read from its sources: some are built lazily)."""
+    src = Path(__file__).resolve().parents[2] / "src" / "twofour"
+    names = set()
+    for path in src.rglob("*.py"):
+        names |= set(re.findall(r"@triton\.(?:jit|autotune)[^\n]*\n(?:\s*@[^\n]*\n)*\s*def (\w+)", path.read_text()))
+    return names
+
+
+def kind(name: str, ours: set[str]) -> str:
+    """The kind of a CUDA kernel, by its name."""
+    low = name.lower()
+    if name in ours:
+        return "twofour Triton"
+    if name.startswith("triton_"):
+        return "Inductor"
+    if "sparse_gemm" in low or "cusparselt" in low:
+        return "GEMM 2:4"
+    if any(k in low for k in ("flash", "fmha", "attention", "sdpa")):
+        return "attention"
+    if any(k in low for k in ("gemm", "nvjet", "cutlass", "xmma", "cublas", "matmul")):
+        return "GEMM dense"
+    if "multi_tensor" in low or "adam" in low:
+        return "optimizer"
+    return "other"
+
+
+def fp8_tflops() -> float:
+    """Dense FP8 (e4m3, tensorwise) TFLOP/s of an 8192^3 ``torch._scaled_mm`` on random data."""
+    from common import bench_ms  # noqa: PLC0415
+
+    a = torch.randn(8192, 8192, device="cuda").to(torch.float8_e4m3fn)
+    b = torch.randn(8192, 8192, device="cuda").to(torch.float8_e4m3fn).t()
+    one = torch.ones((), device="cuda")
+    return 2 * 8192**3 / bench_ms(lambda: torch._scaled_mm(a, b, one, one, out_dtype=torch.bfloat16)) / 1e9
+
+
+def run_row(row: str, args: argparse.Namespace) -> dict:
+    """Build, compile, time and profile one row: its step ms, tokens/s, the GEMM operators by input
+    shapes and every kernel's ms and launches per step."""
+    name, precision = ROWS[row]
+    convert: Callable[[nn.Module], object] | None = ao_float8 if row == "ao-float8" else None
+    model, step = preset_train_step(args.preset, args.batch, make_recipe(name, precision=precision),
+                                    vocab_size=args.vocab, compile=True, n_layer=args.layers, convert=convert)
+    for _ in range(3):
+        step()
+    windows = [steps_ms(step, args.steps) for _ in range(args.runs)]
+    ms = sorted(windows)[len(windows) // 2]
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA], record_shapes=True) as prof:
+        for _ in range(3):
+            step()
+        torch.cuda.synchronize()
+    cpu = {evt.key for evt in prof.key_averages() if evt.device_type == DeviceType.CPU}
+    kernels = {k: v for k, v in kernel_times(prof, 3, skip=tuple(cpu)).items() if not RANGES.search(k)}
+    gemms = sorted(((evt.device_time_total / 3e3, evt.count / 3, evt.key, str(evt.input_shapes))
+                    for evt in prof.key_averages(group_by_input_shape=True)
+                    if GEMM_OPS.search(evt.key) and evt.device_time_total > 0), reverse=True)[:args.top * 3]
+    ffn = sum(m.weight.numel() for n, m in model.named_modules() if matches(n, FFN_PATTERNS) and hasattr(m, "weight"))
+    del model, step
+    gc.collect()
+    torch.cuda.empty_cache()
+    return {"row": row, "ms": ms, "windows_ms": windows, "tokens_per_s": args.batch * 1024 / ms * 1e3,
+            "gemms": gemms, "ffn_weights": ffn, "kernels": {k: [us / 1e3, n] for k, (us, n) in kernels.items()}}
+
+
+def ffn_shapes(preset: str, vocab: int) -> set[tuple[int, int]]:
+    """(in, out) of the preset's FFN linears (built on the meta device: no memory, no GPU)."""
+    with torch.device("meta"):
+        model = PRESETS[preset].build(block_size=1024, vocab_size=vocab, n_layer=1)
+    return {(m.in_features, m.out_features) for n, m in model.named_modules() if matches(n, FFN_PATTERNS)}
+
+
+def ffn_gemm_ms(gemms: list, shapes: set[tuple[int, int]], tokens: int) -> dict[str, float]:
+    """ms per step of a row's plain GEMM operators (``aten::mm``, ``aten::_scaled_mm``) that are the
+    FFN's forward, dX and dW, told apart by their operands' shapes."""
+    out = dict.fromkeys(("fwd", "dX", "dW"), 0.0)
+    for ms, _n, op, text in gemms:
+        if op not in ("aten::mm", "aten::_scaled_mm"):
+            continue
+        try:
+            a, b = ast.literal_eval(text)[:2]
+        except (ValueError, SyntaxError):  # a shape list cut short when it was saved
+            continue
+        for k, n in shapes:
+            part = {(tokens, k, k, n): "fwd", (tokens, n, n, k): "dX", (n, tokens, tokens, k): "dW"}.get((*a, *b))
+            if part:
+                out[part] += ms
+    return out
+
+
+def report(saved: list[tuple[str, dict]], ratios: list[float]) -> str:
+    """The markdown tables of saved runs, each with its label (a row whose name repeats gets it):
+    ratios, time by kernel kind, the weight passes against copy bandwidth, the ceilings, the GEMM
+    operators and the largest other kernels of every row."""
+    first = saved[0][1]
+    a, rates = first["args"], first["rates"]
+    res: dict[str, dict] = {}
+    for label, run in saved:
+        for row, r in run["rows"].items():
+            res[row if row not in res else f"{row} ({label})"] = r
+    base = res.get("dense", {}).get("tokens_per_s")
+    peer = res.get("ao-float8", {}).get("tokens_per_s")
+    out = [first["gpu"], f"{a['preset']}, {a['layers']} blocks, vocabulary {a['vocab']}, {a['batch']} x 1024 "
+           f"tokens a step, FFN linears converted, torch.compile, fused AdamW; step ms: median of {a['runs']} "
+           f"windows of {a['steps']} steps", "",
+           md_head("row", "step ms", "tokens/s", "/ bf16 dense", "/ torchao float8")]
+    for row, r in res.items():
+        if "error" in r:
+            out.append(md_row(row, r["error"], "", "", ""))
+            continue
+        tps = r["tokens_per_s"]
+        out.append(md_row(row, f"{r['ms']:.2f}", f"{tps:,.0f}", f"{tps / base:.3f}x" if base else "-",
+                          f"{tps / peer:.3f}x" if peer else "-"))
+    ok = {row: r for row, r in res.items() if "error" not in r}
+    if not ok:
+        return "\n".join(out)
+    ours = twofour_kernels()
+    kinds = {row: dict.fromkeys(KINDS, 0.0) for row in ok}
+    for row, r in ok.items():
+        for k, (ms, _n) in r["kernels"].items():
+            if not RANGES.search(k):
+                kinds[row][kind(k, ours)] += ms
+    out += ["", "GPU ms per step by kernel kind (torch.profiler, 3 steps):", "", md_head("kind", *ok)]
+    out += [md_row(k, *(f"{kinds[row][k]:.2f}" for row in ok)) for k in KINDS]
+    out.append(md_row("sum", *(f"{sum(kinds[row].values()):.2f}" for row in ok)))
+
+    ffn, tokens = next(iter(ok.values()))["ffn_weights"], a["batch"] * 1024
+    one_pass = ffn * (4 + 1) / (rates["copy_gbs"] * 1e9) * 1e3  # read the fp32 master, write 1 byte each
+    out += ["", f"Weight passes: the FFN weights are {ffn / 1e6:,.0f}M elements; one pass over them (read "
+            f"fp32, write one byte each) takes {one_pass:.2f} ms at the copy bandwidth measured in the same run "
+            f"({rates['copy_gbs']:,.0f} GB/s).", "",
+            md_head("row", "twofour Triton ms", "= passes over the FFN weights")]
+    out += [md_row(row, f"{kinds[row]['twofour Triton']:.2f}", f"{kinds[row]['twofour Triton'] / one_pass:.1f}")
+            for row in ok]
+
+    shapes = ffn_shapes(a["preset"], a["vocab"])
+    peers = {"bf16": ok.get("dense"), "fp8": ok.get("ao-float8")}
+    head = ["row", "against", "measured", "peer's FFN fwd / dX / dW ms", "2:4 GEMMs could take"]
+    out += ["", "Ceilings: the peer's step with the FFN GEMMs a recipe can run 2:4 (forward; dW too with "
+            "MVUE; dX stays dense, W^T not being 2:4 along its rows) sped up r times and nothing else "
+            "added; r measured is the peer's forward GEMMs against ste's 2:4 GEMM kernels in the same run "
+            "(ste runs only its forward 2:4).", "",
+            md_head(*head, *(f"ceiling at r={r}" for r in ["measured", *ratios]))]
+    for row, r in ok.items():
+        name = row.split(" ")[0]
+        if name not in ROWS or not make_recipe(ROWS[name][0]).sparse:
+            continue
+        prec = ROWS[name][1]
+        p = peers[prec]
+        ste = ok.get("ste-fp8" if prec == "fp8" else "ste")
+        if p is None:
+            continue
+        g = ffn_gemm_ms(p["gemms"], shapes, tokens)
+        sped = g["fwd"] + (g["dW"] if make_recipe(ROWS[name][0]).mvue else 0.0)
+        r_meas = g["fwd"] / kinds[next(k for k, v in ok.items() if v is ste)]["GEMM 2:4"] if ste else None
+        cells = []
+        for ratio in [r_meas, *ratios]:
+            cells.append("-" if not ratio else f"{p['ms'] / (p['ms'] - sped * (1 - 1 / ratio)):.3f}x (r={ratio:.2f})")
+        out.append(md_row(row, "torchao float8" if prec == "fp8" else "bf16 dense",
+                          f"{p['ms'] / r['ms']:.3f}x", f"{g['fwd']:.2f} / {g['dX']:.2f} / {g['dW']:.2f}",
+                          f"{sped:.2f} ms", *cells))
+
+    for row, r in ok.items():
+        out += ["", f"{row}: GEMM operators (and twofour's ops) by input shapes, device time with their kernels",
+                "", md_head("op", "input shapes", "ms per step", "calls per step")]
+        out += [md_row(f"`{op}`", f"`{text}`", f"{ms:.3f}", f"{n:.0f}") for ms, n, op, text in r["gemms"]]
+        other = sorted(((ms, n, k) for k, (ms, n) in r["kernels"].items() if not RANGES.search(k)
+                        and kind(k, ours) in ("twofour Triton", "other", "Inductor", "GEMM 2:4")), reverse=True)
+        out += ["", f"{row}: largest kernels other than dense GEMMs, attention and the optimizer", "",
+                md_head("kernel", "ms per step", "launches per step")]
+        out += [md_row(f"`{k[:100]}`", f"{ms:.3f}", f"{n:.0f}") for ms, n, k in other[:a["top"]]]
+    return "\n".join(out)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--preset", default="llama-8b")
+    ap.add_argument("--layers", type=int, default=4)
+    ap.add_argument("--batch", type=int, default=8)
+    ap.add_argument("--vocab", type=int, default=32000)
+    ap.add_argument("--rows", default=",".join(ROWS))
+    ap.add_argument("--runs", type=int, default=3)
+    ap.add_argument("--steps", type=int, default=8)
+    ap.add_argument("--top", type=int, default=10)
+    ap.add_argument("--ratios", default="2", help="2:4 GEMM speedups over the peer's to give ceilings at")
+    ap.add_argument("--json", type=Path, help="write every row's numbers here (rewritten after each row)")
+    ap.add_argument("--from-json", nargs="+", type=Path, metavar="JSON",
+                    help="print the tables of saved runs (no GPU); rows of later files keep their file's name")
+    args = ap.parse_args()
+    ratios = [float(r) for r in args.ratios.split(",") if r]
+    if args.from_json:
+        print(report([(p.stem, json.loads(p.read_text())) for p in args.from_json], ratios))
+        return
+    rows = args.rows.split(",")
+    unknown = [r for r in rows if r not in ROWS]
+    if unknown:
+        raise SystemExit(f"peer.py: unknown rows {', '.join(unknown)}; known: {', '.join(ROWS)}")
+    rates = {"copy_gbs": copy_bandwidth(), "bf16_tflops": gemm_tflops(), "fp8_tflops": fp8_tflops()}
+    saved = {"args": {k: str(v) if isinstance(v, Path) else v for k, v in vars(args).items()}, "rates": rates,
+             "gpu": gpu_line(), "rows": {}}
+    for row in rows:
+        try:
+            saved["rows"][row] = r = run_row(row, args)
+            print(f"{row}: {r['ms']:.2f} ms, {r['tokens_per_s']:,.0f} tokens/s", flush=True)
+        except Exception as exc:  # noqa: BLE001 - a row that cannot run says why in its place
+            saved["rows"][row] = {"row": row, "error": f"{type(exc).__name__}: {str(exc).splitlines()[0][:160]}"}
+            print(f"{row}: {saved['rows'][row]['error']}", flush=True)
+            gc.collect()
+            torch.cuda.empty_cache()
+        if args.json:
+            args.json.write_text(json.dumps(saved, indent=1))
+    print(report([("", saved)], ratios))
+
+
+if __name__ == "__main__":
+    main()
