@@ -2,7 +2,8 @@
 
 By default: a 2:4 layer's forward + backward against ``nn.Linear`` per recipe, the FFN blocks
 (GPT's GELU, Llama's SwiGLU), and the tokens/s of ``twofour train`` itself, eager and compiled.
-``--fp8``: FP8 layers against bf16 and dense FP8. ``--inference``: an exported 2:4 model against
+``--fp8``: FP8 layers against bf16 and dense FP8 (and torchao's float8 where it is installed).
+``--inference``: an exported 2:4 model against
 its dense twin, prefill and decode tokens/s. Ratios: dense time / twofour time (above 1: faster),
 dense measured in the same run. Kernel probes and analyses: the scripts of ``benchmarks/``.
 """
@@ -11,6 +12,7 @@ from __future__ import annotations
 
 import argparse
 import gc
+import importlib.util
 import platform
 import re
 import tempfile
@@ -151,12 +153,26 @@ def _fp8_row(label: str, name: str, make: Callable[[], nn.Module], x: torch.Tens
     return f"| {label} | {name} | {ms:.3f} | {times['nn.Linear bf16'] / ms:.2f}x | {vs_dense} |"
 
 
+def _torchao_float8(k: int, n: int) -> nn.Module:
+    """nn.Linear converted by torchao's float8 training (tensorwise scaling) and compiled, as a
+    user of torchao runs it: the FP8 peer of twofour's FP8 rows."""
+    from torchao.float8 import Float8LinearConfig, convert_to_float8_training  # noqa: PLC0415
+
+    model = nn.Sequential(nn.Linear(k, n, device="cuda"))
+    convert_to_float8_training(model, config=Float8LinearConfig.from_recipe_name("tensorwise"))
+    return torch.compile(model)
+
+
 def fp8_report(quick: bool = False, shapes: Sequence[tuple[str, int, int, int]] | None = None) -> Iterator[str]:
     """The ``--fp8`` rows, line by line: per shape (default :data:`FP8_SHAPES`), the forward +
-    backward of nn.Linear and s-ste in bf16 and of dense and s-ste layers in each FP8 variant."""
+    backward of nn.Linear and s-ste in bf16, of dense and s-ste layers in each FP8 variant and,
+    where torchao is installed, of its float8 linear compiled."""
+    peer = importlib.util.find_spec("torchao") is not None
     yield from ["### FP8 layers, forward + backward (e4m3 operands and gradients unless the row says e5m2; "
                 "current amax scaling)", "", "| shape | layer | ms | vs nn.Linear bf16 | vs dense of its precision |",
                 "|---|---|---|---|---|"]
+    if not peer:
+        yield "| | torchao float8: not installed (`pip install torchao` adds its row) | | | |"
     for label, t, k, n in shapes or (FP8_SHAPES[:2] if quick else FP8_SHAPES):
         x = torch.randn(t, k, device="cuda", requires_grad=True)
         g, times = torch.randn(t, n, device="cuda", dtype=torch.bfloat16), {}
@@ -164,7 +180,8 @@ def fp8_report(quick: bool = False, shapes: Sequence[tuple[str, int, int, int]] 
         variants = {"nn.Linear bf16": partial(nn.Linear, k, n, device="cuda"),
                     "s-ste bf16": partial(layer, recipe="s-ste"),
                     **{f"{r} {p}": partial(layer, recipe=r, **kw) for p, kw in FP8_VARIANTS.items()
-                       for r in ("dense", "s-ste")}}
+                       for r in ("dense", "s-ste")},
+                    **({"torchao float8 tensorwise, compiled": partial(_torchao_float8, k, n)} if peer else {})}
         yield from (_row(f"{label} | {name}", _fp8_row, label, name, make, x, g, times, quick)
                     for name, make in variants.items())
 
