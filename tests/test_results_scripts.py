@@ -92,6 +92,22 @@ def test_make_corpus_stops_at_max_bytes(tmp_path):
     assert len(list(out.iterdir())) == 3 and "3 files, 0.0 MB" in res.stdout
 
 
+def test_make_corpus_prose_keeps_documents_of_words(tmp_path):
+    """--kind prose: .md/.rst/.txt documents of words; licences, tables of numbers and .py left out."""
+    src = tmp_path / "src"
+    src.mkdir()
+    (src / "guide.md").write_text("How to use the library, in plain words.\n" * 20)
+    (src / "notes.rst").write_text("Another page of documentation text.\n" * 20)
+    (src / "LICENSE.txt").write_text("Permission is hereby granted, free of charge.\n" * 20)
+    (src / "table.txt").write_text("0.125 3.5e-3 17 42 1e9\n" * 20)
+    (src / "m.py").write_text("x = 1\n" * 20)
+    out = tmp_path / "corpus"
+    res = subprocess.run([sys.executable, str(ROOT / "scripts" / "make_corpus.py"), str(out), "--roots", str(src),
+                          "--kind", "prose"], capture_output=True, text=True)
+    assert res.returncode == 0, res.stderr
+    assert sorted(p.suffix for p in out.iterdir()) == [".md", ".rst"]
+
+
 def _titan_line(step: int, loss: float, tps: int, rank_tps: int = 0) -> str:
     return (f"[titan] 2026-01-01 00:00:00,000 - root - INFO - \x1b[31mstep: {step:2}  \x1b[32mloss: {loss:8.5f}  "
             f"grad_norm:  1.0  \x1b[38;2;180;60;0mmemory: 17.95GiB(12.84%)  \x1b[34mtps: {tps + rank_tps:,}  "
