@@ -147,24 +147,16 @@ def _cmd_train(a: argparse.Namespace) -> int:
 
 
 def _cmd_compare(a: argparse.Namespace) -> int:
-    from .training.compare import compare, results_table  # noqa: PLC0415
-    from .training.config import check_seed  # noqa: PLC0415
-    from .training.options import once  # noqa: PLC0415
+    from .training.compare import compare, parse_recipes, parse_seeds, results_table  # noqa: PLC0415
+    from .training.sweep import parse_rates, sweep, sweep_table  # noqa: PLC0415
 
-    recipes = [r.strip() for r in a.recipes.split(",") if r.strip()]
-    bad = [r for r in recipes if r not in RECIPES]
-    if bad or not recipes:
-        raise ValueError(f"unknown recipe {', '.join(bad) or '(none given)'}; valid recipes: {', '.join(RECIPES)}")
-    once(recipes, "--recipes", "give each recipe once (--seeds trains each several times)")
-    try:
-        seeds = [int(s) for s in a.seeds.split(",")] if a.seeds else None
-    except ValueError:
-        raise ValueError(f"--seeds takes comma-separated whole numbers (e.g. 1,2,3), got {a.seeds!r}") from None
-    once(seeds or [], "--seeds", "give each seed once")
-    for seed in seeds or []:
-        check_seed(seed, "--seeds")
-    summaries = compare(recipes, _config(a, recipes[0]), seeds)
-    print("\n" + results_table(summaries))
+    recipes, seeds = parse_recipes(a.recipes), parse_seeds(a.seeds)
+    base = _config(a, recipes[0])
+    if a.lrs is None:
+        table = results_table(compare(recipes, base, seeds))
+    else:  # a learning-rate sweep: each recipe at its best rate
+        table = sweep_table(sweep(recipes, base, seeds, parse_rates(a.lrs, base)))
+    print("\n" + table)
     print(f"table: {Path(a.out) / 'compare.md'}, plot: {Path(a.out) / 'compare.png'}")
     return 0
 
@@ -266,6 +258,8 @@ def build_parser() -> argparse.ArgumentParser:
                        epilog=REGIME_HELP, formatter_class=argparse.RawDescriptionHelpFormatter, allow_abbrev=False)
     c.add_argument("--recipes", default="dense,ste,sr-ste,s-ste", help="comma-separated (default %(default)s)")
     c.add_argument("--seeds", default=None, help="comma-separated seeds, each recipe once per seed (default --seed)")
+    c.add_argument("--lrs", default=None, metavar="LR,LR,...", help="a sweep: each recipe at each peak learning rate "
+                   "(5e-4,1e-3,2e-3, or 0.5x,1x,2x the preset's); compare.md gives each at its best (not with --lr)")
     _run_args(c, "runs/compare")
     c.set_defaults(func=_cmd_compare)
     e = sub.add_parser("export", help="write a trained run for inference: 2:4 layers as values + positions "

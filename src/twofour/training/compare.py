@@ -1,6 +1,7 @@
 """``twofour compare``: several recipes (and seeds) on the same data, options and token budget,
 then one markdown table (every run, then each recipe's mean ± std over seeds and its gap to
-dense paired by seed) and one plot (per recipe, the mean curve and the seeds' spread)."""
+dense paired by seed) and one plot (per recipe, the mean curve and the seeds' spread). With
+``--lrs``, a learning-rate sweep of the same runs: :mod:`twofour.training.sweep`."""
 
 from __future__ import annotations
 
@@ -9,6 +10,7 @@ import dataclasses
 import json
 import logging
 import os
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -17,16 +19,40 @@ import numpy as np
 from ..errors import TrainError
 from ..sparse.recipes import RECIPES, recipe_options
 from .checkpoint import checkpoint_path
-from .config import LAUNCH_OPTIONS, TrainConfig
-from .data import load_data
+from .config import LAUNCH_OPTIONS, TrainConfig, check_seed
+from .data import TokenData, load_data
 from .lock import RunLock
 from .loop import train
+from .options import once
 from .runs import METRICS, pyplot, read_config, read_metrics, read_summary
 
 log = logging.getLogger("twofour")
 
 __all__ = ["compare", "results_table", "recipe_stats", "plot_compare", "run_label", "summary_label",
-           "run_order"]
+           "run_order", "parse_recipes", "parse_seeds", "train_runs", "finished_runs", "one_per_run", "run_folder",
+           "dense_label", "curve_panels", "save_figure", "SharedData", "locked", "mean_std", "plus_minus"]
+
+
+def parse_recipes(text: str) -> list[str]:
+    """``--recipes``: comma-separated names of :data:`RECIPES`, each once; one-line error otherwise."""
+    recipes = [r.strip() for r in text.split(",") if r.strip()]
+    bad = [r for r in recipes if r not in RECIPES]
+    if bad or not recipes:
+        raise ValueError(f"unknown recipe {', '.join(bad) or '(none given)'}; valid recipes: {', '.join(RECIPES)}")
+    once(recipes, "--recipes", "give each recipe once (--seeds trains each several times)")
+    return recipes
+
+
+def parse_seeds(text: str | None) -> list[int] | None:
+    """``--seeds``: comma-separated whole numbers, each once (None when not given)."""
+    try:
+        seeds = [int(s) for s in text.split(",")] if text else None
+    except ValueError:
+        raise ValueError(f"--seeds takes comma-separated whole numbers (e.g. 1,2,3), got {text!r}") from None
+    once(seeds or [], "--seeds", "give each seed once")
+    for seed in seeds or []:
+        check_seed(seed, "--seeds")
+    return seeds
 
 
 def run_label(recipe: str, options: dict[str, Any] | None = None, precision: str = "bf16") -> str:
@@ -37,10 +63,13 @@ def run_label(recipe: str, options: dict[str, Any] | None = None, precision: str
                      *(f"{k}={json.dumps(v)}" for k, v in sorted((options or {}).items()))])
 
 
-def _folder(recipe: str, options: dict[str, Any] | None, seed: int, precision: str = "bf16") -> str:
-    """The folder of a run under a comparison's root: its label's words joined by '-', then the seed
-    (``s-ste-precision=fp8-mvue=false-s1``)."""
-    return run_label(recipe, options, precision).replace(" ", "-") + f"-s{seed}"
+def run_folder(recipe: str, options: dict[str, Any] | None, seed: int, precision: str = "bf16",
+               lr: float | None = None) -> str:
+    """The folder of a run under a comparison's root: its label's words joined by '-', then the
+    peak learning rate a sweep gave it, then the seed (``s-ste-precision=fp8-mvue=false-s1``,
+    ``s-ste-lr=0.002-s1``)."""
+    rate = "" if lr is None else f"-lr={json.dumps(lr)}"
+    return run_label(recipe, options, precision).replace(" ", "-") + rate + f"-s{seed}"
 
 
 def summary_label(summary: dict[str, Any]) -> str:
@@ -56,7 +85,7 @@ def run_order(summary: dict[str, Any]) -> tuple:
     return order.get(summary["recipe"], len(order)), summary_label(summary), summary["seed"]
 
 
-def _dense_label(summary: dict[str, Any]) -> str:
+def dense_label(summary: dict[str, Any]) -> str:
     """The dense run a run is compared with: dense with this run's precision and the options dense
     takes (``bf16_finetune``) as this run's."""
     return run_label("dense", _options_for("dense", summary.get("recipe_options") or {}),
@@ -79,27 +108,56 @@ def compare(recipes: list[str], base: TrainConfig, seeds: list[int] | None = Non
     folder is locked meanwhile (rank 0 under torchrun), as each run's folder is while it trains:
     TrainError if another comparison holds it."""
     root = Path(base.out_dir)
-    with RunLock(root) if int(os.environ.get("RANK", "0")) == 0 else contextlib.nullcontext():
-        return _compare(recipes, base, seeds or [base.seed], root)
+    with locked(root):
+        runs = [(recipe, None, seed) for recipe in recipes for seed in seeds or [base.seed]]
+        summaries = train_runs(base, runs, SharedData(base))
+        root.mkdir(parents=True, exist_ok=True)
+        return _report(root, summaries[0])
 
 
-def _compare(recipes: list[str], base: TrainConfig, seeds: list[int], root: Path) -> list[dict[str, Any]]:
-    """:func:`compare`'s work, in the locked folder ``root``."""
-    data = None  # read once, when the first run needs training, and shared by every run
-    summaries = []
-    for recipe in recipes:
-        for seed in seeds:
-            options = _options_for(recipe, base.recipe_options)
-            out = root / _folder(recipe, options, seed, base.precision)
-            cfg = dataclasses.replace(base, recipe=recipe, seed=seed, out_dir=str(out), recipe_options=options)
-            cfg.validate()
-            if _finished(cfg, base.overwrite):
-                summaries.append(read_summary(cfg.out_dir))
-            else:
-                data = data if data is not None else load_data(base.data, base.vocab_size)
-                summaries.append(train(_continue(cfg, base.overwrite), data))
-    root.mkdir(parents=True, exist_ok=True)
-    summaries = _all_runs(root, summaries[0])
+def locked(root: Path) -> contextlib.AbstractContextManager:
+    """A comparison folder's lock (:class:`RunLock`), held by rank 0 under torchrun."""
+    return RunLock(root) if int(os.environ.get("RANK", "0")) == 0 else contextlib.nullcontext()
+
+
+class SharedData:
+    """A comparison's data, read when a run first needs it and then shared by every run."""
+
+    def __init__(self, base: TrainConfig) -> None:
+        self.base, self._data = base, None
+
+    def __call__(self) -> TokenData:
+        if self._data is None:
+            self._data = load_data(self.base.data, self.base.vocab_size)
+        return self._data
+
+
+def train_runs(base: TrainConfig, runs: list[tuple[str, float | None, int]], data: SharedData) -> list[dict[str, Any]]:
+    """Each (recipe, peak lr, seed) of ``runs`` as ``base`` with them (lr None: ``base``'s), in
+    its :func:`run_folder` under ``base.out_dir``: reused if finished there, resumed if
+    interrupted, else trained; the summaries, in order. A sweep's run at the preset's rate is
+    the one in the folder without a rate, when that one is finished."""
+    root, summaries = Path(base.out_dir), []
+    for recipe, lr, seed in runs:
+        options = _options_for(recipe, base.recipe_options)
+        cfg = dataclasses.replace(base, recipe=recipe, seed=seed, recipe_options=options,
+                                  lr=base.lr if lr is None else lr,
+                                  out_dir=str(root / run_folder(recipe, options, seed, base.precision, lr)))
+        cfg.validate()
+        plain = dataclasses.replace(cfg, lr=None,
+                                    out_dir=str(root / run_folder(recipe, options, seed, base.precision)))
+        if _finished(cfg, base.overwrite):
+            summaries.append(read_summary(cfg.out_dir))
+        elif lr is not None and plain.peak_lr == lr and _finished(plain, base.overwrite):
+            summaries.append(read_summary(plain.out_dir))
+        else:
+            summaries.append(train(_continue(cfg, base.overwrite), data()))
+    return summaries
+
+
+def _report(root: Path, like: dict[str, Any]) -> list[dict[str, Any]]:
+    """compare.md and compare.png of every finished run in ``root`` like ``like``; its runs."""
+    summaries = one_per_run(finished_runs(root, like), _plain_key)
     (root / "compare.md").write_text(results_table(summaries))
     plot_compare(root, summaries)
     return summaries
@@ -141,11 +199,9 @@ def _same_run(config: dict[str, Any] | None, cfg: TrainConfig) -> bool:
     return compared(cfg) == compared(TrainConfig.from_dict(config))
 
 
-def _all_runs(root: Path, like: dict[str, Any]) -> list[dict[str, Any]]:
-    """Every finished run under ``root`` with the same model, regime and token budget as ``like``,
-    in recipe order then seed (so a later call with more seeds extends the table). Of two runs
-    with one label and seed (a folder named by an older label), the one in its label's folder
-    counts, and the other is named in a warning."""
+def finished_runs(root: Path, like: dict[str, Any]) -> list[dict[str, Any]]:
+    """The summaries of every finished run under ``root`` with the same model, regime and token
+    budget as ``like`` (so a later call with more seeds extends the table)."""
     def key(r: dict[str, Any]) -> tuple:
         return r["model"], r.get("regime", "ours"), r["tokens"]
 
@@ -155,25 +211,35 @@ def _all_runs(root: Path, like: dict[str, Any]) -> list[dict[str, Any]]:
         if missing:
             raise TrainError(f"{r['out_dir']}/summary.json is not a twofour run's summary (no {', '.join(missing)}); "
                              f"move that folder out of {root}")
+    return [r for r in runs if key(r) == key(like)]
+
+
+def _plain_key(r: dict[str, Any]) -> tuple[tuple, str]:
+    """A run of ``compare`` without a sweep: its label and seed, and the folder those name."""
+    return (summary_label(r), r["seed"]), run_folder(r["recipe"], r.get("recipe_options"), r["seed"],
+                                                     r.get("precision", "bf16"))
+
+
+def one_per_run(runs: list[dict[str, Any]], key: Callable[[dict[str, Any]], tuple[tuple, str]]) -> list[dict[str, Any]]:
+    """``runs`` in recipe order then seed, one per run: ``key`` gives a run's identity (two runs
+    with one are the same run) and the folder it belongs in. Of two runs with one identity (a
+    folder named by an older label), the one in its own folder counts, and the other is named in a
+    warning. TrainError for a run without its metrics, which the plot reads."""
     kept: dict[tuple, dict[str, Any]] = {}
-    # the run in the folder its label names first
-    for r in sorted(runs, key=lambda r: Path(r["out_dir"]).name != _folder(r["recipe"], r.get("recipe_options"),
-                                                                          r["seed"], r.get("precision", "bf16"))):
-        if key(r) != key(like):
-            continue
-        same = kept.setdefault((summary_label(r), r["seed"]), r)
+    for r in sorted(runs, key=lambda r: Path(r["out_dir"]).name != key(r)[1]):  # the run in its own folder first
+        same = kept.setdefault(key(r)[0], r)
         if same is not r:
             log.warning("%s repeats the run %s (seed %s) of %s; it is left out of the table", r["out_dir"],
                         summary_label(r), r["seed"], same["out_dir"])
-    for r in kept.values():  # the plot reads their curves
+    for r in kept.values():
         if not (Path(r["out_dir"]) / METRICS).is_file():
             raise TrainError(f"{r['out_dir']} holds a finished run without its {METRICS}: a run is reported from "
                              f"its summary.json, config.json and {METRICS}; copy that file too, or move the folder "
-                             f"out of {root}")
+                             f"out of {Path(r['out_dir']).parent}")
     return sorted(kept.values(), key=run_order)
 
 
-def _mean_std(values: list[float]) -> tuple[float, float | None]:
+def mean_std(values: list[float]) -> tuple[float, float | None]:
     """Mean and sample standard deviation (n - 1; None for a single value)."""
     return float(np.mean(values)), (float(np.std(values, ddof=1)) if len(values) > 1 else None)
 
@@ -187,23 +253,24 @@ def recipe_stats(summaries: list[dict[str, Any]]) -> list[dict[str, Any]]:
     for s in summaries:
         if s["final_val_loss"] is not None:
             by_recipe.setdefault(summary_label(s), {})[s["seed"]] = s["final_val_loss"]
-            baseline[summary_label(s)] = _dense_label(s)
+            baseline[summary_label(s)] = dense_label(s)
     stats = []
     for recipe, losses in by_recipe.items():
         dense = by_recipe.get(baseline[recipe], {})
-        mean, std = _mean_std(list(losses.values()))
+        mean, std = mean_std(list(losses.values()))
         paired = sorted(set(losses) & set(dense))
         gaps = [losses[k] - dense[k] for k in paired]
         rel = [(losses[k] - dense[k]) / dense[k] for k in paired]
-        gap, gap_std = _mean_std(gaps) if gaps else (None, None)
-        rel_gap, rel_std = _mean_std(rel) if rel else (None, None)
+        gap, gap_std = mean_std(gaps) if gaps else (None, None)
+        rel_gap, rel_std = mean_std(rel) if rel else (None, None)
         stats.append({"recipe": recipe, "seeds": sorted(losses), "val_loss_mean": mean, "val_loss_std": std,
                       "pairs": len(paired), "gap_mean": gap, "gap_std": gap_std,
                       "rel_gap_mean": rel_gap, "rel_gap_std": rel_std})
     return stats
 
 
-def _pm(mean: float | None, std: float | None, fmt: str) -> str:
+def plus_minus(mean: float | None, std: float | None, fmt: str) -> str:
+    """``mean ± std`` in ``fmt`` (the std unsigned); the mean alone without a std; ``n/a`` without a mean."""
     if mean is None:
         return "n/a"
     return format(mean, fmt) + (f" ± {std:{fmt.lstrip('+')}}" if std is not None else "")
@@ -220,7 +287,7 @@ def results_table(summaries: list[dict[str, Any]]) -> str:
              "| tokens/s | wall s |",
              "|---|---|---|---|---|---|---|---|"]
     for s in summaries:
-        ref = dense.get((_dense_label(s), s["seed"]))
+        ref = dense.get((dense_label(s), s["seed"]))
         gap = f"{s['final_val_loss'] - ref:+.4f}" if ref is not None and s["final_val_loss"] is not None else "n/a"
         val = f"{s['final_val_loss']:.4f}" if s["final_val_loss"] is not None else "n/a"
         lines.append(f"| {summary_label(s)} | {s['seed']} | {val} | {gap} | {s['mean_flip_rate']:.2e} "
@@ -230,10 +297,10 @@ def results_table(summaries: list[dict[str, Any]]) -> str:
               "over that seed's dense loss.", "",
               "| recipe | seeds | final val loss | paired gap to dense | relative gap |", "|---|---|---|---|---|"]
     for st in recipe_stats(summaries):
-        rel = _pm(*(None if v is None else 100 * v for v in (st["rel_gap_mean"], st["rel_gap_std"])), "+.2f")
+        rel = plus_minus(*(None if v is None else 100 * v for v in (st["rel_gap_mean"], st["rel_gap_std"])), "+.2f")
         seeds = ", ".join(map(str, st["seeds"]))
-        lines.append(f"| {st['recipe']} | {seeds} | {_pm(st['val_loss_mean'], st['val_loss_std'], '.4f')} "
-                     f"| {_pm(st['gap_mean'], st['gap_std'], '+.4f')} | {rel}{'' if rel == 'n/a' else ' %'} |")
+        lines.append(f"| {st['recipe']} | {seeds} | {plus_minus(st['val_loss_mean'], st['val_loss_std'], '.4f')} "
+                     f"| {plus_minus(st['gap_mean'], st['gap_std'], '+.4f')} | {rel}{'' if rel == 'n/a' else ' %'} |")
     return "\n".join(lines) + "\n"
 
 
@@ -252,6 +319,13 @@ def plot_compare(root: Path, summaries: list[dict[str, Any]]) -> Path | None:
     plt = pyplot()
     if plt is None:
         return None
+    fig, axes = plt.subplots(1, 3, figsize=(16, 4.5))
+    curve_panels(axes, summaries, summary_label)
+    return save_figure(fig, root / "compare.png")
+
+
+def curve_panels(axes, summaries: list[dict[str, Any]], label: Callable[[dict[str, Any]], str]) -> None:
+    """:func:`plot_compare`'s three panels on ``axes``: the runs grouped by ``label``, one color each."""
     runs: dict[str, list[dict[str, list[tuple[int, float]]]]] = {}
     for s in summaries:
         m = read_metrics(s["out_dir"])
@@ -259,8 +333,7 @@ def plot_compare(root: Path, summaries: list[dict[str, Any]]) -> Path | None:
         k = max(1, len(losses) // 50)  # smooth the noisy per-step loss for the eye
         smooth = np.convolve(losses, np.ones(k) / k, mode="valid")
         m["train_smooth"] = list(zip(steps[k - 1:], smooth))
-        runs.setdefault(summary_label(s), []).append(m)
-    fig, axes = plt.subplots(1, 3, figsize=(16, 4.5))
+        runs.setdefault(label(s), []).append(m)
     panels = (("val_loss", "validation loss", "o-"), ("train_smooth", "train loss (smoothed)", "-"),
               ("flip_rate", "mask flip rate", "-"))
     for i, (recipe, ms) in enumerate(runs.items()):
@@ -282,8 +355,11 @@ def plot_compare(root: Path, summaries: list[dict[str, Any]]) -> Path | None:
         if ax.has_data():
             ax.legend(fontsize=7)
     axes[2].set_yscale("log")
+
+
+def save_figure(fig, path: Path) -> Path:
+    """``fig`` laid out, written to ``path`` and closed."""
     fig.tight_layout()
-    path = root / "compare.png"
     fig.savefig(path, dpi=110)
-    plt.close(fig)
+    pyplot().close(fig)
     return path

@@ -17,7 +17,7 @@ from .config import TrainConfig
 from .data import is_shard_folder, read_meta
 from .loop import build_model
 
-__all__ = ["export", "run_codec"]
+__all__ = ["export", "run_codec", "run_model"]
 
 
 def run_codec(cfg: TrainConfig, vocab_size: int) -> Codec:
@@ -36,6 +36,22 @@ def run_codec(cfg: TrainConfig, vocab_size: int) -> Codec:
     return BYTES if vocab_size == 256 else IdCodec(vocab_size)
 
 
+def run_model(run: str | Path) -> tuple[torch.nn.Module, TrainConfig, dict[str, Any]]:
+    """The model a run's checkpoint holds (a run folder or checkpoint file; an FSDP2 run's shards
+    too, read into the whole model in one process), on the CPU, with the run's config and the
+    checkpoint. TrainError, one line, for a checkpoint that can't be read."""
+    ckpt = read_checkpoint(run)
+    try:
+        cfg = TrainConfig.from_dict(ckpt["config"])
+        model = build_model(cfg, cfg.recipe_object(), ckpt["vocab_size"])
+        load_model(ckpt, model)
+    except TrainError:
+        raise
+    except Exception as e:
+        raise TrainError(f"{run} is not a readable twofour checkpoint ({type(e).__name__}: {e})") from None
+    return model, cfg, ckpt
+
+
 def export(run: str | Path, out: str | Path | None = None, dtype: str = "bfloat16", *,
            weights_format: str = "safetensors", overwrite: bool = False) -> dict[str, Any]:
     """Write the run's model for inference into the folder ``out`` (default: the run's folder):
@@ -44,15 +60,7 @@ def export(run: str | Path, out: str | Path | None = None, dtype: str = "bfloat1
 
     A run that ended in a dense phase (t-sr-ste's dense fine-tune) is exported dense, and the
     returned config says so (``dense``, ``dense_reason``). Returns the config written."""
-    ckpt = read_checkpoint(run)
-    try:
-        cfg = TrainConfig.from_dict(ckpt["config"])
-        model = build_model(cfg, cfg.recipe_object(), ckpt["vocab_size"])
-        load_model(ckpt, model)  # an FSDP2 run's shards too: read into the whole model, in one process
-    except TrainError:
-        raise
-    except Exception as e:
-        raise TrainError(f"{run} is not a readable twofour checkpoint ({type(e).__name__}: {e})") from None
+    model, cfg, ckpt = run_model(run)
     path = Path(run)
     out = Path(out) if out else (path if path.is_dir() else path.parent)
     try:

@@ -1,0 +1,86 @@
+"""``twofour compare --lrs``: every recipe at every rate, reused when finished, each recipe's rate
+chosen on one half of the validation split and reported on the other."""
+
+import contextlib
+import json
+
+import numpy as np
+import pytest
+import torch
+
+from twofour.cli import main
+from twofour.training.config import TrainConfig
+from twofour.training.data import load_data
+from twofour.training.export import run_model
+from twofour.training.loop import evaluate
+from twofour.training.runs import pyplot
+from twofour.training.sweep import SCORES, best_rates, halves, parse_rates, sweep_table
+
+from .helpers import error_of
+
+RUN = ["--model", "tiny", "--n-layer", "1", "--steps", "2", "--batch-size", "2", "--seq-len", "16",
+       "--eval-interval", "2", "--eval-iters", "1", "--log-interval", "2", "--no-progress"]
+
+
+def test_sweep_trains_every_rate_once_and_reports_on_the_other_half(tmp_path, corpus, capsys):
+    out = tmp_path / "sweep"
+    args = ["compare", *RUN, "--data", corpus, "--out", str(out), "--seeds", "1"]
+    assert main([*args, "--recipes", "dense"]) == 0  # a plain comparison: dense at the preset's rate
+    sweep = [*args, "--recipes", "dense,ste", "--lrs", "1x,2e-3"]
+    assert main(sweep) == 0
+    # every recipe at every rate; dense at the preset's (1e-3) is the plain comparison's run, reused
+    assert {p.name for p in out.iterdir() if p.is_dir()} == {"dense-s1", "dense-lr=0.002-s1", "ste-lr=0.001-s1",
+                                                             "ste-lr=0.002-s1"}
+    # each score is the run's final model on its own half of the validation split: no token in both
+    data = load_data(corpus)
+    first, second = halves(data)
+    assert np.array_equal(np.concatenate([first.val, second.val]), data.val) and len(first.val) > 100
+    model, cfg, _ = run_model(out / "dense-lr=0.002-s1")
+    saved = json.loads((out / "dense-lr=0.002-s1" / SCORES).read_text())
+    for name, half in (("selection", first), ("report", second)):
+        assert saved[name] == pytest.approx(evaluate(model, half, cfg, torch.device("cpu"), contextlib.nullcontext()))
+    table = (out / "compare.md").read_text()
+    assert "| dense | 0.001 | 1 |" in table and "| ste | 0.002 | 1 |" in table and table in capsys.readouterr().out
+    assert (out / "compare.png").exists() == (pyplot() is not None)
+    # run again: nothing trained, nothing scored again
+    stamps = {p: p.stat().st_mtime_ns for p in out.glob("*/*") if p.name in ("ckpt.pt", SCORES)}
+    assert len(stamps) == 8 and main(sweep) == 0
+    assert stamps == {p: p.stat().st_mtime_ns for p in stamps} and (out / "compare.md").read_text() == table
+
+
+def _run(recipe, lr, seed, selection, report):
+    return {"recipe": recipe, "recipe_options": {}, "precision": "bf16", "model": "tiny", "regime": "ours",
+            "seed": seed, "steps": 2, "tokens": 256, "lr": lr, "selection": selection, "report": report,
+            "final_val_loss": (selection + report) / 2, "mean_flip_rate": 0.0, "final_flip_rate": 0.0,
+            "tokens_per_s": 1.0, "wall_s": 1.0}
+
+
+def test_the_rate_is_chosen_on_the_selection_half_and_reported_on_the_other():
+    """Where the report half would pick another rate, the selection half's choice stands, and the
+    numbers reported (losses, gaps paired by seed) are the report half's."""
+    runs = [_run("dense", 1e-3, 1, 2.0, 1.0), _run("dense", 1e-3, 2, 2.0, 1.2),
+            _run("dense", 2e-3, 1, 1.0, 3.0), _run("dense", 2e-3, 2, 1.1, 3.4),  # dense: 2e-3 on selection
+            _run("ste", 1e-3, 1, 1.5, 3.3), _run("ste", 1e-3, 2, 1.6, 3.4),  # ste: 1e-3 on selection
+            _run("ste", 2e-3, 1, 2.5, 0.5), _run("ste", 2e-3, 2, 2.6, 0.6),
+            _run("ste", 4e-3, 1, 0.1, 0.1)]  # the lowest, but one seed of two: not comparable
+    assert best_rates(runs) == {"dense": 2e-3, "ste": 1e-3}
+    table = sweep_table(runs)
+    best = table[table.index("| recipe | best lr"):table.index("Every recipe at every")]
+    # ste at 1e-3 against dense at 2e-3, seed by seed on the report half: gaps 0.3 and 0.0
+    assert "| ste | 0.001 (lowest tried) | 1, 2 | 3.3500 ± 0.0707 | 0.002 | +0.1500 ± 0.2121 | +5.00 ± 7.07 % |" in best
+    assert "| dense | 0.002 (highest tried) | 1, 2 | 3.2000 ± 0.2828 | 0.002 | +0.0000 ± 0.0000 |" in best
+    assert "| ste | 0.002 | 1, 2 | 2.5500 ± 0.0707 | 0.5500 ± 0.0707 | -2.6500 ± 0.2121 |" in table
+    assert "| ste | 0.004 | 1 | 0.1000 | 0.1000 | n/a | n/a |" in table  # no dense at 4e-3
+
+
+def test_lrs_options(tmp_path, corpus, capsys):
+    base = TrainConfig(model="tiny")
+    assert parse_rates(" 2x, 5e-4,1x", base) == [5e-4, 1e-3, 2e-3]
+    assert parse_rates("3x", TrainConfig(model="gpt2-124m")) == [1.8e-3]  # 3 x 6e-4, rounded as written
+    cmd = ["compare", *RUN, "--data", corpus, "--out", str(tmp_path / "x")]
+    assert "--lr and --lrs contradict" in error_of([*cmd, "--lr", "1e-3", "--lrs", "1e-3,2e-3"], capsys)
+    assert "got 'fast'" in error_of([*cmd, "--lrs", "1e-3,fast"], capsys)
+    assert "0.001 twice" in error_of([*cmd, "--lrs", "1e-3,1x"], capsys)
+    assert "at most 1, got 2" in error_of([*cmd, "--lrs", "2"], capsys)
+    assert "--ckpt-interval 0 writes none" in error_of([*cmd, "--lrs", "1e-3", "--ckpt-interval", "0"], capsys)
+    assert not (tmp_path / "x").exists()
