@@ -6,11 +6,15 @@
     PYTHONPATH=src python scripts/results_tables.py --folder runs/ablation    # one folder's tables
 
 Each table of RESULTS.md sits between ``<!-- table NAME -->`` and ``<!-- /table -->``; :data:`TABLES`
-says how each is computed. Reads only each run's ``summary.json``, ``config.json`` and
-``metrics.csv``: a run is named by its recipe, precision and options and by the settings it changed
-from ``twofour train``'s defaults (``lr``, ``weight_decay`` ...); gaps are paired by seed with the
-baseline run (``dense`` unless named) of the same folder; the code digest is the summary's
-``code.source`` (``not recorded`` for summaries written before it existed).
+says how each is computed. A table that quotes their figures in prose (which run tested what)
+sits between ``<!-- quotes NAME ... -->`` and ``<!-- /quotes -->`` instead, and ``--check`` finds
+each signed percentage it holds in the tables it names; a table in neither fails ``--check``.
+Reads only each run's ``summary.json``, ``config.json`` and ``metrics.csv`` (and a learning-rate
+sweep's ``val_halves.json``: ``--folder`` on a ``twofour compare --lrs`` folder prints its
+compare.md, :func:`sweep_tables`): a run is named by its recipe, precision and options and by the
+settings it changed from ``twofour train``'s defaults (``lr``, ``weight_decay`` ...); gaps are
+paired by seed with the baseline run (``dense`` unless named) of the same folder; the code digest is
+the summary's ``code.source`` (``not recorded`` for summaries written before it existed).
 """
 
 from __future__ import annotations
@@ -26,6 +30,7 @@ from gap_by_eval import gap_series, gap_table, label_of
 
 from twofour.training.compare import run_order
 from twofour.training.runs import read_summary
+from twofour.training.sweep import SCORES, sweep_runs, sweep_table
 
 RESULTS = Path(__file__).resolve().parent.parent / "docs" / "results"
 #: Where the S-STE ablation's run folders go in the repository (scripts/s_ste_ablation.py).
@@ -132,6 +137,13 @@ def _folder_tables(folder: Path, base: str = "dense", versus: tuple[str, ...] = 
     return "\n".join(parts)
 
 
+def sweep_tables(folder: Path) -> str:
+    """A learning-rate sweep's tables (``twofour compare --lrs``: each recipe at its best rate, every
+    recipe at every rate, every run), from its runs' files, ``val_halves.json`` included."""
+    runs = [s for s in (read_summary(p.parent) for p in sorted(Path(folder).glob("*/summary.json"))) if s]
+    return sweep_table(sweep_runs(Path(folder), runs[0])) if runs else f"No finished runs in {folder}."
+
+
 def _ablation() -> str:
     folder = RESULTS / ABLATION
     if not folder.is_dir():
@@ -171,6 +183,29 @@ def rewrite(text: str) -> str:
     return _BLOCK.sub(fill, text)
 
 
+_QUOTES = re.compile(r"<!-- quotes (?P<names>[\w -]+?) -->\n(?P<body>.*?)<!-- /quotes -->", re.S)
+#: A figure a quoting table must find in the tables it names: a signed percentage, with its spread.
+_FIGURE = re.compile(r"[+-]\d+\.\d+(?: ± \d+\.\d+)? %")
+
+
+def problems(text: str) -> list[str]:
+    """What ``--check`` finds besides a marked table that differs: a markdown table outside both
+    kinds of block (its first line), and a figure of a ``quotes`` block in none of its tables."""
+    found, tables = [], {}
+    bare = _BLOCK.sub("", text)
+    for m in _QUOTES.finditer(bare):
+        names = m["names"].split()
+        if unknown := [n for n in names if n not in TABLES]:
+            raise SystemExit(f"unknown table {unknown[0]!r} in a quotes block; known: {', '.join(TABLES)}")
+        given = set(_FIGURE.findall("\n".join(tables.setdefault(n, TABLES[n]()) for n in names)))
+        found += [f"{fig} (quoted from {', '.join(names)}) is in none of those tables"
+                  for fig in _FIGURE.findall(m["body"]) if fig not in given]
+    lines = _QUOTES.sub("", bare).splitlines()
+    found += [f"a table outside the marked blocks: {line[:80]}" for i, line in enumerate(lines)
+              if line.startswith("|") and (i == 0 or not lines[i - 1].startswith("|"))]
+    return found
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--write", type=Path, help="rewrite the marked tables of this markdown file")
@@ -180,20 +215,26 @@ def main() -> int:
     ap.add_argument("--versus", nargs="*", default=[], help="with --folder: more labels to pair gaps with (s-ste ste)")
     args = ap.parse_args()
     if args.folder:
-        print(_folder_tables(args.folder, args.base, tuple(args.versus)))
+        sweep = any(args.folder.glob(f"*/{SCORES}"))  # a twofour compare --lrs folder
+        print(sweep_tables(args.folder) if sweep else _folder_tables(args.folder, args.base, tuple(args.versus)))
     elif args.write or args.check:
         path = args.write or args.check
         old = path.read_text()
         new = rewrite(old)
+        for problem in (found := problems(new)):
+            print(f"{path}: {problem}", file=sys.stderr)
         if args.check:
             if new != old:
                 print(f"{path}: its tables differ from the run files; run scripts/results_tables.py --write {path}",
                       file=sys.stderr)
                 return 1
+            if found:
+                return 1
             print(f"{path}: every table matches the run files")
         else:
             path.write_text(new)
             print(f"{path}: tables rewritten")
+            return 1 if found else 0
     else:
         for name, make in TABLES.items():
             print(f"## {name}\n\n{make()}\n")

@@ -24,6 +24,43 @@ def test_results_md_tables_match_the_run_files():
     text = (ROOT / "docs" / "RESULTS.md").read_text()
     assert text.count("<!-- table ") == text.count("<!-- /table -->") >= 5
     assert results_tables.rewrite(text) == text, "run scripts/results_tables.py --write docs/RESULTS.md"
+    assert results_tables.problems(text) == []  # every other table quotes figures the marked ones give
+
+
+def test_check_finds_an_unmarked_table_and_a_figure_its_tables_lack(monkeypatch):
+    monkeypatch.setattr(results_tables, "TABLES", {"a": lambda: "| x | +1.50 ± 0.75 % | +9.20 % |"})
+    quoted = "<!-- quotes a -->\n| run | result |\n|---|---|\n| x | {} and +9.20 % |\n<!-- /quotes -->\n"
+    marked = "<!-- table a -->\n| old |\n<!-- /table -->\n"
+    assert results_tables.problems(marked + quoted.format("+1.50 ± 0.75 %")) == []
+    assert results_tables.problems(quoted.format("+1.51 ± 0.75 %")) == [
+        "+1.51 ± 0.75 % (quoted from a) is in none of those tables"]
+    assert results_tables.problems("text\n\n| a | b |\n|---|---|\n") == ["a table outside the marked blocks: | a | b |"]
+
+
+def test_a_sweep_folder_is_tabulated_from_its_files(tmp_path):
+    """A ``twofour compare --lrs`` folder copied without checkpoints: its tables from summary.json,
+    config.json, metrics.csv and val_halves.json."""
+    from twofour.errors import TrainError
+    from twofour.training.config import TrainConfig
+    from twofour.training.sweep import SCORES
+
+    runs = (("dense", 1e-3, 2.0, 2.2), ("dense", 2e-3, 1.9, 2.4), ("ste", 2e-3, 2.0, 2.5))
+    for recipe, lr, selection, report in runs:
+        run = tmp_path / f"{recipe}-lr={lr}-s1"
+        run.mkdir()
+        (run / "config.json").write_text(json.dumps(TrainConfig(model="tiny", recipe=recipe, lr=lr, seed=1).to_dict()))
+        (run / "metrics.csv").write_text("step,tokens,lr,train_loss,val_loss,flip_rate,tokens_per_s,elapsed_s\n")
+        (run / "summary.json").write_text(json.dumps(
+            {"recipe": recipe, "model": "tiny", "seed": 1, "steps": 2, "tokens": 64, "final_val_loss": 2.1,
+             "mean_flip_rate": 0.0, "final_flip_rate": 0.0, "tokens_per_s": 1.0, "wall_s": 1.0}))
+        (run / SCORES).write_text(json.dumps({"selection": selection, "report": report, "steps": 2,
+                                               "final_val_loss": 2.1}))
+    table = results_tables.sweep_tables(tmp_path)
+    assert "| dense | 0.002 (highest tried) | 1 | 2.4000 | 0.002 | +0.0000 | +0.00 % |" in table
+    assert "| ste | 0.002 | 1 | 2.5000 | 0.002 | +0.1000 | +4.17 % |" in table
+    (tmp_path / "ste-lr=0.002-s1" / SCORES).unlink()
+    with pytest.raises(TrainError, match="without its val_halves.json"):
+        results_tables.sweep_tables(tmp_path)
 
 
 def test_rewrite_fills_each_block_and_refuses_unknown_names(monkeypatch):
