@@ -133,7 +133,7 @@ def scores(run: dict[str, Any], data: SharedData | None) -> dict[str, float]:
     :data:`SCORES` when written for this very run (its steps and final val loss), else computed
     from its checkpoint on ``data`` (on ``data``'s device) and written there."""
     out = Path(run["out_dir"])
-    with contextlib.suppress(OSError, ValueError):
+    with contextlib.suppress(OSError, ValueError, KeyError, TypeError):  # none, or not this run's: scored again
         saved = json.loads((out / SCORES).read_text())
         if saved["steps"] == run["steps"] and saved["final_val_loss"] == run["final_val_loss"]:
             return {"selection": float(saved["selection"]), "report": float(saved["report"])}
