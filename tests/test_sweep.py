@@ -9,6 +9,7 @@ import pytest
 import torch
 
 from twofour.cli import main
+from twofour.training import runs
 from twofour.training.config import TrainConfig
 from twofour.training.data import load_data
 from twofour.training.export import run_model
@@ -22,7 +23,8 @@ RUN = ["--model", "tiny", "--n-layer", "1", "--steps", "2", "--batch-size", "2",
        "--eval-interval", "2", "--eval-iters", "1", "--log-interval", "2", "--no-progress"]
 
 
-def test_sweep_trains_every_rate_once_and_reports_on_the_other_half(tmp_path, corpus, capsys):
+def test_sweep_trains_every_rate_once_and_reports_on_the_other_half(tmp_path, corpus, capsys, monkeypatch):
+    monkeypatch.setattr(runs, "plot_run", lambda out, title: None)  # each run's curves.png: not tested here
     out = tmp_path / "sweep"
     args = ["compare", *RUN, "--data", corpus, "--out", str(out), "--seeds", "1"]
     assert main([*args, "--recipes", "dense"]) == 0  # a plain comparison: dense at the preset's rate
