@@ -370,6 +370,20 @@ def test_torchrun_two_processes(tmp_path, corpus, model, fsdp):
     assert ("sharded" in ck) == fsdp and (out / "ckpt.pt").exists() != fsdp
 
 
+@pytest.mark.slow
+def test_compare_under_torchrun_reports_once(tmp_path, corpus):
+    """`torchrun ... twofour compare`: every run trains on both processes, rank 0 alone prints the
+    table and writes compare.md; the other rank ends cleanly."""
+    out = tmp_path / "cmp"
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-port",
+           str(free_port()), "-m", "twofour", "compare", *SMALL, "--data", corpus, "--out", str(out),
+           "--recipes", "dense,ste"]
+    res = subprocess.run(cmd, capture_output=True, text=True, env={**os.environ, "OMP_NUM_THREADS": "1"}, timeout=300)
+    assert res.returncode == 0, res.stderr[-3000:]
+    assert res.stdout.count("table: ") == 1 and (out / "compare.md").exists()
+    assert sorted(p.name for p in out.iterdir() if p.is_dir()) == ["dense-s1337", "ste-s1337"]
+
+
 def test_resume_takes_the_runs_settings(tmp_path, corpus, capsys):
     """--resume alone continues with the checkpoint's data, schedule, batch and recipe; an option
     that contradicts them is refused by name; --steps may grow only with --reschedule."""

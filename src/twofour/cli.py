@@ -153,10 +153,12 @@ def _cmd_compare(a: argparse.Namespace) -> int:
     recipes, seeds = parse_recipes(a.recipes), parse_seeds(a.seeds)
     base = _config(a, recipes[0])
     if a.lrs is None:
-        table = results_table(compare(recipes, base, seeds))
+        summaries, table_of = compare(recipes, base, seeds), results_table
     else:  # a learning-rate sweep: each recipe at its best rate
-        table = sweep_table(sweep(recipes, base, seeds, parse_rates(a.lrs, base)))
-    print("\n" + table)
+        summaries, table_of = sweep(recipes, base, seeds, parse_rates(a.lrs, base)), sweep_table
+    if not summaries:  # under torchrun, a rank other than 0: rank 0 reports
+        return 0
+    print("\n" + table_of(summaries))
     print(f"table: {Path(a.out) / 'compare.md'}, plot: {Path(a.out) / 'compare.png'}")
     return 0
 

@@ -106,11 +106,14 @@ def compare(recipes: list[str], base: TrainConfig, seeds: list[int] | None = Non
     interrupted one (a checkpoint, no summary) is resumed, unless ``base.overwrite``. The table
     and plot cover every finished run in the folder with the same model and token budget. The
     folder is locked meanwhile (rank 0 under torchrun), as each run's folder is while it trains:
-    TrainError if another comparison holds it."""
+    TrainError if another comparison holds it. Under torchrun rank 0 reports; the other ranks
+    return an empty list."""
     root = Path(base.out_dir)
     with locked(root):
         runs = [(recipe, None, seed) for recipe in recipes for seed in seeds or [base.seed]]
         summaries = train_runs(base, runs, SharedData(base))
+        if int(os.environ.get("RANK", "0")) != 0:  # a rank's summary holds no more than its tokens/s
+            return []
         root.mkdir(parents=True, exist_ok=True)
         return _report(root, summaries[0])
 
