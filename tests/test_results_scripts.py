@@ -201,3 +201,15 @@ def test_the_fp8_peer_tables_recompute_from_their_run_files():
                                ("ste", "1.053x (r=1.43)", "1.092x"), ("s-ste", "1.116x (r=1.43)", "1.207x")):
         assert any(x.startswith(f"| {row} | ") and f"{measured} | {at2} (r=2.00) |" in x for x in table.splitlines())
         assert f"{measured.replace('r=', 'r = ')} | {at2} |" in note
+
+
+def test_every_summary_under_docs_results_says_which_code_ran():
+    """Each run's summary.json records its code (twofour, torch, source digest) or says it was not
+    recorded and names the commit that added its files."""
+    summaries = sorted((ROOT / "docs" / "results").rglob("summary.json"))
+    assert len(summaries) >= 54
+    for path in summaries:
+        code = json.loads(path.read_text()).get("code")
+        assert code is not None, f"{path.relative_to(ROOT)} records no code"
+        assert ("source" in code and "torch" in code) or (
+            code.get("recorded") is False and len(code.get("files_added_in", "")) == 40), path.relative_to(ROOT)
