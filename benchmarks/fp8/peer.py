@@ -29,7 +29,6 @@ from pathlib import Path
 
 import torch
 from torch import nn
-from torch.autograd import DeviceType
 from torch.profiler import ProfilerActivity, profile
 
 from twofour.models import FFN_PATTERNS, PRESETS
@@ -129,8 +128,7 @@ def run_row(row: str, args: argparse.Namespace) -> dict:
         for _ in range(3):
             step()
         torch.cuda.synchronize()
-    cpu = {evt.key for evt in prof.key_averages() if evt.device_type == DeviceType.CPU}
-    kernels = {k: v for k, v in kernel_times(prof, 3, skip=tuple(cpu)).items() if not RANGES.search(k)}
+    kernels = {k: v for k, v in kernel_times(prof, 3).items() if not RANGES.search(k)}
     gemms = sorted(((evt.device_time_total / 3e3, evt.count / 3, evt.key, str(evt.input_shapes))
                     for evt in prof.key_averages(group_by_input_shape=True)
                     if GEMM_OPS.search(evt.key) and evt.device_time_total > 0), reverse=True)[:args.top * 3]
@@ -231,7 +229,8 @@ def report(saved: list[tuple[str, dict]], ratios: list[float]) -> str:
             continue
         g = ffn_gemm_ms(p["gemms"], shapes, tokens)
         sped = g["fwd"] + (g["dW"] if make_recipe(ROWS[name][0]).mvue else 0.0)
-        r_meas = g["fwd"] / kinds[next(k for k, v in ok.items() if v is ste)]["GEMM 2:4"] if ste else None
+        ste_24 = kinds[next(k for k, v in ok.items() if v is ste)]["GEMM 2:4"] if ste else 0.0
+        r_meas = g["fwd"] / ste_24 if ste_24 > 0 else None  # none where ste's forward ran dense
         cells = []
         for ratio in [r_meas, *ratios]:
             cells.append("-" if not ratio else f"{p['ms'] / (p['ms'] - sped * (1 - 1 / ratio)):.3f}x (r={ratio:.2f})")
