@@ -9,7 +9,8 @@ import pytest
 import torch
 
 from twofour.cli import main
-from twofour.training import runs
+from twofour.training import compare, runs
+from twofour.training import sweep as sweep_module
 from twofour.training.config import TrainConfig
 from twofour.training.data import load_data
 from twofour.training.export import run_model
@@ -27,7 +28,9 @@ def test_sweep_trains_every_rate_once_and_reports_on_the_other_half(tmp_path, co
     monkeypatch.setattr(runs, "plot_run", lambda out, title: None)  # each run's curves.png: not tested here
     out = tmp_path / "sweep"
     args = ["compare", *RUN, "--data", corpus, "--out", str(out), "--seeds", "1"]
-    assert main([*args, "--recipes", "dense"]) == 0  # a plain comparison: dense at the preset's rate
+    with monkeypatch.context() as m:  # a plain comparison: dense at the preset's rate (its plot: not tested)
+        m.setattr(compare, "plot_compare", lambda root, summaries: None)
+        assert main([*args, "--recipes", "dense"]) == 0
     sweep = [*args, "--recipes", "dense,ste", "--lrs", "1x,2e-3"]
     assert main(sweep) == 0
     # every recipe at every rate; dense at the preset's (1e-3) is the plain comparison's run, reused
@@ -46,6 +49,7 @@ def test_sweep_trains_every_rate_once_and_reports_on_the_other_half(tmp_path, co
     assert (out / "compare.png").exists() == (pyplot() is not None)
     # run again: nothing trained, nothing scored again
     stamps = {p: p.stat().st_mtime_ns for p in out.glob("*/*") if p.name in ("ckpt.pt", SCORES)}
+    monkeypatch.setattr(sweep_module, "plot_sweep", lambda root, summaries: None)  # drawn above, for time
     assert len(stamps) == 8 and main(sweep) == 0
     assert stamps == {p: p.stat().st_mtime_ns for p in stamps} and (out / "compare.md").read_text() == table
 
