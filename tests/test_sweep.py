@@ -83,10 +83,15 @@ def test_lrs_options(tmp_path, corpus, capsys):
     base = TrainConfig(model="tiny")
     assert parse_rates(" 2x, 5e-4,1x", base) == [5e-4, 1e-3, 2e-3]
     assert parse_rates("3x", TrainConfig(model="gpt2-124m")) == [1.8e-3]  # 3 x 6e-4, rounded as written
+    assert parse_rates("1.234567891e-3", base) == [1.234567891e-3]  # a rate given is the rate trained
     cmd = ["compare", *RUN, "--data", corpus, "--out", str(tmp_path / "x")]
     assert "--lr and --lrs contradict" in error_of([*cmd, "--lr", "1e-3", "--lrs", "1e-3,2e-3"], capsys)
     assert "got 'fast'" in error_of([*cmd, "--lrs", "1e-3,fast"], capsys)
     assert "0.001 twice" in error_of([*cmd, "--lrs", "1e-3,1x"], capsys)
     assert "at most 1, got 2" in error_of([*cmd, "--lrs", "2"], capsys)
+    for bad in ("0", "0x", "-1e-3", "nan"):
+        assert f"> 0 and at most 1, got {bad}" in error_of([*cmd, f"--lrs=1e-3,{bad}"], capsys)
+    assert "got an empty one in ''" in error_of([*cmd, "--lrs", ""], capsys)
+    assert "got an empty one in '1e-3,,2e-3'" in error_of([*cmd, "--lrs", "1e-3,,2e-3"], capsys)
     assert "--ckpt-interval 0 writes none" in error_of([*cmd, "--lrs", "1e-3", "--ckpt-interval", "0"], capsys)
     assert not (tmp_path / "x").exists()

@@ -62,12 +62,15 @@ def parse_rates(text: str, base: TrainConfig) -> list[float]:
     base.validate()  # the preset's rate needs a known model and regime
     rates: list[float] = []
     for item in (t.strip() for t in text.split(",")):
+        multiple = item.lower().endswith("x")
         try:
-            rate = float(item[:-1]) * base.peak_lr if item.lower().endswith("x") else float(item)
+            rate = float(item[:-1]) * base.peak_lr if multiple else float(item)
         except ValueError:
+            got = repr(item) if item else "an empty one"
             raise ValueError(f"--lrs takes comma-separated learning rates (e.g. 5e-4,1e-3,2e-3) or multiples of the "
-                             f"preset's (e.g. 0.5x,1x,2x), got {item!r}") from None
-        rate = float(f"{rate:.6g}")  # 3x of 1e-3 is 0.003, in the folder's name too
+                             f"preset's (e.g. 0.5x,1x,2x), got {got} in {text!r}") from None
+        if multiple:  # 3x of 1e-3 is 0.003, not 0.0030000000000000005, in the folder's name too
+            rate = float(f"{rate:.6g}")
         if not (math.isfinite(rate) and 0 < rate <= 1):
             raise ValueError(f"--lrs: a peak learning rate is > 0 and at most 1, got {item}")
         if rate in rates:
