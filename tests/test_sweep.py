@@ -52,6 +52,9 @@ def test_sweep_trains_every_rate_once_and_reports_on_the_other_half(tmp_path, co
     monkeypatch.setattr(sweep_module, "plot_sweep", lambda root, summaries: None)  # drawn above, for time
     assert len(stamps) == 8 and main(sweep) == 0
     assert stamps == {p: p.stat().st_mtime_ns for p in stamps} and (out / "compare.md").read_text() == table
+    # scores left by another run in that folder (another final loss) are not this run's: scored again
+    (out / "dense-lr=0.002-s1" / SCORES).write_text(json.dumps({**saved, "selection": 9.0, "final_val_loss": 9.0}))
+    assert main(sweep) == 0 and json.loads((out / "dense-lr=0.002-s1" / SCORES).read_text()) == saved
 
 
 def _run(recipe, lr, seed, selection, report):
