@@ -4,7 +4,8 @@ By default: a 2:4 layer's forward + backward against ``nn.Linear`` per recipe, t
 (GPT's GELU, Llama's SwiGLU), and the tokens/s of ``twofour train`` itself, eager and compiled.
 ``--fp8``: FP8 layers against bf16 and dense FP8 (and torchao's float8 where it is installed).
 ``--inference``: an exported 2:4 model against its dense twin, prefill and decode tokens/s.
-Ratios: dense time / twofour time (above 1: faster), dense measured in the same run. Kernel probes and analyses: the scripts of ``benchmarks/``.
+Ratios: dense time / twofour time (above 1: faster), dense measured in the same run. Kernel
+probes and analyses: the scripts of ``benchmarks/``.
 """
 
 from __future__ import annotations
