@@ -3,12 +3,14 @@ chosen on one half of the validation split and reported on the other."""
 
 import contextlib
 import json
+from pathlib import Path
 
 import numpy as np
 import pytest
 import torch
 
 from twofour.cli import main
+from twofour.errors import DivergedError
 from twofour.training import compare, runs
 from twofour.training import sweep as sweep_module
 from twofour.training.config import TrainConfig
@@ -55,6 +57,34 @@ def test_sweep_trains_every_rate_once_and_reports_on_the_other_half(tmp_path, co
     # scores left by another run in that folder (another final loss) are not this run's: scored again
     (out / "dense-lr=0.002-s1" / SCORES).write_text(json.dumps({**saved, "selection": 9.0, "final_val_loss": 9.0}))
     assert main(sweep) == 0 and json.loads((out / "dense-lr=0.002-s1" / SCORES).read_text()) == saved
+
+
+def test_a_run_that_diverges_is_a_result_not_the_end_of_the_sweep(tmp_path, corpus, monkeypatch):
+    """A diverged run is recorded in its folder, listed as diverged, never chosen, not trained again
+    by a second call; --overwrite trains it again."""
+    monkeypatch.setattr(runs, "plot_run", lambda out, title: None)  # not tested here, for time
+    monkeypatch.setattr(sweep_module, "plot_sweep", lambda root, summaries: None)
+    real, calls = compare.train, []
+
+    def train(cfg, *args, **kwargs):  # ste at 2e-3 diverges at its first step, after writing its config
+        calls.append(cfg.out_dir)
+        if cfg.recipe == "ste" and cfg.lr == 2e-3:
+            Path(cfg.out_dir).mkdir(parents=True, exist_ok=True)
+            (Path(cfg.out_dir) / "config.json").write_text(json.dumps(cfg.to_dict()))
+            raise DivergedError("training diverged: the loss or gradient norm is not finite at step 1", 1)
+        return real(cfg, *args, **kwargs)
+
+    monkeypatch.setattr(compare, "train", train)
+    out = tmp_path / "sweep"
+    sweep = ["compare", *RUN, "--data", corpus, "--out", str(out), "--seeds", "1", "--recipes", "dense,ste",
+             "--lrs", "1e-3,2e-3"]
+    assert main(sweep) == 0 and len(calls) == 4
+    table = (out / "compare.md").read_text()
+    assert "| ste | 0.002 | 1 | diverged at step 1 |" in table
+    assert "| ste | 0.001 (lowest tried) | 1 |" in table  # the rate that trained is chosen
+    assert "| ste | 0.002 | 1 | diverged (seed 1) | diverged (seed 1) | n/a (diverged) | n/a |" in table
+    assert main(sweep) == 0 and len(calls) == 4 and (out / "compare.md").read_text() == table
+    assert main([*sweep, "--overwrite"]) == 0 and calls.count(str(out / "ste-lr=0.002-s1")) == 2
 
 
 def _run(recipe, lr, seed, selection, report):

@@ -13,7 +13,7 @@ process-wide switches and measured choices. This module is the public API only.
 """
 
 from . import dispatch, functional
-from .errors import DataError, FormatError, TrainError, TwofourError
+from .errors import DataError, DivergedError, FormatError, TrainError, TwofourError
 from .inference import SparseInferenceLinear, load_for_inference, sparsify_for_inference, to_inference
 from .inference.sampling import generate
 from .sparse import (
@@ -58,6 +58,7 @@ __all__ = [
     "generate",
     "TwofourError",
     "TrainError",
+    "DivergedError",
     "DataError",
     "FormatError",
     "__version__",

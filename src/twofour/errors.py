@@ -10,8 +10,8 @@ import os
 import re
 from pathlib import Path
 
-__all__ = ["TwofourError", "TrainError", "DataError", "FormatError", "out_of_memory_message", "one_line",
-           "size_text", "write_failure", "DISK_FULL", "missing_link"]
+__all__ = ["TwofourError", "TrainError", "DivergedError", "DataError", "FormatError", "out_of_memory_message",
+           "one_line", "size_text", "write_failure", "DISK_FULL", "missing_link"]
 
 
 class TwofourError(ValueError):
@@ -20,6 +20,15 @@ class TwofourError(ValueError):
 
 class TrainError(TwofourError):
     """A run that can't start or go on: bad options, an existing run, a bad checkpoint."""
+
+
+class DivergedError(TrainError):
+    """A run whose loss, gradient norm or weights stopped being finite, at optimizer step ``step``
+    (a learning-rate sweep records such a run as a result instead of stopping)."""
+
+    def __init__(self, message: str, step: int) -> None:
+        super().__init__(message)
+        self.step = step
 
 
 class DataError(TwofourError):

@@ -12,11 +12,11 @@ import logging
 import os
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any
+from typing import Any, Protocol
 
 import numpy as np
 
-from ..errors import TrainError
+from ..errors import DivergedError, TrainError
 from ..sparse.recipes import RECIPES, recipe_options
 from .checkpoint import checkpoint_path
 from .config import LAUNCH_OPTIONS, TrainConfig, check_seed
@@ -30,7 +30,8 @@ log = logging.getLogger("twofour")
 
 __all__ = ["compare", "results_table", "recipe_stats", "plot_compare", "run_label", "summary_label",
            "run_order", "parse_recipes", "parse_seeds", "train_runs", "finished_runs", "one_per_run", "run_folder",
-           "dense_label", "curve_panels", "save_figure", "SharedData", "locked", "mean_std", "plus_minus"]
+           "dense_label", "curve_panels", "save_figure", "SharedData", "locked", "mean_std", "plus_minus", "same_run",
+           "Diverged"]
 
 
 def parse_recipes(text: str) -> list[str]:
@@ -135,11 +136,23 @@ class SharedData:
         return self._data
 
 
-def train_runs(base: TrainConfig, runs: list[tuple[str, float | None, int]], data: SharedData) -> list[dict[str, Any]]:
+class Diverged(Protocol):
+    """How a comparison keeps a run that diverged (a sweep's rate too high): ``read(cfg)`` gives the
+    record of ``cfg``'s run left by an earlier call (None: none), ``record(cfg, error)`` writes and
+    gives it; either stands for the run's summary."""
+
+    def read(self, cfg: TrainConfig) -> dict[str, Any] | None: ...
+
+    def record(self, cfg: TrainConfig, error: DivergedError) -> dict[str, Any]: ...
+
+
+def train_runs(base: TrainConfig, runs: list[tuple[str, float | None, int]], data: SharedData,
+               diverged: Diverged | None = None) -> list[dict[str, Any]]:
     """Each (recipe, peak lr, seed) of ``runs`` as ``base`` with them (lr None: ``base``'s), in
     its :func:`run_folder` under ``base.out_dir``: reused if finished there, resumed if
     interrupted, else trained; the summaries, in order. A sweep's run at the preset's rate is
-    the one in the folder without a rate, when that one is finished."""
+    the one in the folder without a rate, when that one is finished. With ``diverged``, a run
+    that diverges is recorded by it and not trained again (else its error ends the comparison)."""
     root, summaries = Path(base.out_dir), []
     for recipe, lr, seed in runs:
         options = _options_for(recipe, base.recipe_options)
@@ -153,8 +166,15 @@ def train_runs(base: TrainConfig, runs: list[tuple[str, float | None, int]], dat
             summaries.append(read_summary(cfg.out_dir))
         elif lr is not None and plain.peak_lr == lr and _finished(plain, base.overwrite):
             summaries.append(read_summary(plain.out_dir))
+        elif diverged is not None and not base.overwrite and (record := diverged.read(cfg)) is not None:
+            summaries.append(record)
         else:
-            summaries.append(train(_continue(cfg, base.overwrite), data()))
+            try:
+                summaries.append(train(_continue(cfg, base.overwrite), data()))
+            except DivergedError as e:
+                if diverged is None:
+                    raise
+                summaries.append(diverged.record(cfg, e))
     return summaries
 
 
@@ -170,7 +190,7 @@ def _finished(cfg: TrainConfig, overwrite: bool) -> bool:
     """Whether ``cfg``'s folder holds this very run, finished (all its steps, not stopped early)."""
     done = read_summary(cfg.out_dir)
     return (not overwrite and done is not None and done["steps"] == cfg.steps
-            and _same_run(read_config(cfg.out_dir), cfg))
+            and same_run(read_config(cfg.out_dir), cfg))
 
 
 def _continue(cfg: TrainConfig, overwrite: bool) -> TrainConfig:
@@ -180,7 +200,7 @@ def _continue(cfg: TrainConfig, overwrite: bool) -> TrainConfig:
     out = Path(cfg.out_dir)
     if overwrite or (checkpoint_path(out) is None and not (out / METRICS).exists()):
         return cfg
-    if not _same_run(read_config(out), cfg):
+    if not same_run(read_config(out), cfg):
         raise TrainError(f"{out} holds a run with other settings; choose another --out, or --overwrite to "
                          "retrain every run of the comparison")
     if checkpoint_path(out) is not None:
@@ -188,7 +208,7 @@ def _continue(cfg: TrainConfig, overwrite: bool) -> TrainConfig:
     return dataclasses.replace(cfg, overwrite=True)  # died before its first checkpoint: nothing to keep
 
 
-def _same_run(config: dict[str, Any] | None, cfg: TrainConfig) -> bool:
+def same_run(config: dict[str, Any] | None, cfg: TrainConfig) -> bool:
     """Whether a run's config (its config.json) is ``cfg``, up to how it was launched and how
     often it logs, evaluates and checkpoints (device, compile and FSDP count: they change speed).
     A setting the saved config lacks (saved before it existed) counts as its default."""

@@ -30,7 +30,7 @@ import numpy as np
 import torch
 from torch.distributed.tensor import DTensor
 
-from ..errors import TrainError
+from ..errors import DivergedError
 from .checkpoint import CKPT, checkpoint_path, save
 from .config import TrainConfig
 from .console import Interrupted, Progress, StopRequest
@@ -140,15 +140,16 @@ class Tally:
     def apply(self, loss: torch.Tensor, norm: torch.Tensor, done: int) -> bool:
         """Whether step ``done``'s gradients go to the optimizer: False where the loss or norm is
         not finite on some rank and ``--skip-nonfinite`` allows skipping it (one host sync a step,
-        only then); TrainError past that many."""
+        only then); DivergedError past that many."""
         run, cfg = self.run, self.run.cfg
         ok = torch.isfinite(loss + norm)  # NaN or inf in either
         self.window_steps, self.lr = self.window_steps + 1, run.sched.get_last_lr()[0]  # the rate this step took
         if cfg.skip_nonfinite and not everywhere(ok, run.par.world):
             self.skipped, self.window_skipped = self.skipped + 1, self.window_skipped + 1
             if self.skipped > cfg.skip_nonfinite:
-                raise TrainError(_diverged(f"the loss or gradient norm is not finite at step {done}, after "
-                                           f"{cfg.skip_nonfinite} skipped (--skip-nonfinite)", run.out, self.saved))
+                raise DivergedError(_diverged(f"the loss or gradient norm is not finite at step {done}, after "
+                                              f"{cfg.skip_nonfinite} skipped (--skip-nonfinite)", run.out, self.saved),
+                                    done)
             if run.par.main:
                 log.warning("twofour: step %d: the loss or gradient norm is not finite; skipped (%d of at most %d)",
                             done, self.skipped, cfg.skip_nonfinite)
@@ -164,13 +165,14 @@ class Tally:
 
     def row(self, done: int, evaluating: bool) -> dict[str, Any]:
         """The metrics row of the window ending at step ``done`` (logged by rank 0), evaluating
-        when asked; TrainError if a step in it was not finite. Starts the next window."""
+        when asked; DivergedError if a step in it was not finite. Starts the next window."""
         run, par = self.run, self.run.par
         par.max_(self.first_bad)
         par.mean_(self.loss)
         if self.first_bad.item():
-            raise TrainError(_diverged(f"the loss or gradient norm is not finite at step {int(self.first_bad.item())}",
-                                       run.out, self.saved))
+            bad = int(self.first_bad.item())
+            raise DivergedError(_diverged(f"the loss or gradient norm is not finite at step {bad}", run.out,
+                                          self.saved), bad)
         applied = self.window_steps - self.window_skipped
         now = time.perf_counter()
         row = {"step": done, "tokens": done * run.tokens_per_step, "lr": self.lr,
@@ -191,7 +193,7 @@ class Tally:
         """A checkpoint of step ``done``, after checking every weight is finite."""
         run = self.run
         if not _finite_weights(run.raw, run.par.world, run.device):
-            raise TrainError(_diverged(f"the weights are not finite after step {done}", run.out, self.saved))
+            raise DivergedError(_diverged(f"the weights are not finite after step {done}", run.out, self.saved), done)
         self.written = save(run.out, run.cfg, run.raw, run.opt, run.sched, done, run.data_gen, run.par.rank,
                             run.par.world, time.perf_counter() - self.t_start, sharded=run.par.sharded)
         self.saved = done

@@ -21,7 +21,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from ..errors import TrainError
+from ..errors import DivergedError, TrainError
 from .checkpoint import checkpoint_path
 from .compare import (
     SharedData,
@@ -34,6 +34,7 @@ from .compare import (
     plus_minus,
     run_folder,
     run_order,
+    same_run,
     save_figure,
     summary_label,
     train_runs,
@@ -45,11 +46,55 @@ from .loop import evaluate
 from .runs import pyplot, read_config
 from .setup import autocast_on
 
-__all__ = ["SCORES", "parse_rates", "sweep", "sweep_runs", "halves", "scores", "best_rates", "sweep_table",
-           "plot_sweep"]
+__all__ = ["SCORES", "DIVERGED", "DivergedRuns", "parse_rates", "sweep", "sweep_runs", "halves", "scores",
+           "best_rates", "sweep_table", "plot_sweep"]
 
 #: A sweep run's final val loss on each half of the validation split, in its folder.
 SCORES = "val_halves.json"
+#: A sweep run that diverged: at which step, and the error's line, in its folder.
+DIVERGED = "diverged.json"
+
+
+class DivergedRuns:
+    """A sweep's runs that diverged (:class:`~twofour.training.compare.Diverged`): each a
+    :data:`DIVERGED` file in its folder, read back as a summary whose scores are infinite, so that
+    its rate is never chosen and the run is not trained again (``--overwrite`` trains it again)."""
+
+    def read(self, cfg: TrainConfig) -> dict[str, Any] | None:
+        out = Path(cfg.out_dir)
+        with contextlib.suppress(OSError, ValueError):
+            record = json.loads((out / DIVERGED).read_text())
+            if record.get("steps") == cfg.steps and same_run(read_config(out), cfg):
+                return _diverged_summary(record, out)
+        return None
+
+    def record(self, cfg: TrainConfig, error: DivergedError) -> dict[str, Any]:
+        record = {"recipe": cfg.recipe, "recipe_options": cfg.recipe_options, "precision": cfg.precision,
+                  "model": cfg.model, "regime": cfg.regime, "seed": cfg.seed, "steps": cfg.steps,
+                  "lr": cfg.peak_lr, "diverged_at": error.step, "error": str(error)}
+        if int(os.environ.get("RANK", "0")) == 0:
+            (Path(cfg.out_dir) / DIVERGED).write_text(json.dumps(record, indent=2))
+        return _diverged_summary(record, Path(cfg.out_dir))
+
+
+def _diverged_summary(record: dict[str, Any], out: Path) -> dict[str, Any]:
+    """A diverged run as the tables read a run: no losses, infinite scores."""
+    return {**record, "out_dir": str(out), "final_val_loss": None, "selection": math.inf, "report": math.inf}
+
+
+def _diverged_runs(root: Path, like: dict[str, Any]) -> list[dict[str, Any]]:
+    """The diverged runs under ``root`` with ``like``'s model, regime and steps (a folder whose run
+    has since finished, with ``--overwrite``, counts as that run)."""
+    found = []
+    for path in sorted(root.glob(f"*/{DIVERGED}")):
+        if (path.parent / "summary.json").exists():
+            continue
+        with contextlib.suppress(OSError, ValueError):
+            record = json.loads(path.read_text())
+            if (record.get("model"), record.get("regime", "ours"), record.get("steps")) == (
+                    like["model"], like.get("regime", "ours"), like["steps"]):
+                found.append(_diverged_summary(record, path.parent))
+    return found
 
 
 def parse_rates(text: str, base: TrainConfig) -> list[float]:
@@ -93,11 +138,12 @@ def sweep(recipes: list[str], base: TrainConfig, seeds: list[int] | None, lrs: l
     root = Path(base.out_dir)
     with locked(root):
         data = SharedData(base)
-        done = train_runs(base, [(r, lr, s) for r in recipes for lr in lrs for s in seeds or [base.seed]], data)
+        done = train_runs(base, [(r, lr, s) for r in recipes for lr in lrs for s in seeds or [base.seed]], data,
+                          DivergedRuns())
         if int(os.environ.get("RANK", "0")) != 0:  # under torchrun rank 0 scores and reports
             return []
         root.mkdir(parents=True, exist_ok=True)
-        summaries = sweep_runs(root, done[0], data)
+        summaries = sweep_runs(root, next((d for d in done if "diverged_at" not in d), done[0]), data)
         (root / "compare.md").write_text(sweep_table(summaries))
         plot_sweep(root, summaries)
         return summaries
@@ -106,9 +152,10 @@ def sweep(recipes: list[str], base: TrainConfig, seeds: list[int] | None, lrs: l
 def sweep_runs(root: Path, like: dict[str, Any], data: SharedData | None = None) -> list[dict[str, Any]]:
     """Every finished run under ``root`` with the model, regime and tokens of ``like``, one per
     (label, peak lr, seed), each summary with ``lr`` (from its ``config.json``) and its
-    ``selection`` and ``report`` scores (:func:`scores`; without ``data``, only those saved), in
-    recipe order, then rate, then seed."""
-    runs = finished_runs(root, like)
+    ``selection`` and ``report`` scores (:func:`scores`; without ``data``, only those saved), and
+    every run that diverged (:class:`DivergedRuns`), in recipe order, then rate, then seed."""
+    diverged = _diverged_runs(root, like)
+    runs = finished_runs(root, like) if "diverged_at" not in like else []
     for r in runs:
         config = read_config(r["out_dir"])
         if config is None:
@@ -119,7 +166,7 @@ def sweep_runs(root: Path, like: dict[str, Any], data: SharedData | None = None)
         r["recipe"], r.get("recipe_options"), r["seed"], r.get("precision", "bf16"), r["lr"])))
     for r in kept:
         r.update(scores(r, data))
-    return sorted(kept, key=lambda r: (*run_order(r)[:2], r["lr"], r["seed"]))
+    return sorted(kept + diverged, key=lambda r: (*run_order(r)[:2], r["lr"], r["seed"]))
 
 
 def halves(data: TokenData) -> tuple[TokenData, TokenData]:
@@ -188,12 +235,17 @@ def _gap(runs: dict[int, dict[str, Any]], ref: dict[int, dict[str, Any]]) -> str
     paired = sorted(set(runs) & set(ref))
     if not paired:
         return "n/a | n/a"
+    if not all(math.isfinite(r[k]["report"]) for r in (runs, ref) for k in paired):
+        return "n/a (diverged) | n/a"
     gaps = [runs[k]["report"] - ref[k]["report"] for k in paired]
     rel = [100 * g / ref[k]["report"] for g, k in zip(gaps, paired)]
     return f"{plus_minus(*mean_std(gaps), '+.4f')} | {plus_minus(*mean_std(rel), '+.2f')} %"
 
 
 def _scores(runs: dict[int, dict[str, Any]], key: str) -> str:
+    bad = [seed for seed, r in runs.items() if not math.isfinite(r[key])]
+    if bad:
+        return f"diverged (seed {', '.join(map(str, bad))})"
     return plus_minus(*mean_std([r[key] for r in runs.values()]), ".4f")
 
 
@@ -210,11 +262,13 @@ def sweep_table(summaries: list[dict[str, Any]]) -> str:
     by seed; then every recipe at every rate (gap to dense at the same rate); then every run."""
     if not summaries:
         return ""
-    s0, rates, best = summaries[0], _by_rate(summaries), best_rates(summaries)
+    rates, best = _by_rate(summaries), best_rates(summaries)
+    s0 = next((s for s in summaries if "tokens" in s), summaries[0])  # a diverged run's record has no tokens
     dense_of = {summary_label(s): dense_label(s) for s in summaries}
     tried = ", ".join(f"{lr:g}" for lr in sorted({s["lr"] for s in summaries}))
+    tokens = f"{s0['tokens']:,} tokens per run" if "tokens" in s0 else "every run diverged"
     lines = [f"model `{s0['model']}`, regime `{s0.get('regime', 'ours')}`, {s0['steps']} steps, "
-             f"{s0['tokens']:,} tokens per run; peak learning rates {tried}", "", NOTE, "",
+             f"{tokens}; peak learning rates {tried}", "", NOTE, "",
              "Each recipe at its best learning rate, against dense at dense's best:", "",
              "| recipe | best lr | seeds | val loss (report half) | dense's best lr | paired gap to dense "
              "| relative gap |", "|---|---|---|---|---|---|---|"]
@@ -241,6 +295,10 @@ def sweep_table(summaries: list[dict[str, Any]]) -> str:
               "| recipe | lr | seed | final val loss | selection half | report half | mean flip rate | final flip rate "
               "| tokens/s | wall s |", "|---|---|---|---|---|---|---|---|---|---|"]
     for s in summaries:
+        if "diverged_at" in s:
+            lines.append(f"| {summary_label(s)} | {s['lr']:g} | {s['seed']} | diverged at step {s['diverged_at']} "
+                         "| | | | | | |")
+            continue
         val = "n/a" if s["final_val_loss"] is None else f"{s['final_val_loss']:.4f}"
         lines.append(f"| {summary_label(s)} | {s['lr']:g} | {s['seed']} | {val} | {s['selection']:.4f} "
                      f"| {s['report']:.4f} | {s['mean_flip_rate']:.2e} | {s['final_flip_rate']:.2e} "
@@ -251,7 +309,8 @@ def sweep_table(summaries: list[dict[str, Any]]) -> str:
 def plot_sweep(root: Path, summaries: list[dict[str, Any]]) -> Path | None:
     """compare.png of a sweep: compare's three panels for each recipe at its best rate and, with
     more than one rate, the final val loss on the report half against the peak learning rate (log
-    scale; mean over seeds, band from their minimum to their maximum; a star at the chosen rate)."""
+    scale; mean over seeds, band from their minimum to their maximum; a star at the chosen rate;
+    a rate where a seed diverged left out)."""
     plt = pyplot()
     if plt is None or not summaries:
         return None
@@ -263,7 +322,7 @@ def plot_sweep(root: Path, summaries: list[dict[str, Any]]) -> Path | None:
     if many:  # the same colors as the curves: the labels with a best rate, in order
         ax = axes[3]
         for i, (label, by_lr) in enumerate((k, v) for k, v in _by_rate(summaries).items() if best[k] is not None):
-            x = list(by_lr)
+            x = [lr for lr, runs in by_lr.items() if all(math.isfinite(r["report"]) for r in runs.values())]
             losses = [[r["report"] for r in by_lr[lr].values()] for lr in x]
             mean = [float(np.mean(v)) for v in losses]
             ax.plot(x, mean, "o-", markersize=3, color=f"C{i % 10}", label=label)
