@@ -182,15 +182,33 @@ def test_the_committed_torchtitan_steps_give_the_documented_losses():
     assert cells[at][header.index("loss at the last step, dense / s-ste")] == "1.6951 / 1.6165"
 
 
-def test_the_fp8_peer_tables_recompute_from_their_run_files():
-    """benchmarks/fp8/peer.py --from-json gives, from the committed runs, the ratios and ceilings
-    docs/notes/fp8-peer.md quotes."""
+def _peer():
     import importlib.util  # noqa: PLC0415
-    import json  # noqa: PLC0415
 
     spec = importlib.util.spec_from_file_location("peer", ROOT / "benchmarks" / "fp8" / "peer.py")
     peer = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(peer)
+    return peer
+
+
+def test_the_fp8_peer_tells_an_ffns_gemms_apart_by_shape_or_says_it_cannot():
+    """Llama's fused gate|up (4096 -> 28672) and down (14336 -> 4096): forward, dX and dW each found,
+    addmm's bias left out of its shapes; GPT's fc and proj (each the other transposed): None."""
+    peer, t = _peer(), 8192
+    gemms = [(1.0, 4, "aten::addmm", str([[28672], [t, 4096], [4096, 28672]])),  # forward, with its bias
+             (2.0, 4, "aten::mm", str([[t, 28672], [28672, 4096], [t, 4096]])),  # dX
+             (3.0, 4, "aten::_scaled_mm", str([[28672, t], [t, 4096], [], []])),  # dW
+             (4.0, 4, "aten::mm", str([[t, 14336], [14336, 4096], [t, 4096]])),  # down's forward
+             (9.0, 1, "aten::mm", str([[t, 4096], [4096, 32000], [t, 32000]]))]  # the head: no FFN part
+    got = peer.ffn_gemm_ms(gemms, {(4096, 28672), (14336, 4096)}, t)
+    assert got == {"fwd": (5.0, 8), "dX": (2.0, 4), "dW": (3.0, 4)}
+    assert peer.ffn_gemm_ms(gemms, {(768, 3072), (3072, 768)}, t) is None
+
+
+def test_the_fp8_peer_tables_recompute_from_their_run_files():
+    """benchmarks/fp8/peer.py --from-json gives, from the committed runs, the ratios and ceilings
+    docs/notes/fp8-peer.md quotes."""
+    peer = _peer()
     runs = [(name, json.loads((ROOT / "docs" / "results" / "fp8-peer" / f"{name}.json").read_text()))
             for name in ("h200", "h200-before")]
     table = peer.report(runs, [2.0])

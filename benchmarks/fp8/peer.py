@@ -31,6 +31,7 @@ import torch
 from torch import nn
 from torch.profiler import ProfilerActivity, profile
 
+import twofour
 from twofour.models import FFN_PATTERNS, PRESETS
 from twofour.sparse import make_recipe
 from twofour.sparse.convert import matches
@@ -65,6 +66,10 @@ RANGES = re.compile(r"^(## .* ##|Optimizer\.\w+#)")
 #: The operators whose device time (their kernels included) the GEMM table lists, by input shapes.
 GEMM_OPS = re.compile(r"^(aten::(mm|addmm|_scaled_mm|bmm|matmul|linear)|twofour::)")
 
+#: twofour's kernels that pass over the weights each step: the mask refresh, the pruning into the
+#: bf16 effective weight, the e4m3 compression of the FP8 2:4 forward operand.
+WEIGHT_KERNELS = ("_refresh_kernel", "_compress_kernel", "_compress_e4m3_kernel")
+
 KINDS = ("GEMM dense", "GEMM 2:4", "attention", "Inductor", "twofour Triton", "optimizer", "other")
 
 
@@ -78,7 +83,7 @@ def ao_float8(model: nn.Module) -> None:
 
 def twofour_kernels() -> set[str]:
     """Names of the Triton kernels twofour defines (read from its sources: some are built lazily)."""
-    src = Path(__file__).resolve().parents[2] / "src" / "twofour"
+    src = Path(twofour.__file__).parent
     names = set()
     for path in src.rglob("*.py"):
         names |= set(re.findall(r"@triton\.(?:jit|autotune)[^\n]*\n(?:\s*@[^\n]*\n)*\s*def (\w+)", path.read_text()))
@@ -94,7 +99,7 @@ def kind(name: str, ours: set[str]) -> str:
         return "Inductor"
     if "sparse_gemm" in low or "cusparselt" in low:
         return "GEMM 2:4"
-    if any(k in low for k in ("flash", "fmha", "attention", "sdpa")):
+    if any(k in low for k in ("flash", "fmha", "attention", "sdpa", "cudnn")):
         return "attention"
     if any(k in low for k in ("gemm", "nvjet", "cutlass", "xmma", "cublas", "matmul")):
         return "GEMM dense"
@@ -147,21 +152,27 @@ def ffn_shapes(preset: str, vocab: int) -> set[tuple[int, int]]:
     return {(m.in_features, m.out_features) for n, m in model.named_modules() if matches(n, FFN_PATTERNS)}
 
 
-def ffn_gemm_ms(gemms: list, shapes: set[tuple[int, int]], tokens: int) -> dict[str, float]:
-    """ms per step of a row's plain GEMM operators (``aten::mm``, ``aten::_scaled_mm``) that are the
-    FFN's forward, dX and dW, told apart by their operands' shapes."""
-    out = dict.fromkeys(("fwd", "dX", "dW"), 0.0)
-    for ms, _n, op, text in gemms:
-        if op not in ("aten::mm", "aten::_scaled_mm"):
+def ffn_gemm_ms(gemms: list, shapes: set[tuple[int, int]], tokens: int) -> dict[str, tuple[float, float]] | None:
+    """{part: (ms, calls) per step} of a row's plain GEMM operators (``aten::mm``, ``aten::addmm``,
+    ``aten::_scaled_mm``) that are the FFN's forward, dX and dW, told apart by their operands'
+    shapes; None where shapes cannot tell them apart (one linear's forward shaped as another's
+    dX, as in GPT's FFN, whose second linear is the first transposed)."""
+    parts: dict[tuple[int, ...], str] = {}
+    for k, n in shapes:
+        for key, part in (((tokens, k, k, n), "fwd"), ((tokens, n, n, k), "dX"), ((n, tokens, tokens, k), "dW")):
+            if parts.setdefault(key, part) != part:
+                return None
+    out = dict.fromkeys(("fwd", "dX", "dW"), (0.0, 0.0))
+    for ms, calls, op, text in gemms:
+        if op not in ("aten::mm", "aten::addmm", "aten::_scaled_mm"):
             continue
         try:
-            a, b = ast.literal_eval(text)[:2]
+            operands = [s for s in ast.literal_eval(text) if len(s) == 2]  # addmm's bias (1-D) left out
         except (ValueError, SyntaxError):  # a shape list cut short when it was saved
             continue
-        for k, n in shapes:
-            part = {(tokens, k, k, n): "fwd", (tokens, n, n, k): "dX", (n, tokens, tokens, k): "dW"}.get((*a, *b))
-            if part:
-                out[part] += ms
+        part = parts.get((*operands[0], *operands[1])) if len(operands) >= 2 else None
+        if part:
+            out[part] = (out[part][0] + ms, out[part][1] + calls)
     return out
 
 
@@ -203,12 +214,14 @@ def report(saved: list[tuple[str, dict]], ratios: list[float]) -> str:
 
     ffn, tokens = next(iter(ok.values()))["ffn_weights"], a["batch"] * 1024
     one_pass = ffn * (4 + 1) / (rates["copy_gbs"] * 1e9) * 1e3  # read the fp32 master, write 1 byte each
+    weight_ms = {row: sum(r["kernels"].get(k, (0.0, 0))[0] for k in WEIGHT_KERNELS) for row, r in ok.items()}
     out += ["", f"Weight passes: the FFN weights are {ffn / 1e6:,.0f}M elements; one pass over them (read "
             f"fp32, write one byte each) takes {one_pass:.2f} ms at the copy bandwidth measured in the same run "
-            f"({rates['copy_gbs']:,.0f} GB/s).", "",
-            md_head("row", "twofour Triton ms", "= passes over the FFN weights")]
-    out += [md_row(row, f"{kinds[row]['twofour Triton']:.2f}", f"{kinds[row]['twofour Triton'] / one_pass:.1f}")
-            for row in ok]
+            f"({rates['copy_gbs']:,.0f} GB/s). Weight kernels: {', '.join(WEIGHT_KERNELS)} (in bf16 with MVUE, "
+            "the compression kernel also draws the estimate of dY^T).", "",
+            md_head("row", "weight kernels ms", "= passes over the FFN weights", "other twofour kernels ms")]
+    out += [md_row(row, f"{weight_ms[row]:.2f}", f"{weight_ms[row] / one_pass:.1f}",
+                   f"{kinds[row]['twofour Triton'] - weight_ms[row]:.2f}") for row in ok]
 
     shapes = ffn_shapes(a["preset"], a["vocab"])
     peers = {"bf16": ok.get("dense"), "fp8": ok.get("ao-float8")}
@@ -228,15 +241,20 @@ def report(saved: list[tuple[str, dict]], ratios: list[float]) -> str:
         if p is None:
             continue
         g = ffn_gemm_ms(p["gemms"], shapes, tokens)
-        sped = g["fwd"] + (g["dW"] if make_recipe(ROWS[name][0]).mvue else 0.0)
-        ste_24 = kinds[next(k for k, v in ok.items() if v is ste)]["GEMM 2:4"] if ste else 0.0
-        r_meas = g["fwd"] / ste_24 if ste_24 > 0 else None  # none where ste's forward ran dense
+        if g is None:
+            out.append(md_row(row, "n/a: the FFN's forward and dX GEMMs have the same operand shapes here", "",
+                              "", "", *[""] * (1 + len(ratios))))
+            continue
+        sped = g["fwd"][0] + (g["dW"][0] if make_recipe(ROWS[name][0]).mvue else 0.0)
+        # ste's 2:4 kernels against the peer's forward GEMMs, where ste ran every FFN forward 2:4 and nothing else
+        sparse = [v for k, v in (ste or {}).get("kernels", {}).items() if kind(k, ours) == "GEMM 2:4"]
+        every = sparse and sum(n for _ms, n in sparse) == g["fwd"][1]
+        r_meas = g["fwd"][0] / sum(ms for ms, _n in sparse) if every else None
         cells = []
         for ratio in [r_meas, *ratios]:
             cells.append("-" if not ratio else f"{p['ms'] / (p['ms'] - sped * (1 - 1 / ratio)):.3f}x (r={ratio:.2f})")
-        out.append(md_row(row, "torchao float8" if prec == "fp8" else "bf16 dense",
-                          f"{p['ms'] / r['ms']:.3f}x", f"{g['fwd']:.2f} / {g['dX']:.2f} / {g['dW']:.2f}",
-                          f"{sped:.2f} ms", *cells))
+        out.append(md_row(row, "torchao float8" if prec == "fp8" else "bf16 dense", f"{p['ms'] / r['ms']:.3f}x",
+                          " / ".join(f"{g[part][0]:.2f}" for part in ("fwd", "dX", "dW")), f"{sped:.2f} ms", *cells))
 
     for row, r in ok.items():
         out += ["", f"{row}: GEMM operators (and twofour's ops) by input shapes, device time with their kernels",
