@@ -195,14 +195,24 @@ def test_mask_refresh_of_many_layers_in_one_call(device):
 
 
 def test_mask_refresh_of_an_unaligned_mask(device):
-    """A mask at an odd byte offset (a view into a larger buffer) is refreshed byte by byte, its
-    neighbour untouched."""
-    w = torch.randn(16, 32, device=device)
+    """A mask at an odd byte offset (a view into a larger buffer) is refreshed byte by byte: the old
+    mask read back right (flips counted against it, none the second time), its neighbours
+    untouched; an aligned mask in the same call takes the same path and agrees too."""
+    torch.manual_seed(2)
+    w, w2 = torch.randn(16, 32, device=device), torch.randn(8, 64, device=device)
     buf = torch.zeros(w.numel() + 2, dtype=torch.bool, device=device)
-    mask, flips = buf[1:-1].view(w.shape), torch.zeros((), dtype=torch.long, device=device)
-    ops.refresh_mask_(w, mask, flips)
-    assert torch.equal(mask, mask_24(w)) and flips.item() == w.numel() // 2
+    mask = buf[1:-1].view(w.shape)
+    old = mask_24(torch.randn(w.shape, device=device))
+    mask.copy_(old)
+    old2 = mask_24(torch.randn(w2.shape, device=device))
+    mask2 = old2.clone()
+    flips = [torch.zeros((), dtype=torch.long, device=device) for _ in range(2)]
+    ops.refresh_masks_([w, w2], [mask, mask2], flips)
+    assert torch.equal(mask, mask_24(w)) and flips[0].item() == (mask_24(w) != old).sum().item() > 0
+    assert torch.equal(mask2, mask_24(w2)) and flips[1].item() == (mask_24(w2) != old2).sum().item() > 0
     assert not buf[0] and not buf[-1]
+    ops.refresh_masks_([w, w2], [mask, mask2], flips)
+    assert [f.item() for f in flips] == [0, 0] and not buf[0] and not buf[-1]
 
 
 def test_mask_refresh_bad_input():

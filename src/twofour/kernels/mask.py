@@ -5,8 +5,8 @@ counter.
 
 The plain-torch version (``functional._mask_24``, a comparison and a sum) builds a 4 x 4
 comparison per group, a sizeable part of a step (docs/notes/fastpath-experiments.md); this
-kernel reads each weight and old mask once, a group's 4 values in one vector load, and writes the
-new mask. All the layers of a model go in one launch (the kernel reads
+kernel reads each weight and old mask once, a block of groups' 4 values at a time and a group's 4
+mask bytes as one 32-bit word, and writes the new mask. All the layers of a model go in one launch (the kernel reads
 their addresses from a table on the device), so that a step's refresh costs one launch of host
 time, not three a layer. Tested against the reference on the CPU under Triton's interpreter.
 """
@@ -29,8 +29,8 @@ if HAS_TRITON:
     def _refresh_kernel(table, w0, n_layers, BG: tl.constexpr, WORDS: tl.constexpr):
         """Program (b, i): groups b*BG.. of layer i. ``table`` holds, for n layers, the weights'
         addresses, the masks', the counters' and the group counts; ``w0`` (the first weight) gives
-        the weights' element type. Each group's 4 weights come in one vector load; with ``WORDS``
-        (every mask 4-byte aligned) its 4 mask bytes are read and written as one int32."""
+        the weights' element type. The groups' weights come as one [BG, 4] block; with ``WORDS``
+        (every mask 4-byte aligned) a group's 4 mask bytes are read and written as one int32."""
         i = tl.program_id(1)
         n_groups = tl.load(table + 3 * n_layers + i)
         g = tl.program_id(0).to(tl.int64) * BG + tl.arange(0, BG)
