@@ -713,7 +713,7 @@ def test_gpu_fp8_mvue_dw_routes_run_compiled(mode, caplog, monkeypatch):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("recipe", ["ste", "s-ste"])
+@pytest.mark.parametrize("recipe", ["ste", "s-ste", "t-sr-ste"])
 def test_gpu_fp8_sparse_layer_compiles_and_matches_dense_route(recipe):
     """An FP8 2:4 layer with its forward on the FP8 2:4 route gives the dense FP8 route's output,
     eager and compiled (where the effective weight comes from the fused kernel as a custom op),

@@ -154,13 +154,14 @@ def _fp8_row(label: str, name: str, make: Callable[[], nn.Module], x: torch.Tens
 
 
 def _torchao_float8(k: int, n: int) -> nn.Module:
-    """nn.Linear converted by torchao's float8 training (tensorwise scaling) and compiled, as a
-    user of torchao runs it: the FP8 peer of twofour's FP8 rows."""
+    """nn.Linear converted by torchao's float8 training (tensorwise scaling) and compiled for its
+    shape alone (``dynamic=False``), as a user of torchao runs it: the FP8 peer of twofour's FP8
+    rows, which run eagerly (their quantization compiled inside)."""
     from torchao.float8 import Float8LinearConfig, convert_to_float8_training  # noqa: PLC0415
 
     model = nn.Sequential(nn.Linear(k, n, device="cuda"))
     convert_to_float8_training(model, config=Float8LinearConfig.from_recipe_name("tensorwise"))
-    return torch.compile(model)
+    return torch.compile(model, dynamic=False)
 
 
 def fp8_report(quick: bool = False, shapes: Sequence[tuple[str, int, int, int]] | None = None) -> Iterator[str]:
