@@ -5,7 +5,8 @@ sources, or the prose documentation its packages ship.
 
 Collects every file of the kind under the roots (default: this Python's standard library and its
 site-packages): ``code``, the ``.py`` sources; ``prose``, the ``.rst``, ``.md`` and ``.txt``
-documents that are mostly words (at least 70% letters and spaces; licence and metadata files left
+documents that are mostly words in lines of text (at least 70% letters and whitespace, 8% spaces,
+20 characters a line on average: no word lists or encoded blobs; licence and metadata files left
 out, as near-copies of each other). Drops exact duplicates (by content hash, so no file is both in
 training and validation) and empty or non-UTF-8 files, and writes the rest into OUT as one file
 each, named by its hash. ``twofour train --data OUT`` then splits it by file (about 5% to validation, by a
@@ -35,12 +36,15 @@ class Kind:
 
 
 def _is_prose(path: Path, text: str) -> bool:
-    """Mostly words, and not a licence or packaging metadata file."""
+    """Mostly words in lines of text (not a word list or an encoded blob), and not a licence or
+    packaging metadata file."""
     if path.name.upper().startswith(("LICENSE", "LICENCE", "COPYING", "NOTICE", "AUTHORS", "RECORD", "METADATA",
                                      "TOP_LEVEL", "ENTRY_POINTS", "REQUIRES", "SOURCES", "DEPENDENCY_LINKS")):
         return False
+    lines = [line for line in text.splitlines() if line.strip()]
     words = sum(c.isalpha() or c.isspace() for c in text)
-    return words >= 0.7 * len(text)
+    return (words >= 0.7 * len(text) and text.count(" ") >= 0.08 * len(text)
+            and sum(map(len, lines)) >= 20 * len(lines))
 
 
 KINDS = {"code": Kind((".py",), lambda path, text: True), "prose": Kind((".rst", ".md", ".txt"), _is_prose)}

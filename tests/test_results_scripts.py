@@ -137,6 +137,8 @@ def test_make_corpus_prose_keeps_documents_of_words(tmp_path):
     (src / "notes.rst").write_text("Another page of documentation text.\n" * 20)
     (src / "LICENSE.txt").write_text("Permission is hereby granted, free of charge.\n" * 20)
     (src / "table.txt").write_text("0.125 3.5e-3 17 42 1e9\n" * 20)
+    (src / "vocab.txt").write_text("apple\nbanana\ncherry\n" * 20)  # a word list
+    (src / "blob.txt").write_text("QUJDREVGR0hJSktMTU5PUFFSU1RVVldYWVo" * 20)  # base64
     (src / "m.py").write_text("x = 1\n" * 20)
     out = tmp_path / "corpus"
     res = subprocess.run([sys.executable, str(ROOT / "scripts" / "make_corpus.py"), str(out), "--roots", str(src),
