@@ -233,3 +233,18 @@ def test_every_summary_under_docs_results_says_which_code_ran():
         assert code is not None, f"{path.relative_to(ROOT)} records no code"
         assert ("source" in code and "torch" in code) or (
             code.get("recorded") is False and len(code.get("files_added_in", "")) == 40), path.relative_to(ROOT)
+
+
+def test_never_slower_counts_rank_0s_recompilations_and_graph_breaks():
+    """A compiled run's Dynamo log lines: rank 0's (or a single process's) counted, other ranks' not."""
+    import importlib.util  # noqa: PLC0415
+
+    spec = importlib.util.spec_from_file_location("never_slower", ROOT / "benchmarks" / "step" / "never_slower.py")
+    ns = importlib.util.module_from_spec(spec)
+    sys.modules["never_slower"] = ns  # its dataclasses look their module up
+    spec.loader.exec_module(ns)
+    brk = "torch/_dynamo/symbolic_convert.py:5124] [0/0] [__graph_breaks] Graph break in user code at x.py:1"
+    rec = "torch/_dynamo/guards.py:5396] [0/1] [__recompiles] Recompiling function inner in y.py:67"
+    log = "\n".join([f"[rank0]:V1129 {brk}", f"[rank1]:V1129 {brk}", f"[rank0]:V1129 {rec}", f"[rank1]:V1129 {rec}",
+                     f"V1129 {rec}", "[rank0]: the loss of step 3 is 1.0", "some other line"])
+    assert ns.compile_events(log) == {"recompiles": 2, "graph_breaks": 1}

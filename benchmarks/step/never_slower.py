@@ -9,7 +9,8 @@ recipes against dense in the same call, median of repeats, each cell's command p
 
 Each run is a fresh process (a fresh ``torchrun`` for several GPUs) writing ``summary.json``;
 its ``tokens_per_s`` is the loop's median over its logged windows after the first, and its
-``step_graphs`` entry says how many steps were replayed from CUDA graphs. Runs are interleaved
+``step_graphs`` entry says how many steps were replayed from CUDA graphs; a compiled run also
+counts rank 0's recompilations and graph breaks (``TORCH_LOGS=recompiles,graph_breaks``). Runs are interleaved
 per repeat (every cell, batch and recipe once, then again), so the machine's drift spreads over
 all of them. A compiled cell's ratio is to compiled dense, the fastest dense that path offers.
 ``--budget-s``: no run starts past that many seconds; the table then says which runs are missing.
@@ -71,11 +72,25 @@ def cells(gpus: int) -> dict[str, Cell]:
     )}
 
 
-def run_once(cmd: list[str], out: Path, timeout: float) -> dict | None:
-    """One run; its summary's tokens/s and step-graph report, or None (its stderr's end printed)."""
+#: Dynamo's logs a compiled run writes (on stderr), whose events :func:`compile_events` counts.
+COMPILE_LOGS = {"TORCH_LOGS": "recompiles,graph_breaks"}
+
+
+def compile_events(stderr: str) -> dict[str, int]:
+    """Rank 0's recompilations and graph breaks in a run's stderr under :data:`COMPILE_LOGS`:
+    what makes a compiled step slower than its eager twin when one recipe's count differs."""
+    lines = [line for line in stderr.splitlines() if not line.startswith("[rank") or line.startswith("[rank0]")]
+    return {"recompiles": sum("[__recompiles] Recompiling function" in line for line in lines),
+            "graph_breaks": sum("[__graph_breaks] Graph break in user code" in line for line in lines)}
+
+
+def run_once(cmd: list[str], out: Path, timeout: float, compiled: bool = False) -> dict | None:
+    """One run; its summary's tokens/s and step-graph report (compiled: Dynamo's recompilations and
+    graph breaks too, :func:`compile_events`), or None (its stderr's end printed)."""
     try:
         res = subprocess.run([*cmd, "--out", str(out), "--overwrite", "--no-progress"], capture_output=True,
-                             text=True, env={**os.environ, **ENV}, timeout=timeout)
+                             text=True, env={**os.environ, **ENV, **(COMPILE_LOGS if compiled else {})},
+                             timeout=timeout)
     except subprocess.TimeoutExpired:
         print(f"timed out: {shlex.join(cmd)}", flush=True)
         return None
@@ -86,7 +101,7 @@ def run_once(cmd: list[str], out: Path, timeout: float) -> dict | None:
     warned = sum("could not be captured" in line or "AccumulateGrad" in line for line in res.stderr.splitlines())
     plans = {k: v for k, v in s.get("gemm_choices", {}).items() if k.startswith("compiled-layer")}
     return {"tokens_per_s": s["tokens_per_s"], "step_graphs": s.get("step_graphs"), "warnings": warned,
-            "compiled_plans": plans}
+            "compiled_plans": plans, **(compile_events(res.stderr) if compiled else {})}
 
 
 def table(results: dict[str, list[dict]], recipes: list[str], planned: dict[str, list[str]]) -> str:
@@ -165,7 +180,7 @@ def main() -> None:
                                 break
                             key = f"{cell.name}|{b} x {a.seq_len}"
                             cmd = cell.command([*train_args(b), "--recipe", r])
-                            got = run_once(cmd, Path(tmp) / "run", a.timeout)
+                            got = run_once(cmd, Path(tmp) / "run", a.timeout, cell.compiled)
                             print(f"[{time.monotonic() - t0:5.0f} s] rep {rep + 1} {cell.name} b{b} {r}: "
                                   f"{got}", flush=True)
                             if got is not None:
