@@ -197,7 +197,10 @@ def problems(text: str) -> list[str]:
         names = m["names"].split()
         if unknown := [n for n in names if n not in TABLES]:
             raise SystemExit(f"unknown table {unknown[0]!r} in a quotes block; known: {', '.join(TABLES)}")
-        given = set(_FIGURE.findall("\n".join(tables.setdefault(n, TABLES[n]()) for n in names)))
+        for n in names:
+            if n not in tables:
+                tables[n] = TABLES[n]()
+        given = set(_FIGURE.findall("\n".join(tables[n] for n in names)))
         found += [f"{fig} (quoted from {', '.join(names)}) is in none of those tables"
                   for fig in _FIGURE.findall(m["body"]) if fig not in given]
     lines = _QUOTES.sub("", bare).splitlines()

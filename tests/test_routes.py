@@ -146,3 +146,28 @@ def test_gpu_fast_path_routes():
             ref = lin(x)
     torch.testing.assert_close(y.float(), ref.float(), rtol=2e-2, atol=2e-2)
     torch.testing.assert_close(h.float(), GELU_TANH(ref).float(), rtol=2e-2, atol=2e-2)
+
+
+@pytest.mark.triton
+@pytest.mark.parametrize("recipe", ["ste", "s-ste"])
+def test_the_compiled_fp8_route_takes_the_fused_kernels_effective_weight(recipe, monkeypatch):
+    """Where the fast path takes the call, a compiled FP8 layer's graph builds W_eff with the fused
+    kernel (the op ``twofour::compress``, one pass over the weight), not plain-torch pruning, and
+    gives the eager fast path's output. The fast path's shape check is forced here, so the route
+    runs on the CPU under Triton's interpreter."""
+    monkeypatch.setattr(routes, "applies", lambda *args: True)
+    graphs = []
+
+    def backend(gm, inputs):
+        graphs.append(gm)
+        return gm
+
+    torch.manual_seed(0)
+    lin = SparseLinear(64, 32, recipe=recipe, precision="fp8", bias=False)
+    x = torch.randn(4, 16, 64)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        y = torch.compile(lin, backend=backend, fullgraph=True)(x)
+        want = lin(x)
+    ops_in_graph = {n.target for g in graphs for n in g.graph.nodes if n.op == "call_function"}
+    assert torch.ops.twofour.compress.default in ops_in_graph
+    torch.testing.assert_close(y, want)

@@ -6,14 +6,14 @@ as ratios to bf16 dense and to torchao float8, and, per row, where the step's GP
 
 Each row builds the preset (``--layers`` blocks, sequence 1024) on the GPU, converts its FFN
 linears (twofour's recipe with its precision, or torchao's ``convert_to_float8_training`` with the
-tensorwise recipe), compiles it (as ``twofour train --compile`` does) and times forward, backward and
-fused AdamW: the median of ``--runs`` windows of ``--steps`` steps each, after 3 warm-up steps.
-Then torch.profiler records 3 steps, and the row's GPU time is split by kernel kind: dense GEMMs,
-2:4 GEMMs (cuSPARSELt), attention, Inductor's fused kernels, twofour's own Triton kernels (the
-weight passes: pruning, scaling, quantizing, compressing; the activation casts), the optimizer,
-the rest. The bound rows put the GEMMs against the measured tensor-core rate and the weight
-passes against one pass over the FFN weights at copy bandwidth. torchao is optional: without it
-its row says so and the ratios use the rows that ran.
+tensorwise recipe), compiles it (``torch.compile(model)``, without ``twofour train``'s per-layer plan) and times
+forward, backward and fused AdamW in this harness's loop (``benchmarks/common.preset_train_step``,
+not ``twofour train``'s): the median over ``--runs`` repeats of the median step of ``--steps``
+one-step windows, after 3 warm-up steps. Then torch.profiler records 3 steps, and the row's GPU time is split by kernel
+kind: dense GEMMs, 2:4 GEMMs (cuSPARSELt), attention, Inductor's fused kernels, twofour's own
+Triton kernels, the optimizer, the rest. The weight kernels are put against one pass over the FFN
+weights at copy bandwidth, and the ceilings give the most any 2:4 recipe could gain at this shape.
+torchao is optional: without it its row says so and the ratios use the rows that ran.
 """
 
 from __future__ import annotations
@@ -32,14 +32,15 @@ from torch import nn
 from torch.profiler import ProfilerActivity, profile
 
 import twofour
+from twofour.errors import one_line
 from twofour.models import FFN_PATTERNS, PRESETS
 from twofour.sparse import make_recipe
 from twofour.sparse.convert import matches
+from twofour.training.runs import source_digest
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # benchmarks/: common.py
 from common import (  # noqa: E402
     copy_bandwidth,
-    gemm_tflops,
     gpu_line,
     kernel_times,
     md_head,
@@ -71,6 +72,15 @@ GEMM_OPS = re.compile(r"^(aten::(mm|addmm|_scaled_mm|bmm|matmul|linear)|twofour:
 WEIGHT_KERNELS = ("_refresh_kernel", "_compress_kernel", "_compress_e4m3_kernel")
 
 KINDS = ("GEMM dense", "GEMM 2:4", "attention", "Inductor", "twofour Triton", "optimizer", "other")
+
+
+def _torchao():
+    """torchao, or None where it is not installed (its row then says why)."""
+    try:
+        import torchao  # noqa: PLC0415
+    except ImportError:
+        return None
+    return torchao
 
 
 def ao_float8(model: nn.Module) -> None:
@@ -108,16 +118,6 @@ def kind(name: str, ours: set[str]) -> str:
     return "other"
 
 
-def fp8_tflops() -> float:
-    """Dense FP8 (e4m3, tensorwise) TFLOP/s of an 8192^3 ``torch._scaled_mm`` on random data."""
-    from common import bench_ms  # noqa: PLC0415
-
-    a = torch.randn(8192, 8192, device="cuda").to(torch.float8_e4m3fn)
-    b = torch.randn(8192, 8192, device="cuda").to(torch.float8_e4m3fn).t()
-    one = torch.ones((), device="cuda")
-    return 2 * 8192**3 / bench_ms(lambda: torch._scaled_mm(a, b, one, one, out_dtype=torch.bfloat16)) / 1e9
-
-
 def run_row(row: str, args: argparse.Namespace) -> dict:
     """Build, compile, time and profile one row: its step ms, tokens/s, the GEMM operators by input
     shapes and every kernel's ms and launches per step."""
@@ -133,7 +133,7 @@ def run_row(row: str, args: argparse.Namespace) -> dict:
         for _ in range(3):
             step()
         torch.cuda.synchronize()
-    kernels = {k: v for k, v in kernel_times(prof, 3).items() if not RANGES.search(k)}
+    kernels = kernel_times(prof, 3)  # with the profiler's ranges, which report() leaves out
     gemms = sorted(((evt.device_time_total / 3e3, evt.count / 3, evt.key, str(evt.input_shapes))
                     for evt in prof.key_averages(group_by_input_shape=True)
                     if GEMM_OPS.search(evt.key) and evt.device_time_total > 0), reverse=True)[:args.top * 3]
@@ -199,15 +199,16 @@ def report(saved: list[tuple[str, dict]], ratios: list[float]) -> str:
         tps = r["tokens_per_s"]
         out.append(md_row(row, f"{r['ms']:.2f}", f"{tps:,.0f}", f"{tps / base:.3f}x" if base else "-",
                           f"{tps / peer:.3f}x" if peer else "-"))
-    ok = {row: r for row, r in res.items() if "error" not in r}
+    # the rows that ran, their kernels without the profiler's ranges (spans over kernels counted on their own)
+    ok = {row: {**r, "kernels": {k: v for k, v in r["kernels"].items() if not RANGES.search(k)}}
+          for row, r in res.items() if "error" not in r}
     if not ok:
         return "\n".join(out)
     ours = twofour_kernels()
     kinds = {row: dict.fromkeys(KINDS, 0.0) for row in ok}
     for row, r in ok.items():
         for k, (ms, _n) in r["kernels"].items():
-            if not RANGES.search(k):
-                kinds[row][kind(k, ours)] += ms
+            kinds[row][kind(k, ours)] += ms
     out += ["", "GPU ms per step by kernel kind (torch.profiler, 3 steps):", "", md_head("kind", *ok)]
     out += [md_row(k, *(f"{kinds[row][k]:.2f}" for row in ok)) for k in KINDS]
     out.append(md_row("sum", *(f"{sum(kinds[row].values()):.2f}" for row in ok)))
@@ -260,8 +261,8 @@ def report(saved: list[tuple[str, dict]], ratios: list[float]) -> str:
         out += ["", f"{row}: GEMM operators (and twofour's ops) by input shapes, device time with their kernels",
                 "", md_head("op", "input shapes", "ms per step", "calls per step")]
         out += [md_row(f"`{op}`", f"`{text}`", f"{ms:.3f}", f"{n:.0f}") for ms, n, op, text in r["gemms"]]
-        other = sorted(((ms, n, k) for k, (ms, n) in r["kernels"].items() if not RANGES.search(k)
-                        and kind(k, ours) in ("twofour Triton", "other", "Inductor", "GEMM 2:4")), reverse=True)
+        other = sorted(((ms, n, k) for k, (ms, n) in r["kernels"].items()
+                        if kind(k, ours) in ("twofour Triton", "other", "Inductor", "GEMM 2:4")), reverse=True)
         out += ["", f"{row}: largest kernels other than dense GEMMs, attention and the optimizer", "",
                 md_head("kernel", "ms per step", "launches per step")]
         out += [md_row(f"`{k[:100]}`", f"{ms:.3f}", f"{n:.0f}") for ms, n, k in other[:a["top"]]]
@@ -291,15 +292,16 @@ def main() -> None:
     unknown = [r for r in rows if r not in ROWS]
     if unknown:
         raise SystemExit(f"peer.py: unknown rows {', '.join(unknown)}; known: {', '.join(ROWS)}")
-    rates = {"copy_gbs": copy_bandwidth(), "bf16_tflops": gemm_tflops(), "fp8_tflops": fp8_tflops()}
+    rates = {"copy_gbs": copy_bandwidth()}
     saved = {"args": {k: str(v) if isinstance(v, Path) else v for k, v in vars(args).items()}, "rates": rates,
+             "code": {"source": source_digest(), "torchao": getattr(_torchao(), "__version__", None)},
              "gpu": gpu_line(), "rows": {}}
     for row in rows:
         try:
             saved["rows"][row] = r = run_row(row, args)
             print(f"{row}: {r['ms']:.2f} ms, {r['tokens_per_s']:,.0f} tokens/s", flush=True)
         except Exception as exc:  # noqa: BLE001 - a row that cannot run says why in its place
-            saved["rows"][row] = {"row": row, "error": f"{type(exc).__name__}: {str(exc).splitlines()[0][:160]}"}
+            saved["rows"][row] = {"row": row, "error": one_line(exc)[:160]}
             print(f"{row}: {saved['rows'][row]['error']}", flush=True)
             gc.collect()
             torch.cuda.empty_cache()

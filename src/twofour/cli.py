@@ -6,7 +6,6 @@ import argparse
 import dataclasses
 import json
 import math
-import os
 import sys
 from pathlib import Path
 
@@ -360,7 +359,9 @@ def main(argv: list[str] | None = None) -> int:
         print(f"twofour {args.command}: error: {line}", file=sys.stderr)
         return 2
     except KeyboardInterrupt as e:
-        if int(os.environ.get("RANK", "0")) == 0:  # under torchrun, one message
+        from .training.parallel import launched_main  # noqa: PLC0415
+
+        if launched_main():  # under torchrun, one message
             print(f"twofour {args.command}: {_interrupted(args, e)}", file=sys.stderr)
         return 130
     finally:  # under torchrun: leave NCCL/gloo cleanly

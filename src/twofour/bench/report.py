@@ -24,6 +24,7 @@ import torch
 from torch import nn
 
 from .. import dispatch
+from ..errors import one_line
 from ..fp8 import scaled_mm_available
 from ..kernels import cusparselt, ops
 from ..models.common import MLP, GPTConfig
@@ -35,7 +36,7 @@ from ..version import __version__
 from .speed import default_vocab, exported_pair, tokens_row
 from .throughput import throughput_table, train_throughput
 
-__all__ = ["run_bench", "layer_report", "fp8_report", "inference_report", "fwd_bwd_step", "exported_pair"]
+__all__ = ["run_bench", "layer_report", "fp8_report", "inference_report", "fwd_bwd_step"]
 
 #: (name, d_model, FFN width, tokens = seq 1024 x micro-batch) of the layer rows; GPT's FFN block
 #: (width 4 x d_model) runs at those it fits
@@ -88,7 +89,7 @@ def _row(what: str, fn: Callable[..., str], *args: object) -> str:
     try:
         return fn(*args)
     except Exception as e:  # noqa: BLE001 - a row's failure is its result
-        return f"| {what} | error: {type(e).__name__}: {(str(e).splitlines() or [''])[0][:200]} |"
+        return f"| {what} | error: {one_line(e)[:200]} |"
     finally:
         gc.collect()
         torch.cuda.empty_cache()

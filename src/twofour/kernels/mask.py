@@ -62,22 +62,24 @@ if HAS_TRITON:
 __all__ = ["refresh_mask_", "refresh_masks_"]
 
 _BG = 1024  # groups of 4 per program
-_tables: dict[tuple, torch.Tensor] = {}  # the address tables on the device, by their contents
+_tables: dict[tuple, tuple[torch.Tensor, bool]] = {}  # the address tables on the device, by their contents
 
 
 def _table(weights: Sequence[torch.Tensor], masks: Sequence[torch.Tensor],
-           flips: Sequence[torch.Tensor]) -> torch.Tensor:
-    """The kernel's table on the device, built once per set of addresses and sizes: a model's
-    weights are updated in place, so the same table serves every step (a blocking copy the first
-    time only)."""
+           flips: Sequence[torch.Tensor]) -> tuple[torch.Tensor, bool]:
+    """The kernel's table on the device and whether every mask is 4-byte aligned (the kernel's
+    ``WORDS``), built once per set of addresses and sizes: a model's weights are updated in
+    place, so the same table serves every step (a blocking copy the first time only)."""
     key = (weights[0].device, *(t.data_ptr() for t in (*weights, *masks, *flips)),
            *(w.numel() // 4 for w in weights))
-    table = _tables.get(key)
-    if table is None:
+    hit = _tables.get(key)
+    if hit is None:
         if len(_tables) >= 64:
             _tables.clear()
-        table = _tables[key] = torch.tensor(key[1:], dtype=torch.int64, device=weights[0].device)
-    return table
+        n = len(weights)
+        hit = _tables[key] = (torch.tensor(key[1:], dtype=torch.int64, device=weights[0].device),
+                              all(ptr % 4 == 0 for ptr in key[1 + n:1 + 2 * n]))
+    return hit
 
 
 def refresh_masks_(weights: Sequence[torch.Tensor], masks: Sequence[torch.Tensor],
@@ -105,9 +107,8 @@ def refresh_masks_(weights: Sequence[torch.Tensor], masks: Sequence[torch.Tensor
         torch._foreach_zero_(list(flips))
     for idx in groups.values():
         ws = [weights[i] for i in idx]
-        table = _table(ws, [masks[i].view(torch.uint8) for i in idx], [flips[i] for i in idx])
+        table, words = _table(ws, [masks[i].view(torch.uint8) for i in idx], [flips[i] for i in idx])
         blocks = max(triton.cdiv(w.numel() // 4, _BG) for w in ws)
-        words = all(masks[i].data_ptr() % 4 == 0 for i in idx)
         _refresh_kernel[(blocks, len(ws))](table, ws[0], len(ws), BG=_BG, WORDS=words, num_warps=4)
 
 

@@ -9,7 +9,6 @@ import contextlib
 import dataclasses
 import json
 import logging
-import os
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any, Protocol
@@ -24,6 +23,7 @@ from .data import TokenData, load_data
 from .lock import RunLock
 from .loop import train
 from .options import once
+from .parallel import launched_main
 from .runs import METRICS, pyplot, read_config, read_metrics, read_summary
 
 log = logging.getLogger("twofour")
@@ -113,7 +113,7 @@ def compare(recipes: list[str], base: TrainConfig, seeds: list[int] | None = Non
     with locked(root):
         runs = [(recipe, None, seed) for recipe in recipes for seed in seeds or [base.seed]]
         summaries = train_runs(base, runs, SharedData(base))
-        if int(os.environ.get("RANK", "0")) != 0:  # a rank's summary holds no more than its tokens/s
+        if not launched_main():  # a rank's summary holds no more than its tokens/s
             return []
         root.mkdir(parents=True, exist_ok=True)
         return _report(root, summaries[0])
@@ -121,7 +121,7 @@ def compare(recipes: list[str], base: TrainConfig, seeds: list[int] | None = Non
 
 def locked(root: Path) -> contextlib.AbstractContextManager:
     """A comparison folder's lock (:class:`RunLock`), held by rank 0 under torchrun."""
-    return RunLock(root) if int(os.environ.get("RANK", "0")) == 0 else contextlib.nullcontext()
+    return RunLock(root) if launched_main() else contextlib.nullcontext()
 
 
 class SharedData:
@@ -160,11 +160,11 @@ def train_runs(base: TrainConfig, runs: list[tuple[str, float | None, int]], dat
                                   lr=base.lr if lr is None else lr,
                                   out_dir=str(root / run_folder(recipe, options, seed, base.precision, lr)))
         cfg.validate()
-        plain = dataclasses.replace(cfg, lr=None,
-                                    out_dir=str(root / run_folder(recipe, options, seed, base.precision)))
+        plain = None if lr is None else dataclasses.replace(  # a sweep's run: the plain run at its rate counts
+            cfg, lr=None, out_dir=str(root / run_folder(recipe, options, seed, base.precision)))
         if _finished(cfg, base.overwrite):
             summaries.append(read_summary(cfg.out_dir))
-        elif lr is not None and plain.peak_lr == lr and _finished(plain, base.overwrite):
+        elif plain is not None and plain.peak_lr == lr and _finished(plain, base.overwrite):
             summaries.append(read_summary(plain.out_dir))
         elif diverged is not None and not base.overwrite and (record := diverged.read(cfg)) is not None:
             summaries.append(record)

@@ -90,15 +90,15 @@ class StopRequest:
     signal raises KeyboardInterrupt at once (checkpoints are atomic, so the last one stays intact).
     Under torchrun only, one within ``GRACE_S`` of the first is taken for the same Ctrl-C: torchrun
     passes a terminal's Ctrl-C on to workers that got it already, and that echo must not cancel
-    the checkpoint (``grace_s`` sets another time; 0: none)."""
+    the checkpoint."""
 
     SIGNALS = (signal.SIGINT, signal.SIGTERM)
     GRACE_S = 1.0
 
-    def __init__(self, verbose: bool = True, grace_s: float | None = None):
+    def __init__(self, verbose: bool = True):
         self.verbose = verbose
         under_torchrun = "TORCHELASTIC_RUN_ID" in os.environ  # set by torchrun for each worker
-        self.grace_s = grace_s if grace_s is not None else self.GRACE_S if under_torchrun else 0.0
+        self.grace_s = self.GRACE_S if under_torchrun else 0.0
         self.requested = False
         self._first = 0.0
         self._previous: dict[int, Any] = {}

@@ -22,8 +22,8 @@ from ..errors import TrainError
 from ..sparse.layer import SparseLinear
 from ..sparse.sharded import set_gathered_dtype
 
-__all__ = ["Parallel", "FSDPPolicy", "FSDP_POLICIES", "DEFAULT_FSDP", "fsdp_policy", "shard", "checkpoint_blocks",
-           "grad_norm", "everywhere"]
+__all__ = ["launched_main", "Parallel", "FSDPPolicy", "FSDP_POLICIES", "DEFAULT_FSDP", "fsdp_policy", "shard",
+           "checkpoint_blocks", "grad_norm", "everywhere"]
 
 
 @dataclass(frozen=True)
@@ -58,6 +58,12 @@ FSDP_POLICIES: dict[str, FSDPPolicy] = {p.name: p for p in (
     FSDPPolicy("bf16-flat", torch.bfloat16, torch.float32, False, per_block=False),
 )}
 DEFAULT_FSDP = "bf16"
+
+
+def launched_main() -> bool:
+    """Whether this process is rank 0 of its launch (torchrun's ``RANK``; a lone process is), known
+    before any process group: what a comparison's lock, records and report go by."""
+    return int(os.environ.get("RANK", "0")) == 0
 
 
 @dataclass(frozen=True)

@@ -156,7 +156,7 @@ def setup(cfg: TrainConfig, data: TokenData | None, par: Parallel) -> Run:
     start = 0 if ckpt is None else resume(ckpt, cfg, raw, opt, sched, data_gen, par.rank, par.world,
                                           sharded=par.sharded)
     attach(raw, opt)  # masks, refreshes and phases advance once per optimizer step
-    autocast = torch.autocast("cuda", dtype=torch.bfloat16) if autocast_on(cfg, device) else contextlib.nullcontext()
+    autocast = autocast_for(cfg, device)
     if cfg.compile and autocast_on(cfg, device):  # each layer shape compiled as the 2:4 op or dense GEMMs
         for key, choice in par.from_main(plan_compiled(raw, cfg.batch_size * cfg.seq_len)).items():
             dispatch.set_choice(key, choice)  # rank 0's measurement on every rank: the same code everywhere
@@ -177,6 +177,11 @@ def setup(cfg: TrainConfig, data: TokenData | None, par: Parallel) -> Run:
 def autocast_on(cfg: TrainConfig, device: torch.device) -> bool:
     """Whether the run computes under bf16 autocast (on the GPU unless ``--no-bf16``)."""
     return cfg.bf16 and device.type == "cuda"
+
+
+def autocast_for(cfg: TrainConfig, device: torch.device) -> contextlib.AbstractContextManager:
+    """The context the run's forwards run in: bf16 autocast where :func:`autocast_on`, else none."""
+    return torch.autocast("cuda", dtype=torch.bfloat16) if autocast_on(cfg, device) else contextlib.nullcontext()
 
 
 def _optimizer(cfg: TrainConfig, raw: torch.nn.Module, recipe: Recipe, device: torch.device) -> torch.optim.Optimizer:

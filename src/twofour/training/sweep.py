@@ -14,12 +14,10 @@ import contextlib
 import dataclasses
 import json
 import math
-import os
 from pathlib import Path
 from typing import Any
 
 import numpy as np
-import torch
 
 from ..errors import DivergedError, TrainError
 from .checkpoint import checkpoint_path
@@ -43,8 +41,10 @@ from .config import TrainConfig, resolve_device
 from .data import TokenData
 from .export import run_model
 from .loop import evaluate
+from .options import once
+from .parallel import launched_main
 from .runs import pyplot, read_config
-from .setup import autocast_on
+from .setup import autocast_for
 
 __all__ = ["SCORES", "DIVERGED", "DivergedRuns", "parse_rates", "sweep", "sweep_runs", "halves", "scores",
            "best_rates", "sweep_table", "plot_sweep"]
@@ -72,7 +72,7 @@ class DivergedRuns:
         record = {"recipe": cfg.recipe, "recipe_options": cfg.recipe_options, "precision": cfg.precision,
                   "model": cfg.model, "regime": cfg.regime, "seed": cfg.seed, "steps": cfg.steps,
                   "lr": cfg.peak_lr, "diverged_at": error.step, "error": str(error)}
-        if int(os.environ.get("RANK", "0")) == 0:
+        if launched_main():
             (Path(cfg.out_dir) / DIVERGED).write_text(json.dumps(record, indent=2))
         return _diverged_summary(record, Path(cfg.out_dir))
 
@@ -118,9 +118,8 @@ def parse_rates(text: str, base: TrainConfig) -> list[float]:
             rate = float(f"{rate:.6g}")
         if not (math.isfinite(rate) and 0 < rate <= 1):
             raise ValueError(f"--lrs: a peak learning rate is > 0 and at most 1, got {item}")
-        if rate in rates:
-            raise ValueError(f"--lrs names {rate:g} twice: give each rate once")
         rates.append(rate)
+    once(rates, "--lrs", "give each rate once")
     return sorted(rates)
 
 
@@ -140,7 +139,7 @@ def sweep(recipes: list[str], base: TrainConfig, seeds: list[int] | None, lrs: l
         data = SharedData(base)
         done = train_runs(base, [(r, lr, s) for r in recipes for lr in lrs for s in seeds or [base.seed]], data,
                           DivergedRuns())
-        if int(os.environ.get("RANK", "0")) != 0:  # under torchrun rank 0 scores and reports
+        if not launched_main():  # under torchrun rank 0 scores and reports
             return []
         root.mkdir(parents=True, exist_ok=True)
         summaries = sweep_runs(root, next((d for d in done if "diverged_at" not in d), done[0]), data)
@@ -197,7 +196,7 @@ def scores(run: dict[str, Any], data: SharedData | None) -> dict[str, float]:
                          f"its final model can't be scored; move the folder out of {out.parent}")
     device = resolve_device(data.base.device)
     cfg = dataclasses.replace(cfg, compile=False, compile_mode="default")  # scored eagerly
-    autocast = torch.autocast("cuda", dtype=torch.bfloat16) if autocast_on(cfg, device) else contextlib.nullcontext()
+    autocast = autocast_for(cfg, device)
     model.to(device)
     got = {}
     for name, half in zip(("selection", "report"), halves(data())):
