@@ -85,7 +85,7 @@ def build(out: Path, roots: list[Path], max_bytes: float = float("inf"),
 
 
 def main() -> int:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0].replace("\n", " "))
     ap.add_argument("out", type=Path, help="folder to write (created; files already there are kept)")
     ap.add_argument("--kind", choices=sorted(KINDS), default="code", help="Python sources or prose documents")
     ap.add_argument("--roots", type=Path, nargs="+", default=None, help="folders to collect the files from")

@@ -36,11 +36,11 @@ def _fsdp_on_cpu() -> bool:
 pytestmark = pytest.mark.skipif(not _fsdp_on_cpu(), reason="needs FSDP2 (fully_shard), DCP and gloo")
 
 
-def _worker(rank: int, world: int, jobs: list[tuple[dict, tuple[str, int] | None, int]]) -> None:
-    """One rank of torchrun-like runs, one after another: each job a config, a fault at a step's save
+def _worker(rank: int, world: int, job: tuple[dict, tuple[str, int] | None, int]) -> None:
+    """One rank of a torchrun-like run: ``job`` is a config, a fault at a step's save
     (``("kill", step)``: rank 0 dies, exit 3, when the save has written every file but not yet
     switched ``latest``; ``("fail", step)``: rank 1's DCP write fails as on a full disk, and each
-    rank's TrainError goes to ``<out>.rank<r>.err``) or None, and a port for its process group."""
+    rank's TrainError goes to ``<out>.rank<r>.err``) or None, and the port of its process group."""
     os.environ.update(RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank), MASTER_ADDR="127.0.0.1",
                       OMP_NUM_THREADS="1")
     torch.set_num_threads(1)
@@ -65,41 +65,44 @@ def _worker(rank: int, world: int, jobs: list[tuple[dict, tuple[str, int] | None
         return save(out, cfg, raw, *args, **kw)
 
     loop.save = checked_save
-    for cfg, fault, port in jobs:
-        os.environ["MASTER_PORT"] = str(port)
-        kind, at = fault or ("", 0)
+    cfg, fault, port = job
+    os.environ["MASTER_PORT"] = str(port)
+    kind, at = fault or ("", 0)
 
-        def dying_switch(root, name, at=at):
-            if name == f"step-{at:08d}":
-                os._exit(3)  # killed mid-save: the new step folder is written, latest still names the old
-            switch(root, name)
+    def dying_switch(root, name):
+        if name == f"step-{at:08d}":
+            os._exit(3)  # killed mid-save: the new step folder is written, latest still names the old
+        switch(root, name)
 
-        def failing_write(self, plan, planner, at=at):
-            if f"step-{at:08d}" in str(self.path):
-                raise OSError(28, "No space left on device")
-            return write(self, plan, planner)
+    def failing_write(self, plan, planner):
+        if f"step-{at:08d}" in str(self.path):
+            raise OSError(28, "No space left on device")
+        return write(self, plan, planner)
 
-        checkpoint_sharded._switch = dying_switch if kind == "kill" and rank == 0 else switch
-        FileSystemWriter.write_data = failing_write if kind == "fail" and rank == 1 else write
-        try:
-            loop.train(TrainConfig.from_dict(cfg))
-        except TrainError as e:
-            if kind != "fail":
-                raise
-            Path(f"{cfg['out_dir']}.rank{rank}.err").write_text(str(e))
-        finally:
-            dist.destroy_process_group()
+    checkpoint_sharded._switch = dying_switch if kind == "kill" and rank == 0 else switch
+    FileSystemWriter.write_data = failing_write if kind == "fail" and rank == 1 else write
+    try:
+        loop.train(TrainConfig.from_dict(cfg))
+    except TrainError as e:
+        if kind != "fail":
+            raise
+        Path(f"{cfg['out_dir']}.rank{rank}.err").write_text(str(e))
+    finally:
+        dist.destroy_process_group()
 
 
 def _spawn(*jobs: tuple[TrainConfig, tuple[str, int] | None]) -> None:
-    """Run ``jobs`` (config, fault) one after another in one pair of spawned processes; CPU runs
-    see no GPU (else the loop would pick NCCL for them)."""
-    plan = [(cfg.to_dict(), fault, free_port()) for cfg, fault in jobs]
+    """Run ``jobs`` (config, fault) one after another, each in its own pair of spawned processes, as
+    torchrun runs them (processes that ran several jobs over gloo now and then died by SIGABRT,
+    "terminate called without an active exception"); CPU runs see no GPU (else the loop would pick
+    NCCL for them)."""
     cpu, seen = jobs[0][0].device == "cpu", os.environ.get("CUDA_VISIBLE_DEVICES")
     if cpu:
         os.environ["CUDA_VISIBLE_DEVICES"] = ""  # read by the children as they start
     try:
-        mp.start_processes(_worker, args=(2, plan), nprocs=2, start_method="spawn")
+        for cfg, fault in jobs:
+            job = (cfg.to_dict(), fault, free_port())
+            mp.start_processes(_worker, args=(2, job), nprocs=2, start_method="spawn")
     finally:
         if cpu and seen is None:
             del os.environ["CUDA_VISIBLE_DEVICES"]
@@ -126,7 +129,7 @@ def _cfg(corpus: str, out: Path, device: str = "cpu", **kw) -> TrainConfig:
 
 
 def _runs(root: Path, corpus: str, device: str) -> Path:
-    """Every run the tests look at, in 3 spawns of 2 processes (each spawn costs seconds of imports):
+    """Every run the tests look at, each a spawn of 2 processes (each costs seconds of imports):
     ``full`` (8 steps on 2), ``part`` (stopped at 4 on 2, copied to ``one``, ``two`` and
     ``full-disk``, then resumed on 2, killed mid-save at step 8, resumed again), ``full-disk``
     (resumed on 2, rank 1's write of step 8 fails), ``back`` (stopped at 4 in one process,
