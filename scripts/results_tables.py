@@ -20,6 +20,7 @@ the summary's ``code.source`` (``not recorded`` for summaries written before it 
 from __future__ import annotations
 
 import argparse
+import math
 import re
 import sys
 from collections.abc import Callable
@@ -28,8 +29,8 @@ from pathlib import Path
 import numpy as np
 from gap_by_eval import gap_series, gap_table, label_of
 
-from twofour.training.compare import run_order
-from twofour.training.runs import read_summary
+from twofour.training.compare import run_order, summary_label
+from twofour.training.runs import read_config, read_summary
 from twofour.training.sweep import SCORES, sweep_runs, sweep_table
 
 RESULTS = Path(__file__).resolve().parent.parent / "docs" / "results"
@@ -142,6 +143,28 @@ def sweep_tables(folder: Path) -> str:
     recipe at every rate, every run), from its runs' files, ``val_halves.json`` included."""
     runs = [s for s in (read_summary(p.parent) for p in sorted(Path(folder).glob("*/summary.json"))) if s]
     return sweep_table(sweep_runs(Path(folder), runs[0])) if runs else f"No finished runs in {folder}."
+
+
+def shift_table(folder: Path, recipe: str = "s-ste", versus: str = "ste", factor: float = 1.5) -> str:
+    """A sweep's test of a rate shift: ``recipe`` at each rate r against ``versus`` at r and at
+    ``factor`` * r (final val loss, relative gap paired by seed). If ``recipe`` trains like
+    ``versus`` at ``factor`` times the rate, the second gap is the smaller one at every r."""
+    loss: dict[tuple[str, float, int], float] = {}
+    for s in load_runs(folder):
+        cfg = read_config(s["out_dir"]) or {}
+        if cfg.get("lr") is not None and s["final_val_loss"] is not None:
+            loss[(summary_label(s), float(cfg["lr"]), s["seed"])] = s["final_val_loss"]
+    rates = sorted({lr for (name, lr, _) in loss if name == recipe})
+
+    def gap(r: float, r_vs: float) -> str:
+        g = [(loss[(recipe, r, seed)] / v - 1) * 100 for (name, lr, seed), v in loss.items()
+             if name == versus and math.isclose(lr, r_vs, rel_tol=1e-3) and (recipe, r, seed) in loss]
+        return mean_std(g) if g else "not run"
+
+    lines = [f"| {recipe} at lr | against {versus} at the same lr | against {versus} at {factor:g}x that lr |",
+             "|---|---|---|"]
+    lines += [f"| {r:.4g} | {gap(r, r)} | {gap(r, r * factor)} |" for r in rates]
+    return "\n".join(lines)
 
 
 def _ablation() -> str:

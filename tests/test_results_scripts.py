@@ -63,6 +63,31 @@ def test_a_sweep_folder_is_tabulated_from_its_files(tmp_path):
         results_tables.sweep_tables(tmp_path)
 
 
+def _fake_runs(root: Path, runs: tuple[tuple[str, float, int, float], ...]) -> None:
+    """Finished run folders (recipe, lr, seed, final val loss) as a sweep leaves them, without checkpoints."""
+    from twofour.training.config import TrainConfig
+
+    for recipe, lr, seed, loss in runs:
+        run = root / f"{recipe}-lr={lr}-s{seed}"
+        run.mkdir()
+        cfg = TrainConfig(model="tiny", recipe=recipe, lr=lr, seed=seed)
+        (run / "config.json").write_text(json.dumps(cfg.to_dict()))
+        (run / "summary.json").write_text(json.dumps(
+            {"recipe": recipe, "model": "tiny", "seed": seed, "steps": 2, "tokens": 64, "final_val_loss": loss,
+             "mean_flip_rate": 0.0, "final_flip_rate": 0.0, "tokens_per_s": 1.0, "wall_s": 1.0}))
+
+
+def test_the_shift_table_pairs_each_rate_with_the_other_recipes_at_that_rate_and_a_factor_above(tmp_path):
+    _fake_runs(tmp_path, (("ste", 1e-3, 1, 2.0), ("ste", 1.5e-3, 1, 1.8), ("ste", 1e-3, 2, 4.0),
+                          ("ste", 1.5e-3, 2, 3.6), ("s-ste", 1e-3, 1, 1.8), ("s-ste", 1e-3, 2, 3.6),
+                          ("s-ste", 1.5e-3, 1, 1.9), ("s-ste", 6.667e-4, 1, 2.0)))
+    rows = results_tables.shift_table(tmp_path).splitlines()[2:]
+    # s-ste at r matches ste at 1.5 r on both seeds; 6.667e-4 * 1.5 finds 1e-3 (not exactly equal)
+    assert rows == ["| 0.0006667 | not run | +0.00 % (one seed) |",
+                    "| 0.001 | -10.00 ± 0.00 % | +0.00 ± 0.00 % |",
+                    "| 0.0015 | +5.56 % (one seed) | not run |"]
+
+
 def test_rewrite_fills_each_block_and_refuses_unknown_names(monkeypatch):
     monkeypatch.setattr(results_tables, "TABLES", {"a": lambda: "| x |", "b": lambda: "| y |"})
     text = "intro\n<!-- table a -->\nold\n<!-- /table -->\nmid\n<!-- table b -->\n<!-- /table -->\nend\n"

@@ -89,6 +89,7 @@ class TwoFour:
     dense_finetune: float | None = None
     bf16_finetune: float | None = None
     beta_interval: int | None = None
+    fold_scale: bool | None = None
 
 
 @dataclass
