@@ -30,8 +30,8 @@ log = logging.getLogger("twofour")
 
 __all__ = ["compare", "results_table", "recipe_stats", "plot_compare", "run_label", "summary_label",
            "run_order", "parse_recipes", "parse_seeds", "train_runs", "finished_runs", "one_per_run", "run_folder",
-           "dense_label", "curve_panels", "save_figure", "SharedData", "locked", "mean_std", "plus_minus", "same_run",
-           "Diverged"]
+           "dense_label", "curve_panels", "save_figure", "SharedData", "locked", "mean_std", "paired_gaps",
+           "plus_minus", "same_run", "Diverged"]
 
 
 def parse_recipes(text: str) -> list[str]:
@@ -281,15 +281,20 @@ def recipe_stats(summaries: list[dict[str, Any]]) -> list[dict[str, Any]]:
     for recipe, losses in by_recipe.items():
         dense = by_recipe.get(baseline[recipe], {})
         mean, std = mean_std(list(losses.values()))
-        paired = sorted(set(losses) & set(dense))
-        gaps = [losses[k] - dense[k] for k in paired]
-        rel = [(losses[k] - dense[k]) / dense[k] for k in paired]
+        gaps, rel = paired_gaps(losses, dense)
         gap, gap_std = mean_std(gaps) if gaps else (None, None)
         rel_gap, rel_std = mean_std(rel) if rel else (None, None)
         stats.append({"recipe": recipe, "seeds": sorted(losses), "val_loss_mean": mean, "val_loss_std": std,
-                      "pairs": len(paired), "gap_mean": gap, "gap_std": gap_std,
+                      "pairs": len(gaps), "gap_mean": gap, "gap_std": gap_std,
                       "rel_gap_mean": rel_gap, "rel_gap_std": rel_std})
     return stats
+
+
+def paired_gaps(losses: dict[int, float], ref: dict[int, float]) -> tuple[list[float], list[float]]:
+    """``losses`` minus ``ref`` (each ``{seed: loss}``) over the seeds both ran, in seed order:
+    the absolute gaps and the gaps relative to ``ref``'s loss of that seed."""
+    paired = sorted(set(losses) & set(ref))
+    return [losses[k] - ref[k] for k in paired], [(losses[k] - ref[k]) / ref[k] for k in paired]
 
 
 def plus_minus(mean: float | None, std: float | None, fmt: str) -> str:

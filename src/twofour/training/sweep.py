@@ -29,6 +29,7 @@ from .compare import (
     locked,
     mean_std,
     one_per_run,
+    paired_gaps,
     plus_minus,
     run_folder,
     run_order,
@@ -231,14 +232,12 @@ def best_rates(summaries: list[dict[str, Any]]) -> dict[str, float | None]:
 def _gap(runs: dict[int, dict[str, Any]], ref: dict[int, dict[str, Any]]) -> str:
     """``| paired gap | relative gap |`` cells: report scores of ``runs`` minus ``ref``'s of the same
     seed, mean ± std over the seeds both ran; relative to ``ref``'s loss, in %."""
-    paired = sorted(set(runs) & set(ref))
-    if not paired:
+    gaps, rel = paired_gaps({k: r["report"] for k, r in runs.items()}, {k: r["report"] for k, r in ref.items()})
+    if not gaps:
         return "n/a | n/a"
-    if not all(math.isfinite(r[k]["report"]) for r in (runs, ref) for k in paired):
+    if not all(map(math.isfinite, gaps)):
         return "n/a (diverged) | n/a"
-    gaps = [runs[k]["report"] - ref[k]["report"] for k in paired]
-    rel = [100 * g / ref[k]["report"] for g, k in zip(gaps, paired)]
-    return f"{plus_minus(*mean_std(gaps), '+.4f')} | {plus_minus(*mean_std(rel), '+.2f')} %"
+    return f"{plus_minus(*mean_std(gaps), '+.4f')} | {plus_minus(*mean_std([100 * r for r in rel]), '+.2f')} %"
 
 
 def _scores(runs: dict[int, dict[str, Any]], key: str) -> str:
