@@ -154,40 +154,6 @@ def test_beta_refit_every_interval(device):
     assert not torch.equal(betas[2], betas[0]) and not torch.equal(betas[4], betas[2])
 
 
-def test_fold_scale_moves_the_effective_weight_by_the_step_not_beta_times_it(device):
-    """fold_scale: the same effective weight at init (beta * S(W) = S(beta * W)), beta = 1, and a
-    step of the weight moves the effective weight as far as the step, where plain S-STE moves it
-    beta times as far; a dense checkpoint and reset_state fold likewise."""
-    plain, folded = layer_for("s-ste", device).double(), layer_for("s-ste", device, fold_scale=True).double()
-    beta = float(plain.beta)
-    assert beta > 1.2 and float(folded.beta) == 1.0
-    torch.testing.assert_close(folded.weight, plain.weight * beta)
-    torch.testing.assert_close(folded.effective_weight(), plain.effective_weight())
-    kept = plain.mask.bool()
-    assert torch.equal(folded.mask, plain.mask)
-    step = 1e-8 * torch.randn_like(plain.weight)  # small enough to keep each group's order
-    moved = []
-    for lin in (plain, folded):
-        before = lin.effective_weight().clone()
-        with torch.no_grad():
-            lin.weight.add_(step)
-        moved.append((lin.effective_weight() - before)[kept])
-    torch.testing.assert_close(moved[0], beta * moved[1], rtol=1e-5, atol=1e-14)
-    assert moved[1].abs().mean() > 1e-9  # the step moved it
-
-    from_dense = layer_for("s-ste", device, fold_scale=True, seed=5).double()
-    dense = nn.Linear(32, 16, device=device, dtype=torch.float64)
-    with torch.no_grad():
-        dense.weight.copy_(plain.weight / beta)
-    from_dense.load_state_dict(dense.state_dict())
-    torch.testing.assert_close(from_dense.weight, plain.weight.detach(), rtol=1e-5, atol=0)
-    with torch.no_grad():
-        folded.weight.copy_(plain.weight / beta)
-    folded.reset_state()
-    torch.testing.assert_close(folded.weight, plain.weight, rtol=1e-5, atol=0)
-    assert float(folded.beta) == 1.0
-
-
 @pytest.mark.parametrize("source", ["nn.Linear", "dense FP8 with bf16_finetune"])
 def test_dense_checkpoint_loads_as_made_sparse(device, source):
     """A dense checkpoint, also one whose FP8 phase ends (it holds a step count), loads into a sparse

@@ -138,13 +138,3 @@ def test_bad_recipe_type():
     with pytest.raises(TypeError):
         make_recipe(3)
     assert isinstance(make_recipe("ste"), Recipe)
-
-
-def test_fold_scale_is_s_stes_alone_and_takes_no_refit():
-    assert make_recipe("s-ste", fold_scale=True).fold_scale and not make_recipe("s-ste").fold_scale
-    with pytest.raises(ValueError, match="^recipe 'ste' takes no option fold_scale"):
-        make_recipe("ste", fold_scale=True)
-    with pytest.raises(ValueError, match=r"^recipe 's-ste': fold_scale folds the first beta .* \(got 10\)$"):
-        make_recipe("s-ste", fold_scale=True, beta_interval=10)
-    with pytest.raises(TypeError, match="option fold_scale must be a bool"):
-        make_recipe("s-ste", fold_scale="yes")

@@ -89,7 +89,6 @@ class TwoFour:
     dense_finetune: float | None = None
     bf16_finetune: float | None = None
     beta_interval: int | None = None
-    fold_scale: bool | None = None
 
 
 @dataclass

@@ -133,19 +133,14 @@ class SparseLinear(nn.Linear):
 
     def _initial_state(self, w: torch.Tensor) -> dict[str, torch.Tensor]:
         """Buffers for a layer made sparse from weight ``w`` (fresh init or a dense checkpoint);
-        for a dense recipe the step counter alone. With ``fold_scale``, ``w`` is multiplied by its
-        beta in place."""
+        for a dense recipe the step counter alone."""
         dev = w.device
         step = {"step": torch.zeros((), dtype=torch.long, device=dev)}
         if not self.recipe.sparse:
             return step
-        state = self.pruner.initial_state(w)
-        if self.recipe.fold_scale:  # beta * S(W) = S(beta * W): W takes beta, in place (w is the weight's storage)
-            if not w.is_meta:
-                w.mul_(float(state["beta"]))
-            state["beta"].fill_(1.0)
         return {**step, "flips": torch.zeros((), dtype=torch.long, device=dev),
-                "dense": torch.tensor(self.recipe.starts_dense, device=dev), **state}
+                "dense": torch.tensor(self.recipe.starts_dense, device=dev),
+                **self.pruner.initial_state(w)}
 
     @torch.no_grad()
     def reset_state(self) -> None:
@@ -153,8 +148,7 @@ class SparseLinear(nn.Linear):
 
         For engines that build the model on the meta device, then allocate it uninitialised
         (``to_empty``) and initialise the weights afterwards (torchtitan): the buffers made on the
-        meta device hold nothing until this runs. Works on a sharded weight (gathers it). With
-        S-STE's ``fold_scale`` it folds the newly fitted beta into the current weight, as at step 0."""
+        meta device hold nothing until this runs. Works on a sharded weight (gathers it)."""
         if not self._keeps_state:
             return
         for name, value in self._initial_state(self.weight.detach()).items():
@@ -170,10 +164,8 @@ class SparseLinear(nn.Linear):
         # the key only this recipe's state has (a dense FP8 run's checkpoint holds ``step`` alone)
         own = prefix + ("mask" if self.recipe.sparse else "step")
         if self._keeps_state and wkey in state_dict and own not in state_dict:
-            w = state_dict[wkey].detach().to(self.weight.device, copy=True)
-            for name, value in self._initial_state(w).items():
+            for name, value in self._initial_state(state_dict[wkey].detach().to(self.weight.device)).items():
                 state_dict[prefix + name] = value
-            state_dict[wkey] = w  # with fold_scale, the weight times beta
         super()._load_from_state_dict(state_dict, prefix, local_metadata, strict, missing_keys,
                                       unexpected_keys, error_msgs)
         if self._keeps_state:

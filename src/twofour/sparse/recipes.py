@@ -41,10 +41,6 @@ class Recipe:
         beta_interval: S-STE only: optimizer steps between refits of the per-tensor scale beta to
             the current weight (``beta = <W, S(W)> / <S(W), S(W)>``); 0 (the default, as the paper
             and the authors' code) fits it once, when the layer is made sparse, and never again.
-        fold_scale: S-STE only: fold that first beta into the weight (``W <- beta * W``, then beta
-            = 1; the forward is unchanged, beta * S(W) = S(beta * W)), so that an optimizer step
-            moves the effective weight as far as STE's instead of beta (about 1.48) times as far.
-            S-STE then trains at a rate as STE at that rate (docs/RESULTS.md, the rate-shift test).
         dense_finetune: fraction of ``total_steps`` at the end trained dense (masks dropped).
         bf16_finetune: with an FP8 precision, the fraction of ``total_steps`` at the end trained
             without FP8 (the compute dtype's GEMMs, bf16 in training); its effect on quality is in
@@ -61,7 +57,6 @@ class Recipe:
     decay: float = 0.0
     mask_interval: int = 1
     beta_interval: int = 0
-    fold_scale: bool = False
     dense_finetune: float = 0.0
     bf16_finetune: float = 0.0
     total_steps: int | None = None
@@ -85,7 +80,7 @@ _TABLE: dict[str, tuple[dict[str, Any], dict[str, Any]]] = {
     "dense": ({"pruning": NONE}, dict(_COMMON)),
     "ste": ({"pruning": HARD}, dict(_SPARSE_COMMON)),
     "sr-ste": ({"pruning": HARD}, {**_SPARSE_COMMON, "decay": 2e-4}),
-    "s-ste": ({"pruning": SOFT}, {**_SPARSE_COMMON, "mvue": True, "beta_interval": 0, "fold_scale": False}),
+    "s-ste": ({"pruning": SOFT}, {**_SPARSE_COMMON, "mvue": True, "beta_interval": 0}),
     "t-sr-ste": (
         {"pruning": TRANSPOSABLE},
         {
@@ -159,12 +154,8 @@ def _validate(name: str, v: dict[str, Any], precision: Precision) -> None:
     def bad(key: str, want: str) -> ValueError:
         return ValueError(f"recipe {name!r}: {key} must be {want}, got {v[key]!r}")
 
-    for key in ("mvue", "fold_scale"):
-        if key in v and not isinstance(v[key], bool):
-            raise TypeError(f"recipe {name!r}: option {key} must be a bool, got {v[key]!r}")
-    if v.get("fold_scale") and v.get("beta_interval"):
-        raise ValueError(f"recipe {name!r}: fold_scale folds the first beta into the weight and keeps beta = 1; "
-                         f"it takes no beta_interval (got {v['beta_interval']})")
+    if "mvue" in v and not isinstance(v["mvue"], bool):
+        raise TypeError(f"recipe {name!r}: option mvue must be a bool, got {v['mvue']!r}")
     if "decay" in v and not (_finite(v["decay"]) and v["decay"] >= 0):
         raise bad("decay", "a finite number >= 0")
     for key, low in (("mask_interval", 1), ("beta_interval", 0)):
