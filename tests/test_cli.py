@@ -706,6 +706,15 @@ def test_source_digest_names_the_code(tmp_path):
     assert source_digest(pkg) != first
 
 
+def test_a_summary_names_the_whole_package_as_imported():
+    """The default digest covers every module of twofour (kernels too, not the training folder
+    alone) and is the one of the files as the process found them."""
+    import twofour  # noqa: PLC0415
+
+    assert source_digest() == source_digest(Path(twofour.__file__).parent)
+    assert source_digest() != source_digest(Path(twofour.__file__).parent / "training")
+
+
 def test_version(capsys):
     from twofour.version import __version__
 

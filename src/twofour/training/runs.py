@@ -277,14 +277,20 @@ def _version() -> str:
 
 
 def source_digest(root: Path | None = None) -> str:
-    """The first 16 hex digits of a SHA-256 over the ``.py`` files under ``root`` (default: this
-    package), paths and contents in sorted order: which code a run ran, where no git checkout
-    travels with it (compare with ``source_digest(Path("src/twofour"))`` in a checkout)."""
-    root = Path(__file__).parent if root is None else Path(root)
+    """The first 16 hex digits of a SHA-256 over the ``.py`` files under ``root``, paths and
+    contents in sorted order: which code a run ran, where no git checkout travels with it (compare
+    with ``source_digest(Path("src/twofour"))`` in a checkout). Without ``root``: the whole twofour
+    package as this process imported it (hashed at import, so that files edited during a long run
+    do not change what its summary records)."""
+    if root is None:
+        return _IMPORTED_DIGEST
     h = hashlib.sha256()
     for f in sorted(root.rglob("*.py")):
         h.update(f.relative_to(root).as_posix().encode() + b"\0" + f.read_bytes() + b"\0")
     return h.hexdigest()[:16]
+
+
+_IMPORTED_DIGEST = source_digest(Path(__file__).resolve().parents[1])
 
 
 def write_summary(out: Path, cfg: TrainConfig, extra: dict[str, Any] | None = None) -> dict[str, Any]:
