@@ -11,21 +11,24 @@ sits between ``<!-- quotes NAME ... -->`` and ``<!-- /quotes -->`` instead, and 
 each signed percentage it holds in the tables it names; a table in neither fails ``--check``.
 Reads only each run's ``summary.json``, ``config.json`` and ``metrics.csv`` (and a learning-rate
 sweep's ``val_halves.json``: ``--folder`` on a ``twofour compare --lrs`` folder prints its
-compare.md, :func:`sweep_tables`): a run is named by its recipe, precision and options and by the
-settings it changed from ``twofour train``'s defaults (``lr``, ``weight_decay`` ...); gaps are
-paired by seed with the baseline run (``dense`` unless named) of the same folder; the code digest is
-the summary's ``code.source`` (``not recorded`` for summaries written before it existed).
+compare.md, :func:`sweep_tables`; and the record ``scripts/effective_step.py --out`` writes): a
+run is named by its recipe, precision and options and by the settings it changed from ``twofour
+train``'s defaults (``lr``, ``weight_decay`` ...); gaps are paired by seed with the baseline run
+(``dense`` unless named) of the same folder; the code digest is the summary's ``code.source``
+(``not recorded`` for summaries written before it existed).
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 import math
 import re
 import sys
 from collections.abc import Callable
 from pathlib import Path
 
+import effective_step
 import numpy as np
 from gap_by_eval import gap_series, gap_table, label_of
 
@@ -36,6 +39,8 @@ from twofour.training.sweep import SCORES, sweep_runs, sweep_table
 RESULTS = Path(__file__).resolve().parent.parent / "docs" / "results"
 #: Where the S-STE ablation's run folders go in the repository (scripts/s_ste_ablation.py).
 ABLATION = "s-ste-ablation"
+#: The rate-shift test's sweep (twofour compare --lrs, CPU) and effective_step.py's record.
+RATE_SHIFT = "rate-shift"
 
 
 def load_runs(folder: Path, by_folder: bool = False) -> list[dict]:
@@ -167,6 +172,13 @@ def shift_table(folder: Path, recipe: str = "s-ste", versus: str = "ste", factor
     return "\n".join(lines)
 
 
+def _effective_step() -> str:
+    path = RESULTS / RATE_SHIFT / "effective_step.json"
+    if not path.exists():
+        return f"No docs/results/{RATE_SHIFT}/effective_step.json yet: `scripts/effective_step.py` has not been run."
+    return effective_step.table(json.loads(path.read_text()))
+
+
 def _ablation() -> str:
     folder = RESULTS / ABLATION
     if not folder.is_dir():
@@ -190,6 +202,9 @@ TABLES: dict[str, Callable[[], str]] = {
     "q124m-fp8": lambda: _folder_tables(RESULTS / "q124m-ours", "s-ste", keep=lambda label: "fp8" in label),
     "q124m-repeat": lambda: runs_table(load_runs(RESULTS / "q124m-repeat")),
     "q10m-mvue": lambda: _folder_tables(RESULTS / "q10m-mvue", "s-ste", by_folder=True),
+    "rate-sweep": lambda: sweep_tables(RESULTS / RATE_SHIFT),
+    "rate-shift": lambda: shift_table(RESULTS / RATE_SHIFT),
+    "effective-step": _effective_step,
 }
 
 # a block's body never holds another block's start: a missing end marker is left alone, not swallowed

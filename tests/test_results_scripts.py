@@ -273,3 +273,20 @@ def test_never_slower_counts_rank_0s_recompilations_and_graph_breaks():
     log = "\n".join([f"[rank0]:V1129 {brk}", f"[rank1]:V1129 {brk}", f"[rank0]:V1129 {rec}", f"[rank1]:V1129 {rec}",
                      f"V1129 {rec}", "[rank0]: the loss of step 3 is 1.0", "some other line"])
     assert ns.compile_events(log) == {"recompiles": 2, "graph_breaks": 1}
+
+
+def test_effective_step_splits_s_stes_move_and_tables_the_record(corpus):
+    """effective_step.run: every recipe's move of its effective weight per step, S-STE's split into
+    beta times the move of |W| and of the threshold (both non-zero: the threshold moves too)."""
+    import effective_step
+
+    from twofour.training.data import load_data
+
+    data = load_data(corpus)
+    ste, sste = (effective_step.run(r, 1e-3, 3, 1, data) for r in ("ste", "s-ste"))
+    assert set(ste) == {"move", "kept_move"} and len(ste["move"]) == 3
+    assert set(sste) == set(effective_step.COLUMNS)
+    assert all(v > 0 for k in effective_step.COLUMNS for v in sste[k])
+    assert all(k <= m + 1e-12 for k, m in zip(ste["kept_move"], ste["move"]))
+    rows = effective_step.table({"runs": {"ste": {"1": ste}, "s-ste": {"1": sste}}}).splitlines()
+    assert rows[2].startswith("| ste | ") and rows[2].endswith(" | - | - |") and len(rows) == 4
