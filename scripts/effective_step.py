@@ -9,8 +9,8 @@ betas and decay, constant rate after a 5% warmup) on the CPU and records at ever
 FFN linears, ``|W_eff(t+1) - W_eff(t)| / |W_eff(t)|`` (Frobenius norms) and the part of it on the
 entries kept both before and after the step. For S-STE it also splits the kept entries' move into
 beta times the move of ``|W|`` and beta times the move of the group's threshold (beta*S(W) =
-beta*sign(W)(|W| - t), t the group's third-largest magnitude): when a pruned entry grows, t grows
-with it and takes back what the kept entries gained. Prints the medians over steps and seeds.
+beta*sign(W)(|W| - t), t the group's third-largest magnitude: t moves whenever that pruned entry
+does, and shifts every kept entry of its group). Prints the medians over steps and seeds.
 """
 
 from __future__ import annotations
