@@ -32,7 +32,8 @@ import effective_step
 import numpy as np
 from gap_by_eval import gap_series, gap_table, label_of
 
-from twofour.training.compare import run_order, summary_label
+from twofour.training.compare import paired_gaps, run_order, summary_label
+from twofour.training.config import TrainConfig
 from twofour.training.runs import read_config, read_summary
 from twofour.training.sweep import SCORES, sweep_runs, sweep_table
 
@@ -154,18 +155,20 @@ def shift_table(folder: Path, recipe: str = "s-ste", versus: str = "ste", factor
     """A sweep's test of a rate shift: ``recipe`` at each rate r against ``versus`` at r and at
     ``factor`` * r (final val loss, relative gap paired by seed). If ``recipe`` trains like
     ``versus`` at ``factor`` times the rate, the second gap is the smaller one at every r."""
-    loss: dict[tuple[str, float, int], float] = {}
+    losses: dict[tuple[str, float], dict[int, float]] = {}  # (label, peak lr) -> {seed: final val loss}
     for s in load_runs(folder):
-        cfg = read_config(s["out_dir"]) or {}
-        if cfg.get("lr") is not None and s["final_val_loss"] is not None:
-            loss[(summary_label(s), float(cfg["lr"]), s["seed"])] = s["final_val_loss"]
-    rates = sorted({lr for (name, lr, _) in loss if name == recipe})
+        cfg = read_config(s["out_dir"])
+        if cfg is not None and s["final_val_loss"] is not None:
+            lr = TrainConfig.from_dict(cfg).peak_lr
+            losses.setdefault((summary_label(s), lr), {})[s["seed"]] = s["final_val_loss"]
 
     def gap(r: float, r_vs: float) -> str:
-        g = [(loss[(recipe, r, seed)] / v - 1) * 100 for (name, lr, seed), v in loss.items()
-             if name == versus and math.isclose(lr, r_vs, rel_tol=1e-3) and (recipe, r, seed) in loss]
-        return mean_std(g) if g else "not run"
+        ref = next((v for (name, lr), v in losses.items() if name == versus and math.isclose(lr, r_vs, rel_tol=1e-3)),
+                   {})
+        _, rel = paired_gaps(losses[(recipe, r)], ref)
+        return mean_std([100 * g for g in rel]) if rel else "not run"
 
+    rates = sorted(lr for name, lr in losses if name == recipe)
     lines = [f"| {recipe} at lr | against {versus} at the same lr | against {versus} at {factor:g}x that lr |",
              "|---|---|---|"]
     lines += [f"| {r:.4g} | {gap(r, r)} | {gap(r, r * factor)} |" for r in rates]
