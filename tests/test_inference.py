@@ -13,6 +13,7 @@ import twofour
 from twofour.errors import TrainError
 from twofour.inference import SparseInferenceLinear, load_for_inference, save_inference
 from twofour.inference.packed import pack_24
+from twofour.integrity import crc32_file
 from twofour.models import FFN_PATTERNS
 
 from .helpers import batches, make_optimizer, tiny_gpt, tiny_llama
@@ -137,8 +138,10 @@ def edit_config(folder, **changes):
 
 
 def resave(folder, tensors):
+    """Other weights in an export folder, its config's size and CRC-32 made to match them."""
     save_file(tensors, str(folder / "model.safetensors"))
-    edit_config(folder, weights_bytes=(folder / "model.safetensors").stat().st_size)
+    edit_config(folder, weights_bytes=(folder / "model.safetensors").stat().st_size,
+                weights_crc32=crc32_file(folder / "model.safetensors"))
 
 
 def test_bad_input_is_one_clear_error(tmp_path):
@@ -173,6 +176,8 @@ def test_bad_input_is_one_clear_error(tmp_path):
     assert "truncated or from another export" in error(trunc)
     torn = copy("torn")  # a damaged file of the right size
     (torn / "model.safetensors").write_bytes(b"\xff" * len(data))
+    assert "is damaged (its bytes fail the CRC-32" in error(torn)
+    edit_config(torn, weights_crc32=None)  # an export written before the CRC-32: the reader still refuses it
     assert "unreadable or corrupt" in error(torn)
     other = copy("other")  # weights of another model, config of this one
     save_inference(twofour.sparsify(tiny_gpt(n_embd=32), "ste", include=FFN_PATTERNS), tmp_path / "small")

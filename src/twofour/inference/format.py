@@ -18,6 +18,7 @@ from safetensors.torch import load_file, save_file
 from torch import nn
 
 from ..errors import FormatError, missing_link, write_failure
+from ..integrity import crc32_file
 from ..models.common import FFN_IN_PATTERNS, GPTConfig, LlamaConfig
 from ..models.gpt import GPT
 from ..models.llama import Llama
@@ -121,6 +122,7 @@ def save_inference(model: GPT | Llama, out: str | Path, *, dtype: torch.dtype | 
     config = {"format": FORMAT, "format_version": FORMAT_VERSION, "architecture": arch,
               "model": dataclasses.asdict(model.cfg),
               "dtype": name, "weights": weights.name, "weights_bytes": weights.stat().st_size,
+              "weights_crc32": crc32_file(weights),
               "sparse_layers": sparse, "dense": not sparse, "dense_reason": reason, "tied_weights": tied,
               "sparse_layer_bytes": sparse_bytes, "sparse_layer_dense_bytes": dense_equiv,
               "sparse_layer_ratio": round(sparse_bytes / dense_equiv, 4) if dense_equiv else None, **(meta or {})}
@@ -169,6 +171,9 @@ def read_export_config(path: str | Path) -> dict[str, Any]:
             raise ValueError("bad weights name or dtype")
         if not isinstance(cfg["sparse_layers"], list) or not isinstance(cfg.get("tied_weights", {}), dict):
             raise ValueError("sparse_layers must be a list and tied_weights a dict")
+        crc = cfg.get("weights_crc32")
+        if crc is not None and (not isinstance(crc, int) or isinstance(crc, bool)):
+            raise ValueError(f"weights_crc32 must be a whole number, got {crc!r}")
     except (KeyError, TypeError, ValueError) as e:
         raise FormatError(f"{cfg_path} is incomplete or malformed ({type(e).__name__}: {e})") from None
     if not weights.exists():
@@ -232,6 +237,10 @@ def load_for_inference(path: str | Path, device: str | torch.device | None = Non
     that aren't 2:4) raises FormatError before anything is built."""
     path = Path(path)
     cfg = read_export_config(path)
+    crc = cfg.get("weights_crc32")  # exports written before it have none
+    if crc is not None and crc32_file(path / cfg["weights"]) != crc:
+        raise FormatError(f"{path / cfg['weights']} is damaged (its bytes fail the CRC-32 that {MODEL_CONFIG} "
+                          "records), so it was not loaded: export the run again")
     tensors = _read_tensors(path / cfg["weights"])
     sparse, tied = cfg["sparse_layers"], dict(cfg.get("tied_weights", {}))
     stored = _DTYPES[cfg["dtype"]]

@@ -32,14 +32,23 @@ import torch
 import torch.distributed as dist
 
 from ..errors import TrainError, write_failure
+from ..integrity import checksummed_saves, zip_damage
 from ..sparse.convert import sparse_layers
 from ..version import __version__
-from .checkpoint_sharded import META, SHARDED, load_sharded, save_sharded, sharded_folder, sharded_problem
+from .checkpoint_sharded import (
+    META,
+    SHARDED,
+    load_sharded,
+    save_sharded,
+    sharded_damage,
+    sharded_folder,
+    sharded_problem,
+)
 from .checkpoint_sharded import load_model as load_sharded_model
 from .config import TrainConfig, resumed_config
 
 __all__ = ["CKPT", "SHARDED", "save", "resume", "checkpoint_path", "read_checkpoint", "load_checkpoint", "load_model",
-           "save_checkpoint", "check_replicas", "data_seed"]
+           "save_checkpoint", "check_replicas", "data_seed", "check_intact", "FILE"]
 
 log = logging.getLogger("twofour")
 
@@ -47,6 +56,8 @@ CKPT = "ckpt.pt"
 #: The optimizer state dict's own entries, which DCP's state dicts carry; any other (STEP's phase)
 #: travels in the sharded checkpoint's meta.pt.
 _OPT_ENTRIES = ("state", "param_groups")
+#: The entry :func:`read_checkpoint` adds to a ``ckpt.pt``'s dict: the file it was read from.
+FILE = "file"
 
 
 # --------------------------------------------------------------------------------------------
@@ -88,7 +99,33 @@ def read_checkpoint(path: str | Path) -> dict[str, Any]:
         path = found
     if not path.exists():
         raise TrainError(f"no checkpoint at {path}")
-    return _load_plain(path, {"config", "model", "step"}, "training checkpoint")
+    return {**_load_plain(path, {"config", "model", "step"}, "training checkpoint"), FILE: str(path)}
+
+
+def check_intact(ckpt: dict[str, Any], way_on: str, rank: int = 0, world: int = 1) -> None:
+    """TrainError, one line naming the file and ``way_on`` (what the user can do), when a tensor
+    of ``ckpt`` (:func:`read_checkpoint`'s dict) fails its CRC-32: damaged on disk since it was
+    written. Under torchrun every rank calls it and checks a share of a sharded checkpoint's files.
+    A file this process found intact, unchanged since (size and time), is not read again."""
+    where = Path(ckpt["sharded"] if "sharded" in ckpt else ckpt[FILE])
+    seen = _stamp(where)
+    if seen in _INTACT:
+        return
+    why = sharded_damage(where, ckpt, rank, world) if "sharded" in ckpt else zip_damage(where)
+    if why:
+        raise TrainError(f"checkpoint {where} is damaged ({why}), so it was not loaded: {way_on}")
+    _INTACT.add(seen)
+
+
+#: The checkpoints :func:`check_intact` found intact in this process, as :func:`_stamp` saw them.
+_INTACT: set[tuple] = set()
+
+
+def _stamp(path: Path) -> tuple:
+    """A file's (or step folder's files') path, size and modification time: what tells a file
+    checked before from one changed since."""
+    files = sorted(path.iterdir()) if path.is_dir() else [path]
+    return tuple((str(f.resolve()), f.stat().st_size, f.stat().st_mtime_ns) for f in files if f.is_file())
 
 
 def load_checkpoint(path: str | Path, cfg: TrainConfig) -> dict[str, Any]:
@@ -101,7 +138,9 @@ def load_checkpoint(path: str | Path, cfg: TrainConfig) -> dict[str, Any]:
 
 def load_model(ckpt: dict[str, Any], model: torch.nn.Module) -> None:
     """The weights and buffers of ``ckpt`` (:func:`read_checkpoint`'s dict, either form) into
-    ``model``, a whole model in one process: how ``twofour export`` reads a run."""
+    ``model``, a whole model in one process: how ``twofour export`` reads a run. A damaged
+    checkpoint is refused (:func:`check_intact`)."""
+    check_intact(ckpt, "restore the run folder from a copy, or train the run again")
     if "sharded" in ckpt:  # an FSDP2 run's: its shards read into the whole model
         load_sharded_model(Path(ckpt["sharded"]), model)
     else:
@@ -142,7 +181,7 @@ def save_checkpoint(path: Path, payload: dict[str, Any]) -> None:
     TrainError, saying so, when the file can't be written (a full disk, a read-only folder)."""
     tmp = path.with_name(path.name + ".tmp")
     try:
-        with tmp.open("wb") as fh:
+        with tmp.open("wb") as fh, checksummed_saves():
             torch.save(payload, fh)
             fh.flush()
             os.fsync(fh.fileno())
@@ -236,7 +275,10 @@ def resume(ckpt: dict[str, Any], cfg: TrainConfig, raw: torch.nn.Module, opt: to
            data_gen: torch.Generator, rank: int, world: int, *, sharded: bool) -> int:
     """Load ``ckpt`` (:func:`read_checkpoint`'s dict, either form) into the run's model,
     optimizer, schedule and RNGs, before :func:`twofour.sparse.attach`; returns the step it
-    resumes at. ``sharded``: this run's model is FSDP2's. Every rank calls it."""
+    resumes at. ``sharded``: this run's model is FSDP2's. Every rank calls it. A damaged
+    checkpoint is refused (:func:`check_intact`), a model that does not fit it too (:func:`_check_shapes`)."""
+    check_intact(ckpt, "only the last checkpoint is kept, so `--overwrite` instead of `--resume` starts the run "
+                 "again (or restore the run folder from a copy)", rank, world)
     saved = len(ckpt["rng"])
     if "sharded" in ckpt:
         from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict  # noqa: PLC0415
@@ -246,6 +288,7 @@ def resume(ckpt: dict[str, Any], cfg: TrainConfig, raw: torch.nn.Module, opt: to
         set_state_dict(raw, opt, model_state_dict=model_sd, optim_state_dict=opt_sd)
         extra = ckpt.get("optimizer_extra", [{}])[rank if saved == world else 0]
     else:  # keyed by parameter names under FSDP2, by numbers otherwise: as this run needs it
+        _check_shapes(ckpt["model"], raw, Path(ckpt[FILE]))
         _load_whole(raw, opt, ckpt["model"], _keyed(ckpt["optimizer"], raw, opt, sharded), sharded)
         # loaded whole above, except where DCP's set_state_dict (FSDP2) leaves them out
         extra = {k: v for k, v in ckpt["optimizer"].items() if k not in _OPT_ENTRIES} if sharded else {}
@@ -278,6 +321,22 @@ def _load_whole(model: torch.nn.Module, opt: torch.optim.Optimizer, model_sd: di
 
     set_state_dict(model, opt, model_state_dict=model_sd, optim_state_dict=opt_sd,
                    options=StateDictOptions(full_state_dict=True))
+
+
+def _check_shapes(model_sd: dict[str, torch.Tensor], raw: torch.nn.Module, where: Path) -> None:
+    """TrainError naming the first tensor of the checkpoint's model (``model_sd``) missing from, or
+    shaped otherwise than in, the run's model ``raw`` (whole, before FSDP2 shards it)."""
+    mine = raw.state_dict()
+    for name, t in model_sd.items():
+        ours = mine.get(name)
+        if ours is None or tuple(ours.shape) != tuple(t.shape):
+            here = "absent" if ours is None else f"{list(ours.shape)}"
+            raise TrainError(f"checkpoint {where} does not fit this run's model: {name} is {list(t.shape)} in it, "
+                             f"{here} here; it was saved by another model: leave --resume out, or resume its own run")
+    gone = [name for name in mine if name not in model_sd]
+    if gone:
+        raise TrainError(f"checkpoint {where} does not fit this run's model: it lacks {gone[0]}; it was saved by "
+                         "another model: leave --resume out, or resume its own run")
 
 
 def _keyed(opt_sd: dict[str, Any], raw: torch.nn.Module, opt: torch.optim.Optimizer, by_name: bool) -> dict:

@@ -9,7 +9,8 @@ Layout in the run folder::
 
 ``meta.pt`` (written by rank 0, tensors and plain data only) holds the rest: config, step,
 scheduler, every rank's RNG states and data position, the optimizer's non-tensor extras, elapsed
-time, version. A save writes a new step folder, then replaces ``latest`` (``os.replace``, atomic)
+time, version, and the CRC-32 of each DCP file (each rank's of its own), which a load checks
+first (:func:`sharded_damage`). A save writes a new step folder, then replaces ``latest`` (``os.replace``, atomic)
 and only then removes the older step folders: a run killed at any moment leaves ``latest`` naming a
 complete checkpoint, and the folders it does not name (a partial save) are removed at the next save.
 A ``latest`` that names nothing readable is reported as such (:func:`sharded_problem`), naming the
@@ -29,14 +30,17 @@ import torch
 import torch.distributed as dist
 
 from ..errors import TrainError, write_failure
+from ..integrity import crc32_file, damaged_files
 from .parallel import everywhere
 
-__all__ = ["SHARDED", "LATEST", "META", "sharded_folder", "sharded_problem", "save_sharded", "load_sharded",
-           "load_model"]
+__all__ = ["SHARDED", "LATEST", "META", "CRCS", "sharded_folder", "sharded_problem", "save_sharded", "load_sharded",
+           "load_model", "sharded_damage"]
 
 SHARDED = "ckpt"
 LATEST = "latest"
 META = "meta.pt"
+#: meta.pt's entry holding the CRC-32 of every DCP file of the step folder, by file name.
+CRCS = "file_crcs"
 
 
 def sharded_folder(out: str | Path) -> Path | None:
@@ -115,8 +119,9 @@ def save_sharded(out: Path, step: int, state: dict[str, Any], meta: dict[str, An
         raise TrainError(f"cannot create the sharded checkpoint's folder {folder}: {why or 'rank 0 failed'}")
     try:
         save(state, checkpoint_id=str(folder))  # collective: a failure on any rank raises on every rank
+        crcs = _gathered_crcs(folder, rank, world)
         if rank == 0:
-            _write_meta(folder, meta)
+            _write_meta(folder, {**(meta or {}), CRCS: crcs})
     except (Exception, CheckpointException) as e:  # DCP's wraps every rank's errors: a BaseException
         why = _why(e)
     if not everywhere(why is None, world):
@@ -132,6 +137,30 @@ def save_sharded(out: Path, step: int, state: dict[str, Any], meta: dict[str, An
         raise TrainError(f"cannot switch {root} to {folder.name}: {why or 'rank 0 failed'}; the previous "
                          "checkpoint is intact")
     return folder
+
+
+def _gathered_crcs(folder: Path, rank: int, world: int) -> dict[str, int]:
+    """The CRC-32 of every DCP file in ``folder``, each computed by the rank that wrote it (rank 0
+    also takes ``.metadata``), gathered on every rank. Every rank calls it."""
+    mine = sorted(folder.glob(f"__{rank}_*.distcp")) + ([folder / ".metadata"] if rank == 0 else [])
+    crcs = {p.name: crc32_file(p) for p in mine}
+    if world == 1:
+        return crcs
+    everyone: list[dict[str, int] | None] = [None] * world
+    dist.all_gather_object(everyone, crcs)
+    return {name: crc for part in everyone for name, crc in (part or {}).items()}
+
+
+def sharded_damage(folder: Path, meta: dict[str, Any], rank: int = 0, world: int = 1) -> str | None:
+    """Why the DCP files of step folder ``folder`` are not those its ``meta`` (meta.pt's dict)
+    recorded, in a phrase naming the file; None when they match (or a checkpoint of a version that
+    recorded none). Rank ``rank`` of ``world`` checks its share of the files alone; every rank
+    learns the verdict (one all-reduce), and a rank whose share was intact says another rank's failed."""
+    crcs = meta.get(CRCS) or {}
+    why = damaged_files(folder, crcs, sorted(crcs)[rank::world]) if crcs else None
+    if world > 1 and not everywhere(why is None, world):
+        return why or "another rank found one of its files damaged (its log names it)"
+    return why
 
 
 def _why(e: BaseException) -> str:

@@ -26,7 +26,8 @@ from ..sparse.recipes import DEFAULT_RECIPE, Recipe, make_recipe, recipe_options
 from .parallel import FSDP_POLICIES
 
 __all__ = ["TrainConfig", "TrainError", "DEFAULT_LR", "Regime", "REGIMES", "lr_at", "resumed_config", "saved_options",
-           "option_name", "resolve_device", "LAUNCH_OPTIONS", "ADJUSTABLE_OPTIONS", "MAX_SEED", "check_seed"]
+           "option_name", "resolve_device", "LAUNCH_OPTIONS", "ADJUSTABLE_OPTIONS", "MAX_SEED", "check_seed",
+           "IDENTITY_OPTIONS", "first_difference"]
 
 #: Peak learning rate per preset (each :class:`~twofour.models.Preset`'s ``lr``: GPT-3 paper's table
 #: for the GPT-2 sizes, higher for the small ones, as nanoGPT's 10M-parameter example).
@@ -325,6 +326,22 @@ _EFFECTIVE: dict[str, Any] = {
     "n_layer": lambda c: c.n_layer or PRESETS[c.model].config.n_layer,
     "recipe_options": lambda c: c.recipe_object().to_dict(),
 }
+
+
+#: What makes a run the run it is (its model and shapes, recipe, data, seed): a checkpoint belongs
+#: to the run folder whose ``config.json`` agrees with it on all of them.
+IDENTITY_OPTIONS = ("model", "n_layer", "sparse_attention", "seq_len", "vocab_size", "recipe", "recipe_options",
+                    "precision", "data", "seed")
+
+
+def first_difference(a: dict[str, Any], b: dict[str, Any]) -> tuple[str, str, str] | None:
+    """The first of :data:`IDENTITY_OPTIONS` on which saved configs ``a`` and ``b`` train
+    differently, as (option, a's value, b's value) for a message; None when they agree."""
+    ca, cb = TrainConfig.from_dict(a), TrainConfig.from_dict(b)
+    for name in IDENTITY_OPTIONS:
+        if not _same(name, getattr(cb, name), ca):
+            return option_name(name), _show_saved(name, ca), _show_saved(name, cb)
+    return None
 
 
 def _same(name: str, mine: Any, old: TrainConfig) -> bool:

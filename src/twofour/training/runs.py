@@ -23,8 +23,8 @@ import torch
 from .. import dispatch
 from ..errors import TrainError
 from ..inference.format import MODEL_CONFIG, WEIGHTS
-from .checkpoint import CKPT, SHARDED, checkpoint_path, read_checkpoint, sharded_problem
-from .config import TrainConfig, resumed_config, saved_options
+from .checkpoint import CKPT, FILE, SHARDED, check_intact, checkpoint_path, read_checkpoint, sharded_problem
+from .config import TrainConfig, first_difference, resumed_config, saved_options
 from .lock import RunLock
 
 __all__ = ["METRICS", "FIELDS", "WEIGHTS", "MODEL_CONFIG", "prepare_run_dir", "resume_from", "resume_config",
@@ -108,11 +108,14 @@ def resume_from(out: str | Path) -> dict[str, Any]:
     found = checkpoint_path(out)
     if found is None:
         raise TrainError(_no_checkpoint(out))
+    again = "--overwrite instead of --resume starts the run again, or choose another --out"
     try:
-        return read_checkpoint(found)
+        ckpt = read_checkpoint(found)
     except TrainError as e:
-        raise TrainError(f"--resume: {e}; --overwrite instead of --resume starts the run again, or choose another "
-                         "--out") from None
+        raise TrainError(f"--resume: {e}; {again}") from None
+    if "sharded" not in ckpt:  # before its settings are used (under torchrun each rank checks its share at load)
+        check_intact(ckpt, again)
+    return ckpt
 
 
 def resume_config(out: str | Path, cfg: TrainConfig, given: set[str] | None = None) -> TrainConfig:
@@ -127,7 +130,10 @@ def resume_config(out: str | Path, cfg: TrainConfig, given: set[str] | None = No
 
 
 def check_resumable(ckpt: dict[str, Any], cfg: TrainConfig, out: Path) -> None:
-    """Raise TrainError if the run in ``out``, at its checkpoint ``ckpt``, can't go on as ``cfg`` asks."""
+    """Raise TrainError if the run in ``out``, at its checkpoint ``ckpt``, can't go on as ``cfg`` asks,
+    or if the checkpoint is not this run's: its model, shapes, recipe, data or seed differ from
+    what ``out``'s ``config.json`` says (a checkpoint copied in from another run)."""
+    _check_belongs(ckpt, out)
     step = ckpt["step"]
     if cfg.stop_at is not None and step >= cfg.stop_at:
         raise TrainError(f"--stop-at {cfg.stop_at} is not after the checkpoint's step {step}")
@@ -137,6 +143,23 @@ def check_resumable(ckpt: dict[str, Any], cfg: TrainConfig, out: Path) -> None:
                              f"train it further, give --steps larger than {step}")
         raise TrainError(f"the run in {out} has done {step} of {cfg.steps} steps; to train it further, "
                          f"resume with --steps larger than {step} and --reschedule")
+
+
+def _check_belongs(ckpt: dict[str, Any], out: Path) -> None:
+    """TrainError naming both values when ``ckpt`` trains another run than ``out/config.json``
+    describes; nothing when the folder has no readable ``config.json`` (the checkpoint, checked
+    whole, then holds the run's only settings, and the resume writes them back)."""
+    try:
+        written = read_config(out)
+    except TrainError:
+        return
+    differs = first_difference(written, ckpt["config"]) if written is not None else None
+    if differs:
+        option, theirs, saved = differs
+        where = ckpt.get("sharded") or ckpt.get(FILE)
+        raise TrainError(f"--resume: the checkpoint {where} is not this run's: it trains {option} {saved}, "
+                         f"{out / 'config.json'} says {theirs} (a checkpoint copied from another run?); put back "
+                         "the run's own checkpoint, or start anew with --overwrite")
 
 
 # --------------------------------------------------------------------------------------------
