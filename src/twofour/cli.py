@@ -130,8 +130,6 @@ def _cmd_train(a: argparse.Namespace) -> int:
     cfg = _config(a, a.recipe)
     if a.resume:  # the run's own settings, from its checkpoint; options given must agree with them
         cfg = resume_config(a.out, cfg, _given(a))
-        if cfg.reschedule and "steps" in _given(a):
-            print(f"--reschedule: the learning-rate schedule now spans {cfg.steps} steps", file=sys.stderr)
     s = train(cfg)
     if s:
         found = checkpoint_path(s["out_dir"])  # ckpt.pt, or an FSDP2 run's sharded ckpt/, or none

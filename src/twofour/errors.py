@@ -8,10 +8,11 @@ from __future__ import annotations
 import errno
 import os
 import re
+import warnings
 from pathlib import Path
 
 __all__ = ["TwofourError", "TrainError", "DivergedError", "DataError", "FormatError", "out_of_memory_message",
-           "one_line", "size_text", "write_failure", "DISK_FULL", "missing_link"]
+           "one_line", "size_text", "write_failure", "DISK_FULL", "missing_link", "TwofourWarning", "warn"]
 
 
 class TwofourError(ValueError):
@@ -38,6 +39,28 @@ class DataError(TwofourError):
 class FormatError(TrainError):
     """A file or folder that is not what twofour writes: an export folder, a checkpoint, a run.
     (A :class:`TrainError` too, which ``twofour export`` and ``generate`` raised before.)"""
+
+
+class TwofourWarning(UserWarning):
+    """What twofour warns about (a skipped file, a slow path, layers left dense): printed as one
+    ``twofour: ...`` line, without Python's source file and line (:func:`warn`)."""
+
+
+def warn(message: str) -> None:
+    """Warn with :class:`TwofourWarning`: one ``twofour: message`` line on stderr (once per place,
+    as Python's warnings go; filters and ``pytest.warns`` see a ``UserWarning``)."""
+    warnings.warn(message, TwofourWarning, stacklevel=2)
+
+
+def _format_warning(message, category, filename, lineno, line=None, _python=warnings.formatwarning) -> str:
+    """Python's warning format, except for :class:`TwofourWarning`: ``twofour: message``, one line."""
+    if isinstance(category, type) and issubclass(category, TwofourWarning):
+        text = str(message)
+        return (text if text.startswith("twofour") else f"twofour: {text}") + "\n"
+    return _python(message, category, filename, lineno, line)
+
+
+warnings.formatwarning = _format_warning
 
 
 def one_line(e: BaseException) -> str:

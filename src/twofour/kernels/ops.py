@@ -151,8 +151,8 @@ def _tune(plan: _cs.Plan, a: torch.Tensor, b: torch.Tensor, out: torch.Tensor, b
                 continue
             if p.config_id != config or p.compressed_size != plan.compressed_size or not torch.allclose(
                     flat[sample].float(), ref, rtol=2e-2, atol=atol, equal_nan=True):
-                log.warning("cuSPARSELt configuration %d gave another product than the default for %s; left out",
-                            config, key)
+                log.warning("twofour: cuSPARSELt configuration %d gave another product than the default for %s; "
+                            "left out", config, key)
                 _cs.drop_plan(p)
                 continue
             plans[config] = p

@@ -4,13 +4,13 @@ from __future__ import annotations
 
 import fnmatch
 import logging
-import warnings
 from collections.abc import Iterable, Iterator
 from typing import Any
 
 import torch
 from torch import nn
 
+from ..errors import warn
 from .layer import SparseLinear, advance_layers
 from .optim import STEPAdamW
 from .recipes import DEFAULT_RECIPE, Recipe, make_recipe
@@ -77,10 +77,9 @@ def sparsify(model: nn.Module, recipe: str | Recipe = DEFAULT_RECIPE, *, include
         setattr(model.get_submodule(parent_name), attr, new)
         converted.append(name)
     if skipped:
-        warnings.warn("twofour.sparsify left these layers dense: "
-                      + "; ".join(f"{n} ({why})" for n, why in skipped), stacklevel=2)
+        warn("twofour.sparsify left these layers dense: " + "; ".join(f"{n} ({why})" for n, why in skipped))
     if not converted:
-        warnings.warn("twofour.sparsify found no eligible nn.Linear layer to convert", stacklevel=2)
+        warn("twofour.sparsify found no eligible nn.Linear layer to convert")
     log.info("sparsify(%s): %d layers converted, %d skipped", rec.name, len(converted), len(skipped))
     return model
 

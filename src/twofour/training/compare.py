@@ -252,7 +252,7 @@ def one_per_run(runs: list[dict[str, Any]], key: Callable[[dict[str, Any]], tupl
     for r in sorted(runs, key=lambda r: Path(r["out_dir"]).name != key(r)[1]):  # the run in its own folder first
         same = kept.setdefault(key(r)[0], r)
         if same is not r:
-            log.warning("%s repeats the run %s (seed %s) of %s; it is left out of the table", r["out_dir"],
+            log.warning("twofour: %s repeats the run %s (seed %s) of %s; it is left out of the table", r["out_dir"],
                         summary_label(r), r["seed"], same["out_dir"])
     for r in kept.values():
         if not (Path(r["out_dir"]) / METRICS).is_file():

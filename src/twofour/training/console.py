@@ -51,14 +51,17 @@ class Progress:
     ``bar`` is on; otherwise (output to a file or a pipe, or ``--no-progress``) one plain line per
     logged step on stdout. Silent unless ``active`` (ranks other than 0)."""
 
-    def __init__(self, active: bool, bar: bool, desc: str, start: int, total: int, stream: TextIO | None = None):
+    def __init__(self, active: bool, bar: bool, desc: str, start: int, total: int, stream: TextIO | None = None,
+                 header: str = ""):
         stream = stream or sys.stderr
         self.active, self.total = active, total
         self.bar = None
+        line = f"{desc}: steps {start + 1}-{total}" + (f", {header}" if header else "")
         if active and bar and stream.isatty() and sys.stdout.isatty():  # plain lines go to stdout
+            print(line, file=stream, flush=True)
             self.bar = tqdm(total=total, initial=start, desc=desc, file=stream, dynamic_ncols=True)
         elif active:
-            print(f"{desc}: steps {start + 1}-{total}", flush=True)
+            print(line, flush=True)
 
     def update(self) -> None:
         """One optimizer step done (host work only: no GPU sync)."""

@@ -12,7 +12,6 @@ import io
 import os
 import pickle
 import sysconfig
-import warnings
 import zlib
 from dataclasses import dataclass
 from pathlib import Path
@@ -20,7 +19,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from ..errors import DataError
+from ..errors import DataError, warn
 
 __all__ = ["TokenData", "load_data", "DataError", "stdlib_files", "is_shard_folder", "SHARD_DTYPES", "shard_dtype"]
 
@@ -82,8 +81,8 @@ def _split_files(files: list[Path], root: Path, name: str) -> TokenData:
     for f in files:
         try:
             data = f.read_bytes()
-        except OSError:
-            continue
+        except OSError as e:
+            raise DataError(unreadable(f, e)) from None
         rel = f.relative_to(root).as_posix() if f.is_relative_to(root) else f.name
         (val if zlib.crc32(rel.encode()) % 1000 < VAL_FRACTION * 1000 else train).extend(data)
     if not train or not val:  # all files landed in one split: hold out the tail instead
@@ -94,14 +93,20 @@ def _split_files(files: list[Path], root: Path, name: str) -> TokenData:
 BINARY_PROBE = 8192  # bytes read from the start of a file to tell text from binary
 
 
+def unreadable(path: Path, e: OSError) -> str:
+    """The line for a data file that can't be read: named, with the cause (permission denied)."""
+    return (f"{path} is unreadable ({e.strerror or type(e).__name__}): give the user running twofour read access "
+            "to it, or move it out of the data")
+
+
 def _is_binary(path: Path) -> bool:
     """True if the first 8 KiB hold a NUL byte or aren't UTF-8 (a multi-byte character cut off at
-    the end of the probe is fine). Unreadable files count as binary."""
+    the end of the probe is fine). DataError naming the file when it can't be read."""
     try:
         with path.open("rb") as fh:
             head = fh.read(BINARY_PROBE)
-    except OSError:
-        return True
+    except OSError as e:
+        raise DataError(unreadable(path, e)) from None
     if b"\0" in head:
         return True
     try:
@@ -127,8 +132,8 @@ def _text_files(folder: Path, spec: str) -> list[Path]:
             raise DataError(f"{spec}: the folder holds no text: all {len(files)} files look binary (a NUL byte or "
                             "not UTF-8 in their first 8 KiB); pass a folder of text files, or .bin token shards")
         names = ", ".join(p.relative_to(folder).as_posix() for p in binary[:3]) + (", ..." if len(binary) > 3 else "")
-        warnings.warn(f"{spec}: skipped {len(binary)} binary file{'s' if len(binary) > 1 else ''} "
-                      f"(a NUL byte or not UTF-8 in the first 8 KiB): {names}", stacklevel=3)
+        warn(f"{spec}: skipped {len(binary)} binary file{'s' if len(binary) > 1 else ''} "
+             f"(a NUL byte or not UTF-8 in the first 8 KiB): {names}")
         skip = set(binary)
         files = [p for p in files if p not in skip]
     return files
@@ -147,6 +152,8 @@ def read_meta(meta: Path) -> dict:
     read without running code: a pickle holding anything but plain data is refused."""
     try:
         obj = _PlainUnpickler(io.BytesIO(meta.read_bytes())).load()
+    except OSError as e:
+        raise DataError(unreadable(meta, e)) from None
     except pickle.UnpicklingError as e:
         raise DataError(f"{meta}: holds something other than plain data ({e}); twofour reads only "
                         "dicts, lists, strings and numbers from meta.pkl, so that a pickle can't run code") from e
@@ -208,16 +215,35 @@ def _bin_shards(folder: Path, vocab_size: int | None) -> TokenData:
             if p.stat().st_size % width:
                 raise DataError(f"{p}: {p.stat().st_size} bytes is not a whole number of {np.dtype(dtype).name} "
                                 f"tokens ({width} bytes each): the shard is truncated or not a token shard")
-        arrs = [np.memmap(p, dtype=dtype, mode="r") for p in paths if p.stat().st_size >= width]
+        arrs = []
+        for p in paths:
+            if p.stat().st_size >= width:
+                try:
+                    arrs.append(np.memmap(p, dtype=dtype, mode="r"))
+                except OSError as e:
+                    raise DataError(unreadable(p, e)) from None
+                check_shard(arrs[-1], vocab_size, p)
         if not arrs:
             raise DataError(f"{folder}: the shards {', '.join(p.name for p in paths)} are empty")
         return arrs[0] if len(arrs) == 1 else np.concatenate(arrs)
 
-    data = TokenData(load(train), load(val), vocab_size, str(folder))
-    top = int(max(data.train[: 1 << 20].max(), data.val[: 1 << 20].max()))
-    if top >= vocab_size:
-        raise DataError(f"{folder}: token id {top} is outside the vocabulary size {vocab_size}")
-    return data
+    return TokenData(load(train), load(val), vocab_size, str(folder))
+
+
+_CHUNK = 1 << 26  # tokens per slice of the whole-shard check: a bounded read, however large the shard
+
+
+def check_shard(tokens: np.ndarray, vocab_size: int, where: Path) -> None:
+    """DataError naming shard ``where``, the id and its position when any token of ``tokens`` (the
+    whole shard, a memory map) is not below ``vocab_size``: checked once before training, in
+    vectorized slices, rather than failing mid-run as an index error."""
+    for start in range(0, len(tokens), _CHUNK):
+        part = tokens[start:start + _CHUNK]
+        if int(part.max()) >= vocab_size:
+            at = start + int(np.argmax(part >= vocab_size))
+            raise DataError(f"{where}: token {at:,} is id {int(tokens[at])}, outside the vocabulary of {vocab_size} "
+                            "ids (meta.pkl's vocab_size or --vocab-size): the shard was written with another "
+                            "tokenizer, or is damaged")
 
 
 def _hf_dataset(spec: str) -> TokenData:
@@ -294,7 +320,7 @@ def load_data(spec: str | None = None, vocab_size: int | None = None) -> TokenDa
     if path.is_file():
         if path.stat().st_size == 0:
             raise DataError(f"{spec}: the file is empty")
-        if _is_binary(path):
+        if _is_binary(path):  # (an unreadable file is named as such)
             raise DataError(f"{spec}: the file looks binary (a NUL byte or not UTF-8 in its first 8 KiB); "
                             "pass a text file, or a folder of .bin token shards")
         return _position_split(path.read_bytes(), str(path))

@@ -6,12 +6,12 @@ Needs ``transformers`` (``pip install 'twofour[hf]'``); importing ``twofour`` al
 from __future__ import annotations
 
 import json
-import warnings
 from pathlib import Path
 from typing import Any
 
 import torch
 
+from ..errors import warn
 from ..sparse.convert import add_masked_decay, advance, flip_rate, sparse_layers
 from ..sparse.layer import RECIPE_BUFFERS
 from ..sparse.optim import STEPAdamW
@@ -72,8 +72,8 @@ class TwoFourCallback(TrainerCallback):
             return
         layers = [layer for _, layer in sparse_layers(model)]
         if not layers:
-            warnings.warn("TwoFourCallback: the model has no twofour.SparseLinear layer; call "
-                          "twofour.sparsify(model, recipe) before creating the Trainer", stacklevel=2)
+            warn("TwoFourCallback: the model has no twofour.SparseLinear layer; call "
+                 "twofour.sparsify(model, recipe) before creating the Trainer")
             return
         opt = _unwrap(optimizer)
         if any(layer.recipe.starts_dense for layer in layers) and not isinstance(opt, STEPAdamW):

@@ -85,7 +85,8 @@ def _train(run: Run) -> dict[str, Any]:
     few; returns the summary."""
     cfg, par = run.cfg, run.par
     tally = Tally(run)
-    progress = Progress(par.main, cfg.progress, f"{run.recipe.name} {cfg.model}", run.start, run.stop)
+    progress = Progress(par.main, cfg.progress, f"{run.recipe.name} {cfg.model}", run.start, run.stop,
+                        header=run.header)
     stop_request = StopRequest(par.main)
     try:
         with stop_request:

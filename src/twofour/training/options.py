@@ -5,10 +5,10 @@ process)."""
 from __future__ import annotations
 
 import argparse
-import os
 from typing import Any
 
 from ..errors import TrainError
+from .parallel import world_size
 
 __all__ = ["option_value", "parse_option", "precision_key", "opt_pairs", "once", "check_fsdp_launch"]
 
@@ -62,6 +62,6 @@ def opt_pairs(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
 def check_fsdp_launch(fsdp: str | None, given: bool) -> None:
     """TrainError when ``--fsdp`` was given to one process (FSDP2 shards over torchrun's processes;
     a run resumed in one process keeps its saved setting unasked)."""
-    if fsdp is not None and given and int(os.environ.get("WORLD_SIZE", "1")) < 2:
+    if fsdp is not None and given and world_size() < 2:
         raise TrainError("--fsdp shards the model over the processes torchrun starts, and this is one process: "
                          "run under torchrun --nproc-per-node N (N >= 2), or leave --fsdp out")

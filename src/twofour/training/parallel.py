@@ -22,8 +22,8 @@ from ..errors import TrainError
 from ..sparse.layer import SparseLinear
 from ..sparse.sharded import set_gathered_dtype
 
-__all__ = ["launched_main", "Parallel", "FSDPPolicy", "FSDP_POLICIES", "DEFAULT_FSDP", "fsdp_policy", "shard",
-           "checkpoint_blocks", "grad_norm", "everywhere"]
+__all__ = ["world_size", "launched_main", "Parallel", "FSDPPolicy", "FSDP_POLICIES", "DEFAULT_FSDP", "fsdp_policy",
+           "shard", "checkpoint_blocks", "grad_norm", "everywhere"]
 
 
 @dataclass(frozen=True)
@@ -60,6 +60,23 @@ FSDP_POLICIES: dict[str, FSDPPolicy] = {p.name: p for p in (
 DEFAULT_FSDP = "bf16"
 
 
+def world_size() -> int:
+    """The number of processes torchrun launched (``WORLD_SIZE``; 1 without torchrun): the one
+    place it is read. TrainError, one line, when ``WORLD_SIZE`` is not a positive whole number, or
+    says several processes while nothing set up their rendezvous (no ``MASTER_ADDR``: not torchrun)."""
+    text = os.environ.get("WORLD_SIZE", "1").strip()
+    if not text.isdigit() or int(text) < 1:
+        raise TrainError(f"WORLD_SIZE={text!r} is not a number of processes: launch with torchrun, which sets it, "
+                         "or unset WORLD_SIZE")
+    world = int(text)
+    missing = [v for v in ("MASTER_ADDR", "MASTER_PORT", "RANK") if v not in os.environ]
+    if world > 1 and missing and not dist.is_initialized():
+        raise TrainError(f"WORLD_SIZE={world} is set, but {', '.join(missing)} {'is' if len(missing) == 1 else 'are'} "
+                         "not: launch with torchrun --nproc-per-node N, which sets them all, or unset WORLD_SIZE to "
+                         "run one process")
+    return world
+
+
 def launched_main() -> bool:
     """Whether this process is rank 0 of its launch (torchrun's ``RANK``; a lone process is), known
     before any process group: what a comparison's lock, records and report go by."""
@@ -81,7 +98,7 @@ class Parallel:
         """This process's part, from torchrun's environment; initializes the process group under
         torchrun (NCCL on GPUs, gloo otherwise). ``fsdp``: the FSDP2 policy's name (None: DDP),
         used only with several processes."""
-        world = int(os.environ.get("WORLD_SIZE", "1"))
+        world = world_size()
         if world == 1:
             return cls()
         local_rank = int(os.environ.get("LOCAL_RANK", "0"))

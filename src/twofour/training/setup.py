@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import contextlib
 import json
-import warnings
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -15,7 +14,7 @@ from typing import Any
 import torch
 
 from .. import dispatch
-from ..errors import TrainError
+from ..errors import TrainError, warn
 from ..kernels import ops
 from ..models.presets import build_model as _build_model
 from ..sparse.compiled import plan_compiled
@@ -108,6 +107,23 @@ class Run:
         """Tokens of one optimizer step over all processes."""
         return self.cfg.batch_size * self.cfg.seq_len * self.accum * self.par.world
 
+    @property
+    def header(self) -> str:
+        """Where and how the run computes, for its first line: the device (the GPU's name), the
+        precision of the matmuls, and the processes under torchrun."""
+        where = str(self.device)
+        if self.device.type == "cuda":
+            where += f" ({torch.cuda.get_device_name(self.device)})"
+        how = "bf16 autocast" if autocast_on(self.cfg, self.device) else "float32"
+        if self.cfg.precision != "bf16":
+            layers = "FFN and attention" if self.cfg.sparse_attention else "FFN"
+            how += f", {self.cfg.precision} GEMMs in the {layers} linears"
+        if self.par.world > 1:
+            how += f", {self.par.world} processes ({'FSDP2' if self.par.sharded else 'DDP'})"
+        if self.resumed and self.cfg.reschedule:
+            how += f"; --reschedule: the learning-rate schedule now spans {self.cfg.steps} steps"
+        return f"on {where}, {how}"
+
     def batches(self) -> list[tuple[torch.Tensor, torch.Tensor]]:
         """The next step's training micro-batches on the device."""
         cfg = self.cfg
@@ -131,7 +147,7 @@ def setup(cfg: TrainConfig, data: TokenData | None, par: Parallel) -> Run:
     device = resolve_device(cfg.device, par.local_rank)
     slow = slow_path_warning(device, recipe)
     if slow and par.main:
-        warnings.warn(slow, stacklevel=4)  # at train()'s caller
+        warn(slow)
     if data is None:
         data = load_data(cfg.data, cfg.vocab_size)
     data.check(cfg.seq_len)
