@@ -109,7 +109,7 @@ def check_intact(ckpt: dict[str, Any], way_on: str, rank: int = 0, world: int = 
     A file this process found intact, unchanged since (size and time), is not read again."""
     where = Path(ckpt["sharded"] if "sharded" in ckpt else ckpt[FILE])
     seen = _stamp(where)
-    if seen in _INTACT:
+    if seen in _INTACT and world == 1:  # (under torchrun every rank takes part in the check's all-reduce)
         return
     why = sharded_damage(where, ckpt, rank, world) if "sharded" in ckpt else zip_damage(where)
     if why:

@@ -119,11 +119,15 @@ def save_sharded(out: Path, step: int, state: dict[str, Any], meta: dict[str, An
         raise TrainError(f"cannot create the sharded checkpoint's folder {folder}: {why or 'rank 0 failed'}")
     try:
         save(state, checkpoint_id=str(folder))  # collective: a failure on any rank raises on every rank
-        crcs = _gathered_crcs(folder, rank, world)
-        if rank == 0:
-            _write_meta(folder, {**(meta or {}), CRCS: crcs})
     except (Exception, CheckpointException) as e:  # DCP's wraps every rank's errors: a BaseException
         why = _why(e)
+    if everywhere(why is None, world):  # every rank here, or none: the collective below is matched
+        crcs = _gathered_crcs(folder, rank, world)
+        if rank == 0:
+            try:
+                _write_meta(folder, {**(meta or {}), CRCS: crcs})
+            except (OSError, RuntimeError) as e:
+                why = write_failure(e)
     if not everywhere(why is None, world):
         last = sharded_folder(out)
         kept = f"; the last checkpoint {last} is intact" if last else ""
