@@ -53,9 +53,11 @@ def test_custom_ops_pass_opcheck():
     w, _, wc, wd, wtc = operands(SOFT)
     x2 = torch.randn(32, 96, dtype=torch.bfloat16)
     b = torch.randn(64, dtype=torch.bfloat16)
-    torch.library.opcheck(torch.ops.twofour.sparse_linear.default, (x2, w.detach(), wc, wd, wtc, b, True))
+    torch.library.opcheck(torch.ops.twofour.sparse_linear.default, (x2, w.detach(), wc, wd, wtc, b, True, "dense"))
     dy2 = torch.randn(32, 64, dtype=torch.bfloat16)
-    torch.library.opcheck(torch.ops.twofour.sparse_linear_backward.default, (dy2, x2, wd, wtc, True, True, True))
+    for dx in ("dense", "pruned-t"):
+        args = (dy2, x2, wd, wtc, True, dx, True, True)
+        torch.library.opcheck(torch.ops.twofour.sparse_linear_backward.default, args)
 
 
 @pytest.mark.filterwarnings("ignore::DeprecationWarning")

@@ -7,6 +7,7 @@ import torch
 from torch._dynamo.utils import counters
 
 from twofour import dispatch
+from twofour.functional import prune_transpose_24
 from twofour.kernels import ops
 from twofour.models import GatedMLP
 from twofour.models.common import MLP, GPTConfig
@@ -352,4 +353,52 @@ def test_ffn_fused_activation_mvue_is_unbiased(kind):
             if i in (16, 256):
                 errs.append(rel(mean, exact))
     assert rel(dx, dx_ref) < 2e-2
+    assert errs[1] < errs[0] / 2.5 and errs[1] < 0.1
+
+
+@pytest.mark.parametrize("recipe", ["ste", "s-ste"])
+@pytest.mark.parametrize("gemm", ["sparse", "dense"])
+@pytest.mark.parametrize("layout", ["row", "col"])
+def test_pruned_t_dx_matches_reference(recipe, gemm, layout, monkeypatch):
+    """dx='pruned-t': the 2:4 dX GEMM (forced sparse: cuSPARSELt runs for the forward and dX) and
+    its dense twin both give the reference's dY W_pt, in x's order."""
+    torch.manual_seed(0)
+    layer = SparseLinear(256, 512, device="cuda", recipe=recipe, mvue=False, dx="pruned-t")
+    x = torch.randn(4, 256, 256, device="cuda")
+    if layout == "col":
+        x = x.reshape(-1, 256).t().contiguous().t().reshape(4, 256, 256)
+    g = torch.randn(4, 256, 512, device="cuda", dtype=torch.bfloat16)
+    spmm, calls = ops.spmm, []
+    monkeypatch.setattr(ops, "spmm", lambda *a: calls.append(1) or spmm(*a))
+    with dispatch.override(gemm=gemm):
+        yf, dxf, dwf = run(layer, x, g, True)
+    assert len(calls) == (2 if gemm == "sparse" else 0)
+    yr, dxr, dwr = run(layer, x, g, False)
+    assert rel(yf, yr) < 1e-2 and rel(dxf, dxr) < 1e-2 and rel(dwf, dwr) < 1e-2
+    w_eff = layer.effective_weight().bfloat16().float()
+    assert rel(dxf, g.float() @ prune_transpose_24(w_eff)) < 1e-2 and rel(dxf, g.float() @ w_eff) > 0.1
+    assert ops.order(dxf.reshape(-1, 256)) == layout
+
+
+@pytest.mark.parametrize("compiled", [False, True])
+def test_mvue_dx_is_unbiased_on_the_sparse_route(compiled, monkeypatch):
+    """dx='mvue' with the 2:4 dX GEMM forced: each dX is a random draw (cuSPARSELt runs for it),
+    and the mean of the draws is the exact dY W_eff; eagerly and under torch.compile."""
+    torch.manual_seed(0)
+    layer = SparseLinear(128, 128, device="cuda", recipe="ste", dx="mvue")
+    x = torch.randn(256, 128, device="cuda")
+    g = torch.randn(256, 128, device="cuda", dtype=torch.bfloat16)
+    exact = g.float() @ layer.effective_weight().bfloat16().float()
+    f = torch.compile(layer, fullgraph=True) if compiled else layer
+    mean, errs = torch.zeros_like(exact), []
+    spmm, calls = ops.spmm, []
+    monkeypatch.setattr(ops, "spmm", lambda *a: calls.append(1) or spmm(*a))
+    for i in range(1, 257):
+        xx = x.detach().clone().requires_grad_()
+        with dispatch.override(gemm="sparse"), torch.autocast("cuda", dtype=torch.bfloat16):
+            f(xx).backward(g)
+        mean += (xx.grad.float() - mean) / i
+        if i in (16, 256):
+            errs.append(rel(mean, exact))
+    assert len(calls) == 2 * 256  # the forward's and dX's 2:4 GEMMs, every call
     assert errs[1] < errs[0] / 2.5 and errs[1] < 0.1

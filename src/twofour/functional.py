@@ -16,6 +16,7 @@ __all__ = [
     "hard_threshold_24",
     "soft_threshold_24",
     "transposable_mask_24",
+    "prune_transpose_24",
     "mvue_24",
     "fixed_scale",
     "transposable_patterns",
@@ -150,6 +151,18 @@ def transposable_mask_24(w: torch.Tensor) -> torch.Tensor:
     """
     _check(w, "transposable_mask_24", both_dims=True)
     return _transposable_mask_24(w)
+
+
+def _prune_transpose_24(w: torch.Tensor) -> torch.Tensor:
+    return w * _mask_24(w.transpose(-2, -1)).transpose(-2, -1)
+
+
+def prune_transpose_24(w: torch.Tensor) -> torch.Tensor:
+    """``w`` with its transpose pruned 2:4 too: the 2 largest |w| of every 4 consecutive entries of
+    a column kept, the rest zeroed (the ``pruned-t`` dX route's weight: of a 2:4 ``W_eff`` it keeps a
+    matrix 2:4 along both dimensions, so ``dX = dY W`` can run on sparse tensor cores)."""
+    _check(w, "prune_transpose_24", both_dims=True)
+    return _prune_transpose_24(w)
 
 
 # ---------------------------------------------------------------------------------------------

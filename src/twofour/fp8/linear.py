@@ -7,7 +7,7 @@ import torch
 import torch.nn.functional as F
 
 from .. import dispatch
-from ..functional import mvue_24_padded
+from ..functional import _prune_transpose_24, mvue_24_padded
 from ..kernels import fp8cast, ops
 from ..kernels.mvue_fp8 import SCALE_BOUND, mvue_e4m3
 from ..kernels.triton_common import HAS_TRITON
@@ -144,24 +144,31 @@ class FP8LinearFn(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, x, weight, bias, w_eff, precision: Precision, mvue: bool, cdt: torch.dtype, grad: bool = True,
-                sparse: bool = False):
+                sparse: bool = False, dx: str = "dense"):
         scaling, grad_fmt = precision.scaling, precision.grad
         x2 = x.reshape(-1, x.shape[-1])
         tw = not scaling.rowwise and grad_fmt is not None  # transposed copies for FP8 backward GEMMs
         need_dx, need_dw = grad and ctx.needs_input_grad[0], grad and ctx.needs_input_grad[1]
         b = None if bias is None else bias.to(cdt)
+        # what dX multiplies by: W_eff, or for the pruned-t route W_eff with W_eff^T pruned 2:4 too
+        w_dx = _prune_transpose_24(w_eff) if dx == "pruned-t" and need_dx else w_eff
+        own_t = w_dx is not w_eff  # dX's copy is quantized from its own matrix
+        sw = qwt = None
         if precision.forward:
             qx, sx, qxt = quantize_t(x2, E4M3, scaling, transposed=tw and need_dw)
-            qw, sw, qwt = quantize_t(w_eff, E4M3, scaling, transposed=tw and need_dx)
+            qw, sw, qwt = quantize_t(w_eff, E4M3, scaling, transposed=tw and need_dx and not own_t)
             y = scaled_mm(qx, sx, qw, sw, cdt, sparse_b=sparse, bias=b)
         else:  # the forward GEMM in the compute dtype; only the copies the FP8 backward reads
             y = F.linear(x2.to(cdt), w_eff.to(cdt), b)
             _, sx, qxt = quantize_t(x2, E4M3, scaling, transposed=True) if tw and need_dw else (None, None, None)
-            _, sw, qwt = quantize_t(w_eff, E4M3, scaling, transposed=True) if tw and need_dx else (None, None, None)
+            own_t = True
+        if tw and need_dx and own_t:
+            _, sw, qwt = quantize_t(w_dx, E4M3, scaling, transposed=True)
         if tw:  # what the backward multiplies: W^T and X^T, row-major along N and T
             ctx.save_for_backward(qwt, sw, qxt, sx)
         else:
-            ctx.save_for_backward(x2, w_eff)
+            ctx.save_for_backward(x2, w_dx)
+        ctx.dx_mvue = dx == "mvue"
         ctx.mvue, ctx.scaling, ctx.cdt, ctx.x_shape, ctx.x_dtype = mvue, scaling, cdt, x.shape, x.dtype
         ctx.grad_fmt = grad_fmt
         ctx.has_bias, ctx.w_dtype = bias is not None, weight.dtype
@@ -179,13 +186,16 @@ class FP8LinearFn(torch.autograd.Function):
         # FP8 2:4 GEMM measures faster than the exact GEMM, else dW is exact (unbiased either way)
         fast = dy2.is_cuda and dispatch.fast
         est = need_dw and ctx.mvue and not fast
+        # the mvue dX route's estimate of dY along the features: the reference's (no FP8 2:4 GEMM
+        # takes it as its sparse operand, so on the fast path dX is exact, unbiased either way)
+        dy_dx = mvue_24_padded(dy2) if need_dx and ctx.dx_mvue and not fast else dy2
         if gf is None:  # the backward GEMMs dense in the compute dtype (no 2:4 route for the estimate)
             x2, w_eff = ctx.saved_tensors
             if need_dx:
-                dx = (dy2 @ w_eff.to(cdt)).reshape(ctx.x_shape).to(ctx.x_dtype)
+                dx = (dy_dx @ w_eff.to(cdt)).reshape(ctx.x_shape).to(ctx.x_dtype)
             if need_dw:
                 dw = ((mvue_24_padded(dy2.t().contiguous()) if est else dy2.t()) @ x2.to(cdt)).to(ctx.w_dtype)
-            return dx, dw, db, None, None, None, None, None, None
+            return dx, dw, db, None, None, None, None, None, None, None
         if sc.rowwise:
             x2, w_eff = ctx.saved_tensors
             if need_dx:
@@ -201,7 +211,8 @@ class FP8LinearFn(torch.autograd.Function):
             qd, sd, qdt = quantize_t(dy2, gf, sc, transposed=dy_t and not sc.rowwise)
             sdt = sd
         if need_dx:
-            dx = scaled_mm(qd, sd, qwt, swt, cdt).reshape(ctx.x_shape).to(ctx.x_dtype)
+            qe, se = (qd, sd) if dy_dx is dy2 else quantize(dy_dx, gf, sc)
+            dx = scaled_mm(qe, se, qwt, swt, cdt).reshape(ctx.x_shape).to(ctx.x_dtype)
         if est:
             dw = _mvue_dw_reference(dy2, qxt, sxt, gf, sc, cdt).to(ctx.w_dtype)
         elif need_dw:
@@ -209,17 +220,20 @@ class FP8LinearFn(torch.autograd.Function):
                 qdt, sdt = quantize(dy2.t().contiguous(), gf, sc)
             dw = _mvue_dw(dy2, qd, sd, qxt, sxt, cdt) if routed else scaled_mm(qdt, sdt, qxt, sxt, cdt)
             dw = dw.to(ctx.w_dtype)
-        return dx, dw, db, None, None, None, None, None, None
+        return dx, dw, db, None, None, None, None, None, None, None
 
 
 def fp8_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, w_eff: torch.Tensor | None = None,
-               *, precision: str | Precision = FP8, mvue: bool = False, sparse: bool = False) -> torch.Tensor:
+               *, precision: str | Precision = FP8, mvue: bool = False, sparse: bool = False,
+               dx: str = "dense") -> torch.Tensor:
     """``F.linear(x, w_eff, bias)`` with the GEMMs ``precision`` (a :class:`Precision` or a name of
     :data:`~twofour.fp8.precision.PRECISIONS`, default ``fp8``) puts in FP8 (:class:`FP8LinearFn`),
     the gradient of the effective weight ``w_eff`` (default ``weight``) going to ``weight``. The
     GEMMs run in autocast's dtype if on, else ``x``'s; the output has that dtype. ``sparse``:
     ``w_eff`` is 2:4 along its rows, so the forward GEMM may run FP8 2:4 where that measures
-    faster. ``ValueError`` for a precision with no GEMM in FP8 (``F.linear`` is that)."""
+    faster. ``dx``: the dX route (:data:`~twofour.sparse.recipes.DX_ROUTES`; ``pruned-t`` multiplies
+    dY by W_eff with its transpose pruned 2:4 too, ``mvue`` by dY's estimate in the reference).
+    ``ValueError`` for a precision with no GEMM in FP8 (``F.linear`` is that)."""
     precision = as_precision(precision)
     if not precision.fp8:
         raise ValueError(f"fp8_linear: precision {precision.name!r} puts no GEMM in FP8 (use F.linear)")
@@ -227,4 +241,5 @@ def fp8_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
     cdt = torch.get_autocast_dtype(dev) if torch.is_autocast_enabled(dev) else x.dtype
     w_eff = weight.detach() if w_eff is None else w_eff
     with torch.autocast(dev, enabled=False):
-        return FP8LinearFn.apply(x, weight, bias, w_eff.detach(), precision, mvue, cdt, torch.is_grad_enabled(), sparse)
+        return FP8LinearFn.apply(x, weight, bias, w_eff.detach(), precision, mvue, cdt, torch.is_grad_enabled(), sparse,
+                                 dx)

@@ -15,7 +15,7 @@ from __future__ import annotations
 import torch
 
 from .. import dispatch
-from .fastpath import applies, compiled_linear, compute_dtype
+from .fastpath import applies, compiled_linear, compute_dtype, operands
 from .reference import SparseLinearFn
 
 __all__ = ["plan_compiled", "dense_gemms", "plan_key"]
@@ -24,7 +24,8 @@ __all__ = ["plan_compiled", "dense_gemms", "plan_key"]
 def plan_key(layer, tokens: int, dtype: torch.dtype) -> str:
     """The dispatch key of one layer form's choice: recipe, shape, tokens, dtype, bias."""
     r = layer.recipe
-    kind = f"compiled-layer-{r.name}" + ("-mvue" if r.mvue else "") + ("-bias" if layer.bias is not None else "")
+    dx = f"-dx={r.dx}" if r.dx in ("pruned-t", "mvue") else ""
+    kind = f"compiled-layer-{r.name}" + ("-mvue" if r.mvue else "") + dx + ("-bias" if layer.bias is not None else "")
     return dispatch.choice_key(kind, layer.out_features, layer.in_features, tokens, "row", dtype, ("dense", "sparse"))
 
 
@@ -70,12 +71,12 @@ def _candidates(layer, x: torch.Tensor) -> dict:
     w, r = layer.weight, layer.recipe
 
     def sparse() -> None:
-        wc, wd, wtc = layer.pruner.compress(w.detach(), layer.beta, layer.mask, x.dtype)
-        y = compiled_linear(x, w, layer.bias, wc, wd, wtc, r.mvue)
+        wc, wd, wtc = operands(layer.pruner, w.detach(), layer.beta, layer.mask, x.dtype, dx=r.dx)
+        y = compiled_linear(x, w, layer.bias, wc, wd, wtc, r.mvue, r.dx)
         torch.autograd.grad(y, (x, w), dy)
 
     def dense() -> None:
-        y = SparseLinearFn.apply(x, w, layer.bias, layer.effective_weight(), False)
+        y = SparseLinearFn.apply(x, w, layer.bias, layer.effective_weight(), False, "dense" if r.dx == "mvue" else r.dx)
         torch.autograd.grad(y, (x, w), dy)
 
     return {"sparse": sparse, "dense": dense}

@@ -66,7 +66,7 @@ def sparsify(model: nn.Module, recipe: str | Recipe = DEFAULT_RECIPE, *, include
             skipped.append((name, "inside nn.MultiheadAttention, which bypasses its forward"))
             continue
         in_f, out_f = mod.weight.shape if conv1d else mod.weight.shape[::-1]
-        reason = rec.pruning.unsupported(out_f, in_f)
+        reason = rec.unsupported(out_f, in_f)
         if reason:
             skipped.append((name, reason))
             continue

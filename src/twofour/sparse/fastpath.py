@@ -16,10 +16,12 @@ from __future__ import annotations
 import torch
 
 from .. import dispatch
+from ..functional import _prune_transpose_24
 from ..kernels import ops
 from .pruners import Compressed, Pruner
 
-__all__ = ["FastSparseLinearFn", "FastLinearActFn", "CompressedWeight", "compiled_linear", "compute_dtype", "applies"]
+__all__ = ["FastSparseLinearFn", "FastLinearActFn", "CompressedWeight", "compiled_linear", "compute_dtype", "applies",
+           "operands"]
 
 
 def compute_dtype(x: torch.Tensor) -> torch.dtype:
@@ -54,6 +56,16 @@ def _saving_memory() -> bool:
     return _top_hooks is not None and _top_hooks(False) is not None
 
 
+def operands(pruner: Pruner, w: torch.Tensor, beta: torch.Tensor | None, mask: torch.Tensor | None,
+             dtype: torch.dtype, sparse: bool = True, dx: str = "dense") -> Compressed:
+    """The fast path's operands (:meth:`Pruner.compress`); for the ``pruned-t`` dX route the third
+    is W_pt^T compressed: the dense W_eff^T pruned 2:4 along the output features by one more pass."""
+    wc, wd, wtc = pruner.compress(w, beta, mask, dtype, sparse)
+    if dx == "pruned-t" and sparse:
+        wtc = ops.compress(wd.t(), "hard", out_dtype=dtype)[0]
+    return wc, wd, wtc
+
+
 class CompressedWeight:
     """A layer's compressed effective weight, built by one fused kernel once per optimizer step
     and reused by every micro-batch until the weight changes (its version counter, storage, the
@@ -73,18 +85,18 @@ class CompressedWeight:
         self.keep = True  # False: never kept past a call (memory first)
 
     def get(self, weight: torch.Tensor, pruner: Pruner, beta: torch.Tensor | None, mask: torch.Tensor | None,
-            step: int, dtype: torch.dtype, sparse: bool = True) -> Compressed:
+            step: int, dtype: torch.dtype, sparse: bool = True, dx: str = "dense") -> Compressed:
         """(compressed W_eff, dense W_eff, compressed W_eff^T or empty) for the current weight;
-        without ``sparse`` the dense W_eff alone (:meth:`Pruner.compress`)."""
+        without ``sparse`` the dense W_eff alone (:func:`operands`)."""
         w = weight.detach()
         capturing = w.is_cuda and torch.cuda.is_current_stream_capturing()
         if capturing or not self.keep or _saving_memory():  # built for this call alone
             if not capturing:
                 self.clear()  # what an earlier call kept (an evaluation: no hooks under no_grad) goes too
-            return pruner.compress(w, beta, mask, dtype, sparse)
-        key = (weight._version, w.data_ptr(), dtype, step, sparse)
+            return operands(pruner, w, beta, mask, dtype, sparse, dx)
+        key = (weight._version, w.data_ptr(), dtype, step, sparse, dx)
         if self._key != key:
-            self._key, self._value = key, pruner.compress(w, beta, mask, dtype, sparse)
+            self._key, self._value = key, operands(pruner, w, beta, mask, dtype, sparse, dx)
         return self._value
 
     def clear(self) -> None:
@@ -110,17 +122,45 @@ def _forward_gemm(x2: torch.Tensor, wc: torch.Tensor, wdense: torch.Tensor, b: t
     return cands[dispatch.choose("fwd" if b is None else "fwd+bias", n, k, t, bo, x2.dtype, cands)]()
 
 
-def _dx_gemm(dy2: torch.Tensor, x2: torch.Tensor, wdense: torch.Tensor, wtc: torch.Tensor) -> torch.Tensor:
-    """dX = dY W_eff in x's order (dX^T = W^T dY^T stored column- or row-major); 2:4 only with a
-    transposable mask (``wtc``: W^T compressed)."""
+def _dx_gemm(dy2: torch.Tensor, x2: torch.Tensor, wdense: torch.Tensor, wtc: torch.Tensor,
+             dx: str = "dense") -> torch.Tensor:
+    """dX by the dX route ``dx`` in x's order (dX^T = W^T dY^T stored column- or row-major): 2:4
+    on ``wtc`` (W_eff^T compressed: a transposable mask's, or ``pruned-t``'s W_pt^T), whose dense
+    twin for ``pruned-t`` prunes W_eff^T in plain torch; ``mvue`` by :func:`_mvue_dx`."""
     t, n = dy2.shape
     k = x2.shape[1]
     x_col = ops.order(x2) == "col"
-    cands = {"dense": (lambda: (wdense.t() @ dy2.t()).t()) if x_col else (lambda: dy2 @ wdense)}
+    if dx == "mvue":
+        return _mvue_dx(dy2, wdense, x_col)
+
+    def dense() -> torch.Tensor:
+        w = _prune_transpose_24(wdense) if dx == "pruned-t" else wdense
+        return (w.t() @ dy2.t()).t() if x_col else dy2 @ w
+
+    cands = {"dense": dense}
     if wtc.numel():
         cands = {"sparse": lambda: ops.spmm(wtc, dy2.t(), k, not x_col).t(), **cands}
     bo = "col" if ops.order(dy2) == "row" else "row"
-    return cands[dispatch.choose("dx-xcol" if x_col else "dx", k, n, t, bo, dy2.dtype, cands)]()
+    kind = ("dx-xcol" if x_col else "dx") + ("-pt" if dx == "pruned-t" else "")
+    return cands[dispatch.choose(kind, k, n, t, bo, dy2.dtype, cands)]()
+
+
+def _mvue_dx(dy2: torch.Tensor, wdense: torch.Tensor, x_col: bool) -> torch.Tensor:
+    """dX on the MVUE 2:4 estimate of dY along the output features where that pays (the MVUE
+    compression kernel reading dY, then the 2:4 GEMM with dY's estimate as the sparse operand),
+    else the exact dense dY W_eff: timed whole once per shape, as :func:`_mvue_dw`'s routes."""
+    t, n = dy2.shape
+
+    def sparse() -> torch.Tensor:
+        buf = ops.compress(dy2, "mvue", seed=_seed(dy2.device), out_dtype=dy2.dtype)[0]
+        return ops.spmm(buf, wdense, t, x_col)
+
+    def dense() -> torch.Tensor:
+        return (wdense.t() @ dy2.t()).t() if x_col else dy2 @ wdense
+
+    cands = {"sparse": sparse, "dense": dense}
+    kind = "dx-mvue" + ("-xcol" if x_col else "")
+    return cands[dispatch.choose(kind, wdense.shape[1], n, t, ops.order(dy2), dy2.dtype, cands)]()
 
 
 def _dw_gemm(dy2: torch.Tensor, x2: torch.Tensor, mvue: bool) -> torch.Tensor:
@@ -139,11 +179,11 @@ class FastSparseLinearFn(torch.autograd.Function):
     elementwise backward ops see operands of one order."""
 
     @staticmethod
-    def forward(ctx, x, weight, bias, wc, wdense, wtc, mvue: bool, transposed_output: bool):
+    def forward(ctx, x, weight, bias, wc, wdense, wtc, mvue: bool, transposed_output: bool, dx: str = "dense"):
         x2 = ops.as_2d(x)
         y = _forward_gemm(x2, wc, wdense, None if bias is None else bias.to(x2.dtype), transposed_output)
         ctx.save_for_backward(x2, wdense, wtc)
-        ctx.mvue, ctx.x_shape, ctx.x_dtype, ctx.has_bias = mvue, x.shape, x.dtype, bias is not None
+        ctx.mvue, ctx.dx, ctx.x_shape, ctx.x_dtype, ctx.has_bias = mvue, dx, x.shape, x.dtype, bias is not None
         ctx.w_dtype = weight.dtype
         return y.reshape(*x.shape[:-1], wdense.shape[0])
 
@@ -153,12 +193,12 @@ class FastSparseLinearFn(torch.autograd.Function):
         dy2 = ops.as_2d(dy.to(wdense.dtype))
         dx = dw = db = None
         if ctx.needs_input_grad[0]:
-            dx = _dx_gemm(dy2, x2, wdense, wtc).reshape(ctx.x_shape).to(ctx.x_dtype)
+            dx = _dx_gemm(dy2, x2, wdense, wtc, ctx.dx).reshape(ctx.x_shape).to(ctx.x_dtype)
         if ctx.needs_input_grad[1]:
             dw = _dw_gemm(dy2, x2, ctx.mvue).to(ctx.w_dtype)
         if ctx.has_bias and ctx.needs_input_grad[2]:
             db = dy2.sum(0)
-        return dx, dw, db, None, None, None, None, None
+        return dx, dw, db, None, None, None, None, None, None
 
 
 class FastLinearActFn(torch.autograd.Function):
@@ -168,11 +208,12 @@ class FastLinearActFn(torch.autograd.Function):
     come from one kernel where that route measures faster (:func:`_act_grad_dw`)."""
 
     @staticmethod
-    def forward(ctx, x, weight, bias, wc, wdense, wtc, transposed_output: bool, act):
+    def forward(ctx, x, weight, bias, wc, wdense, wtc, transposed_output: bool, act, dx: str = "dense"):
         x2 = ops.as_2d(x)
         z = _forward_gemm(x2, wc, wdense, None if bias is None else bias.to(x2.dtype), transposed_output)
         h = act.values(z)
         ctx.save_for_backward(x2, wdense, wtc, z)
+        ctx.dx = dx
         ctx.act, ctx.x_shape, ctx.x_dtype, ctx.has_bias = act, x.shape, x.dtype, bias is not None
         ctx.w_dtype = weight.dtype
         return h.reshape(*x.shape[:-1], h.shape[-1])
@@ -184,10 +225,10 @@ class FastLinearActFn(torch.autograd.Function):
         dz, dw = _act_grad_dw(z, dh2, x2, ctx.act, ctx.needs_input_grad[1])
         dx = db = None
         if ctx.needs_input_grad[0]:
-            dx = _dx_gemm(dz, x2, wdense, wtc).reshape(ctx.x_shape).to(ctx.x_dtype)
+            dx = _dx_gemm(dz, x2, wdense, wtc, ctx.dx).reshape(ctx.x_shape).to(ctx.x_dtype)
         if ctx.has_bias and ctx.needs_input_grad[2]:
             db = dz.sum(0)
-        return dx, None if dw is None else dw.to(ctx.w_dtype), db, None, None, None, None, None
+        return dx, None if dw is None else dw.to(ctx.w_dtype), db, None, None, None, None, None, None
 
 
 def _act_grad_dw(z: torch.Tensor, dh2: torch.Tensor, x2: torch.Tensor, act,
@@ -251,53 +292,54 @@ def _mvue_dw(dy2: torch.Tensor, x2: torch.Tensor) -> torch.Tensor:
 
 @torch.library.custom_op("twofour::sparse_linear", mutates_args=())
 def _linear_op(x2: torch.Tensor, weight: torch.Tensor, wc: torch.Tensor, wdense: torch.Tensor, wtc: torch.Tensor,
-               bias: torch.Tensor | None, mvue: bool) -> torch.Tensor:
+               bias: torch.Tensor | None, mvue: bool, dx: str) -> torch.Tensor:
     """y (row-major) = x2 W_eff^T + bias; ``weight`` is only there to receive dW."""
     return _forward_gemm(x2, wc, wdense, bias, False).contiguous()
 
 
 @_linear_op.register_fake
-def _(x2, weight, wc, wdense, wtc, bias, mvue):
+def _(x2, weight, wc, wdense, wtc, bias, mvue, dx):
     return x2.new_empty(x2.shape[0], wdense.shape[0])
 
 
 @torch.library.custom_op("twofour::sparse_linear_backward", mutates_args=())
 def _linear_backward_op(dy2: torch.Tensor, x2: torch.Tensor, wdense: torch.Tensor, wtc: torch.Tensor, mvue: bool,
-                        need_dx: bool, need_dw: bool) -> tuple[torch.Tensor, torch.Tensor]:
+                        dx_route: str, need_dx: bool, need_dw: bool) -> tuple[torch.Tensor, torch.Tensor]:
     """(dX or an empty tensor, dW or an empty tensor), both row-major, in dY's dtype."""
-    dx = _dx_gemm(dy2, x2, wdense, wtc).contiguous() if need_dx else dy2.new_empty(0)
+    dx = _dx_gemm(dy2, x2, wdense, wtc, dx_route).contiguous() if need_dx else dy2.new_empty(0)
     dw = _dw_gemm(dy2, x2, mvue).contiguous() if need_dw else dy2.new_empty(0)
     return dx, dw
 
 
 @_linear_backward_op.register_fake
-def _(dy2, x2, wdense, wtc, mvue, need_dx, need_dw):
+def _(dy2, x2, wdense, wtc, mvue, dx_route, need_dx, need_dw):
     dx = dy2.new_empty(x2.shape) if need_dx else dy2.new_empty(0)
     dw = dy2.new_empty(wdense.shape) if need_dw else dy2.new_empty(0)
     return dx, dw
 
 
 def _setup_context(ctx, inputs, output):
-    x2, weight, wc, wdense, wtc, bias, mvue = inputs
+    x2, weight, wc, wdense, wtc, bias, mvue, dx = inputs
     ctx.save_for_backward(x2, wdense, wtc)
-    ctx.mvue, ctx.w_dtype, ctx.has_bias = mvue, weight.dtype, bias is not None
+    ctx.mvue, ctx.dx, ctx.w_dtype, ctx.has_bias = mvue, dx, weight.dtype, bias is not None
 
 
 def _linear_backward(ctx, dy):
     x2, wdense, wtc = ctx.saved_tensors
     need_dx, need_dw = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
-    dx, dw = _linear_backward_op(dy.contiguous(), x2, wdense, wtc, ctx.mvue, need_dx, need_dw)
+    dx, dw = _linear_backward_op(dy.contiguous(), x2, wdense, wtc, ctx.mvue, ctx.dx, need_dx, need_dw)
     db = dy.sum(0) if ctx.has_bias and ctx.needs_input_grad[5] else None
-    return (dx if need_dx else None, dw.to(ctx.w_dtype) if need_dw else None, None, None, None, db, None)
+    return (dx if need_dx else None, dw.to(ctx.w_dtype) if need_dw else None, None, None, None, db, None, None)
 
 
 _linear_op.register_autograd(_linear_backward, setup_context=_setup_context)
 
 
 def compiled_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, wc: torch.Tensor,
-                    wdense: torch.Tensor, wtc: torch.Tensor, mvue: bool) -> torch.Tensor:
+                    wdense: torch.Tensor, wtc: torch.Tensor, mvue: bool, dx: str = "dense") -> torch.Tensor:
     """The fast path as torch.compile sees it: one ``twofour::sparse_linear`` node (row-major
-    output, whatever order x had) with dX and dW from ``twofour::sparse_linear_backward``."""
+    output, whatever order x had) with dX (by the dX route ``dx``) and dW from
+    ``twofour::sparse_linear_backward``."""
     x2 = x.reshape(-1, x.shape[-1]).contiguous()
     b = None if bias is None else bias.to(x2.dtype)
-    return _linear_op(x2, weight, wc, wdense, wtc, b, mvue).reshape(*x.shape[:-1], wdense.shape[0])
+    return _linear_op(x2, weight, wc, wdense, wtc, b, mvue, dx).reshape(*x.shape[:-1], wdense.shape[0])

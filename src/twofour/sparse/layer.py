@@ -103,7 +103,7 @@ class SparseLinear(nn.Linear):
         ``_step``; under ``torch.compile`` a Python value is a constant that dynamo guards on (a
         phase change recompiles once), where reading a buffer would cost a host sync per call.
         :meth:`_next_step` and :meth:`_load_from_state_dict` keep them equal to the buffers."""
-        reason = self.pruner.unsupported(self.out_features, self.in_features)
+        reason = self.recipe.unsupported(self.out_features, self.in_features)
         if reason:
             raise ValueError(f"SparseLinear: recipe {self.recipe.name!r} can't prune weight shape "
                              f"{tuple(self.weight.shape)}: {reason}")

@@ -16,7 +16,13 @@ from typing import Any
 from ..fp8.precision import BF16, Precision, as_precision
 from .pruners import HARD, NONE, SOFT, TRANSPOSABLE, Pruner
 
-__all__ = ["Recipe", "make_recipe", "RECIPES", "DEFAULT_RECIPE"]
+__all__ = ["Recipe", "make_recipe", "RECIPES", "DEFAULT_RECIPE", "DX_ROUTES"]
+
+#: How a sparse recipe computes dX = dY W_eff (docs/design.md, "dX routes"): ``dense`` (exact, a
+#: dense GEMM), ``transposable`` (exact and 2:4: a transposable mask, t-sr-ste's), ``pruned-t``
+#: (W_eff^T pruned 2:4 along the output features once more, for dX only) or ``mvue`` (dY's unbiased
+#: 2:4 estimate along the output features).
+DX_ROUTES: tuple[str, ...] = ("dense", "transposable", "pruned-t", "mvue")
 
 
 @dataclass(frozen=True)
@@ -31,6 +37,10 @@ class Recipe:
         mvue: estimate dW from an unbiased 2:4 MVUE of dY^T instead of the dense dY^T. On the GPU
             fast path only where that route (the estimate's compression plus the 2:4 GEMM) is
             faster than the dense dW GEMM; elsewhere dW is exact.
+        dx: how dX is computed, one of :data:`DX_ROUTES` (sparse recipes; ``dense`` but for
+            ``t-sr-ste``'s ``transposable``). ``pruned-t`` is part of the math wherever it runs;
+            ``mvue``, like ``mvue`` for dW, is drawn on the GPU fast path only where its 2:4 GEMM
+            pays (else dX is exact, unbiased either way) and always in the reference math.
         precision: which GEMMs run in FP8 and how (:data:`~twofour.fp8.precision.PRECISIONS`):
             ``bf16`` (none, the default) or an FP8 one, through ``torch._scaled_mm`` on the
             effective weight, else its plain-torch reference (:mod:`twofour.fp8`). Every recipe
@@ -53,6 +63,7 @@ class Recipe:
     name: str
     pruning: Pruner = NONE
     mvue: bool = False
+    dx: str = "dense"
     precision: Precision = BF16
     decay: float = 0.0
     mask_interval: int = 1
@@ -67,6 +78,17 @@ class Recipe:
         """Whether this recipe prunes at all (False only for ``dense``)."""
         return self.pruning.sparse
 
+    def unsupported(self, out_features: int, in_features: int) -> str | None:
+        """Why a weight of this shape can't take this recipe (None if it can): the pruning's
+        shapes, and ``pruned-t``'s second pruning along the output features."""
+        if self.dx == "pruned-t" and out_features % 4:
+            return f"out_features={out_features} is not a multiple of 4 (dx='pruned-t' prunes W^T 2:4 too)"
+        return self.pruning.unsupported(out_features, in_features)
+
+    def dx_route(self, dense_phase: bool) -> str:
+        """The dX route in effect: the recipe's, or ``dense`` in a dense phase (W_eff = W)."""
+        return "dense" if dense_phase else self.dx
+
     def to_dict(self) -> dict[str, Any]:
         """A plain dict (the pruner and the precision by their names), for checkpoints and logs."""
         return ({f.name: getattr(self, f.name) for f in dataclasses.fields(self)}
@@ -75,7 +97,7 @@ class Recipe:
 
 # name -> (fixed fields, {option: default}) ; options not listed are refused
 _COMMON = {"bf16_finetune": 0.0, "total_steps": None}
-_SPARSE_COMMON = {"mvue": False, **_COMMON}
+_SPARSE_COMMON = {"mvue": False, "dx": "dense", **_COMMON}
 _TABLE: dict[str, tuple[dict[str, Any], dict[str, Any]]] = {
     "dense": ({"pruning": NONE}, dict(_COMMON)),
     "ste": ({"pruning": HARD}, dict(_SPARSE_COMMON)),
@@ -86,6 +108,7 @@ _TABLE: dict[str, tuple[dict[str, Any], dict[str, Any]]] = {
         {
             **_SPARSE_COMMON,
             "mvue": True,
+            "dx": "transposable",
             "decay": 2e-4,
             "mask_interval": 40,
             "dense_finetune": 1 / 6,
@@ -156,6 +179,8 @@ def _validate(name: str, v: dict[str, Any], precision: Precision) -> None:
 
     if "mvue" in v and not isinstance(v["mvue"], bool):
         raise TypeError(f"recipe {name!r}: option mvue must be a bool, got {v['mvue']!r}")
+    if "dx" in v:
+        _validate_dx(name, v["dx"])
     if "decay" in v and not (_finite(v["decay"]) and v["decay"] >= 0):
         raise bad("decay", "a finite number >= 0")
     for key, low in (("mask_interval", 1), ("beta_interval", 0)):
@@ -172,3 +197,17 @@ def _validate(name: str, v: dict[str, Any], precision: Precision) -> None:
                          f"{precision.name!r} has no FP8 to leave)")
     if v.get("bf16_finetune") and ts is None:
         raise ValueError(f"recipe {name!r}: bf16_finetune needs total_steps (the run's length in optimizer steps)")
+
+
+def _validate_dx(name: str, dx: Any) -> None:
+    """The dX routes a recipe takes: a transposable mask's exact 2:4 dX (t-sr-ste), or MVUE on top;
+    for the others dense, pruned-t or MVUE."""
+    allowed = ("transposable", "mvue") if _TABLE[name][0]["pruning"] is TRANSPOSABLE else ("dense", "pruned-t", "mvue")
+    if dx in allowed:
+        return
+    why = ""
+    if dx == "transposable":
+        why = " (a transposable mask is t-sr-ste's)"
+    elif dx in DX_ROUTES:
+        why = " (its transposable mask makes the exact dX 2:4 already)"
+    raise ValueError(f"recipe {name!r}: dx must be one of {', '.join(allowed)}{why}, got {dx!r}")

@@ -23,7 +23,7 @@ import torch.nn.functional as F
 from ..activations import Activation
 from ..fp8.linear import fp8_linear
 from .compiled import dense_gemms
-from .fastpath import FastLinearActFn, FastSparseLinearFn, applies, compiled_linear, compute_dtype
+from .fastpath import FastLinearActFn, FastSparseLinearFn, applies, compiled_linear, compute_dtype, operands
 from .reference import SparseLinearFn
 
 if TYPE_CHECKING:
@@ -56,9 +56,15 @@ def _then(act: Activation | None, y: torch.Tensor) -> torch.Tensor:
     return y if act is None else act(y)
 
 
+def _dx(layer: SparseLinear) -> str:
+    """The dX route in effect (:meth:`~twofour.sparse.recipes.Recipe.dx_route`)."""
+    return layer.recipe.dx_route(layer._dense)
+
+
 def _compressed(layer: SparseLinear, cdt: torch.dtype, sparse: bool = True):
     """The layer's effective weight as the fast path takes it, built once per optimizer step."""
-    return layer.compressed.get(layer.weight, layer.pruner, layer.beta, layer.mask, layer._step, cdt, sparse)
+    return layer.compressed.get(layer.weight, layer.pruner, layer.beta, layer.mask, layer._step, cdt, sparse,
+                                _dx(layer))
 
 
 def _fused_applies(layer: SparseLinear, x: torch.Tensor, act: Activation | None) -> bool:
@@ -72,7 +78,8 @@ def _fused_run(layer: SparseLinear, x: torch.Tensor, act: Activation | None) -> 
     cdt = compute_dtype(x)
     with torch.autocast("cuda", enabled=False):
         wc, wd, wtc = _compressed(layer, cdt)
-        return FastLinearActFn.apply(x.to(cdt), layer.weight, layer.bias, wc, wd, wtc, layer.transposed_output, act)
+        return FastLinearActFn.apply(x.to(cdt), layer.weight, layer.bias, wc, wd, wtc, layer.transposed_output, act,
+                                     _dx(layer))
 
 
 def _fp8_run(layer: SparseLinear, x: torch.Tensor, act: Activation | None) -> torch.Tensor:
@@ -88,7 +95,7 @@ def _fp8_run(layer: SparseLinear, x: torch.Tensor, act: Activation | None) -> to
     else:  # the fused kernel's dense effective weight (no 2:4 operands), once per optimizer step
         w_eff = _compressed(layer, compute_dtype(x), sparse=False)[1]
     return _then(act, fp8_linear(x, layer.weight, layer.bias, w_eff, precision=r.precision,
-                                 mvue=r.mvue and not dense, sparse=not dense))
+                                 mvue=r.mvue and not dense, sparse=not dense, dx=_dx(layer)))
 
 
 def _dense_run(layer: SparseLinear, x: torch.Tensor, act: Activation | None) -> torch.Tensor:
@@ -103,7 +110,7 @@ def _eager_run(layer: SparseLinear, x: torch.Tensor, act: Activation | None) -> 
     with torch.autocast("cuda", enabled=False):
         wc, wd, wtc = _compressed(layer, cdt)
         y = FastSparseLinearFn.apply(x.to(cdt), layer.weight, layer.bias, wc, wd, wtc, layer.recipe.mvue,
-                                     layer.transposed_output)
+                                     layer.transposed_output, _dx(layer))
     return _then(act, y)
 
 
@@ -112,16 +119,19 @@ def _compiled_run(layer: SparseLinear, x: torch.Tensor, act: Activation | None) 
     (:func:`~twofour.sparse.fastpath.compiled_linear`)."""
     cdt = compute_dtype(x)
     with torch.autocast("cuda", enabled=False):
-        wc, wd, wtc = layer.pruner.compress(layer.weight.detach(), layer.beta, layer.mask, cdt)
-        y = compiled_linear(x.to(cdt), layer.weight, layer.bias, wc, wd, wtc, layer.recipe.mvue)
+        dx = _dx(layer)
+        wc, wd, wtc = operands(layer.pruner, layer.weight.detach(), layer.beta, layer.mask, cdt, dx=dx)
+        y = compiled_linear(x.to(cdt), layer.weight, layer.bias, wc, wd, wtc, layer.recipe.mvue, dx)
     return _then(act, y)
 
 
 def _dense_gemms_run(layer: SparseLinear, x: torch.Tensor, act: Activation | None) -> torch.Tensor:
     """The recipe's math with dense GEMMs on the effective weight and an exact dW, in plain torch
     that compiled code fuses: where :func:`~twofour.sparse.compiled.plan_compiled` measured it
-    faster than the 2:4 op."""
-    return _then(act, SparseLinearFn.apply(x, layer.weight, layer.bias, layer.effective_weight(), False))
+    faster than the 2:4 op. The ``mvue`` dX route's estimate is left out too (it pays only with
+    its 2:4 GEMM); ``pruned-t``'s second pruning is part of the math and stays."""
+    dx = "dense" if _dx(layer) == "mvue" else _dx(layer)
+    return _then(act, SparseLinearFn.apply(x, layer.weight, layer.bias, layer.effective_weight(), False, dx))
 
 
 def _reference_run(layer: SparseLinear, x: torch.Tensor, act: Activation | None) -> torch.Tensor:
@@ -129,7 +139,7 @@ def _reference_run(layer: SparseLinear, x: torch.Tensor, act: Activation | None)
     device and dtype, and a sparse recipe's dense phases (W_eff = W, no MVUE)."""
     dense = layer._dense
     return _then(act, SparseLinearFn.apply(x, layer.weight, layer.bias, layer.effective_weight(),
-                                           layer.recipe.mvue and not dense))
+                                           layer.recipe.mvue and not dense, _dx(layer)))
 
 
 #: The forward's routes in the order it tries them.

@@ -31,7 +31,7 @@ log = logging.getLogger("twofour")
 __all__ = ["compare", "results_table", "recipe_stats", "plot_compare", "run_label", "summary_label",
            "run_order", "parse_recipes", "parse_seeds", "train_runs", "finished_runs", "one_per_run", "run_folder",
            "dense_label", "curve_panels", "save_figure", "SharedData", "locked", "mean_std", "paired_gaps",
-           "plus_minus", "same_run", "Diverged"]
+           "plus_minus", "same_run", "Diverged", "options_for"]
 
 
 def parse_recipes(text: str) -> list[str]:
@@ -59,9 +59,9 @@ def parse_seeds(text: str | None) -> list[int] | None:
 def run_label(recipe: str, options: dict[str, Any] | None = None, precision: str = "bf16") -> str:
     """How a run's recipe is named in tables, plots and folder names: the recipe, its precision
     unless ``bf16``, then the options it was given (``s-ste precision=fp8 mvue=false``), so
-    variants of one recipe stay apart."""
-    return " ".join([recipe, *([f"precision={precision}"] if precision != "bf16" else []),
-                     *(f"{k}={json.dumps(v)}" for k, v in sorted((options or {}).items()))])
+    variants of one recipe stay apart; a name as it is (``dx=pruned-t``)."""
+    words = (f"{k}={v if isinstance(v, str) else json.dumps(v)}" for k, v in sorted((options or {}).items()))
+    return " ".join([recipe, *([f"precision={precision}"] if precision != "bf16" else []), *words])
 
 
 def run_folder(recipe: str, options: dict[str, Any] | None, seed: int, precision: str = "bf16",
@@ -89,11 +89,11 @@ def run_order(summary: dict[str, Any]) -> tuple:
 def dense_label(summary: dict[str, Any]) -> str:
     """The dense run a run is compared with: dense with this run's precision and the options dense
     takes (``bf16_finetune``) as this run's."""
-    return run_label("dense", _options_for("dense", summary.get("recipe_options") or {}),
+    return run_label("dense", options_for("dense", summary.get("recipe_options") or {}),
                      summary.get("precision", "bf16"))
 
 
-def _options_for(recipe: str, options: dict[str, Any]) -> dict[str, Any]:
+def options_for(recipe: str, options: dict[str, Any]) -> dict[str, Any]:
     """The options of ``options`` that ``recipe`` takes (dense runs without the sparse recipes'
     ``mvue`` or ``decay``, but with ``bf16_finetune``); one no recipe takes stays, to be refused by name."""
     takes = recipe_options(recipe)
@@ -155,7 +155,7 @@ def train_runs(base: TrainConfig, runs: list[tuple[str, float | None, int]], dat
     that diverges is recorded by it and not trained again (else its error ends the comparison)."""
     root, summaries = Path(base.out_dir), []
     for recipe, lr, seed in runs:
-        options = _options_for(recipe, base.recipe_options)
+        options = options_for(recipe, base.recipe_options)
         cfg = dataclasses.replace(base, recipe=recipe, seed=seed, recipe_options=options,
                                   lr=base.lr if lr is None else lr,
                                   out_dir=str(root / run_folder(recipe, options, seed, base.precision, lr)))

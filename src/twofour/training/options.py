@@ -14,7 +14,8 @@ __all__ = ["option_value", "parse_option", "precision_key", "opt_pairs", "once",
 
 
 def option_value(text: str) -> Any:
-    """An ``--opt`` value: a bool (true/yes/on, false/no/off), an int or a float."""
+    """An ``--opt`` value: a bool (true/yes/on, false/no/off), an int, a float, or a name (letters,
+    digits, ``-`` and ``_``, such as ``dx=pruned-t``; the recipe checks which names it takes)."""
     low = text.lower()
     if low in ("true", "yes", "on"):
         return True
@@ -25,7 +26,9 @@ def option_value(text: str) -> Any:
             return kind(text)
         except ValueError:
             pass
-    raise argparse.ArgumentTypeError(f"option value {text!r} is not a bool or a number")
+    if text[:1].isalpha() and text.replace("-", "").replace("_", "").isalnum():
+        return text
+    raise argparse.ArgumentTypeError(f"option value {text!r} is not a bool, a number or a name")
 
 
 def parse_option(text: str) -> tuple[str, Any]:

@@ -29,6 +29,7 @@ from .compare import (
     locked,
     mean_std,
     one_per_run,
+    options_for,
     paired_gaps,
     plus_minus,
     run_folder,
@@ -105,7 +106,9 @@ def parse_rates(text: str, base: TrainConfig) -> list[float]:
     if base.lr is not None:
         raise ValueError("--lr and --lrs contradict each other: --lrs gives every peak learning rate of the sweep "
                          "(the preset's as 1x)")
-    base.validate()  # the preset's rate needs a known model and regime
+    # the preset's rate needs a known model and regime (the options as the first recipe takes them:
+    # dense runs without the sparse recipes' options)
+    dataclasses.replace(base, recipe_options=options_for(base.recipe, base.recipe_options)).validate()
     rates: list[float] = []
     for item in (t.strip() for t in text.split(",")):
         multiple = item.lower().endswith("x")

@@ -1,0 +1,155 @@
+"""The dX routes at their best rates: dense, and STE and S-STE with each dX route
+(``dx=dense``, ``pruned-t``, ``mvue``), at each of ``--lrs`` for each seed, on one corpus, as
+``twofour compare --lrs`` runs, several sharing the one GPU; then each at its best rate.
+
+    PYTHONPATH=src python scripts/dx_sweep.py RUNS --kind code [--lrs 1x,2x,4x] [--seeds 1,2,3]
+    PYTHONPATH=src python scripts/dx_sweep.py /tmp/dx --kind prose --model tiny --steps 6 --batch-size 2 \\
+        --seq-len 64 --corpus-bytes 3e5 --device cpu --workers 2 --lrs 1x,2x --seeds 1   # the CPU check
+
+Builds the corpus first if missing (``scripts/make_corpus.py --kind KIND`` on this machine's
+files, ``--corpus-bytes`` of them, split by file: no validation text is seen in training). Each
+run is one ``twofour compare`` process (its own folder under RUNS/parts, scored on both halves of
+the validation split when it ends), ``--workers`` at a time; none starts after ``--deadline``
+seconds, and runs finished under RUNS/parts are reused. ``TWOFOUR_GEMM=sparse`` (the default
+here) forces every GEMM that has a 2:4 route onto it, so that the MVUE estimates are drawn at every
+shape and the runs measure each route's math, not the speed choice. Then the run files
+(config.json, metrics.csv, summary.json, val_halves.json) are gathered into RUNS/all, whose sweep
+tables (``results_tables.py --folder``) go to RUNS/dx.md, and with ``$OUT`` set to
+``$OUT/dx-KIND.md`` and ``$OUT/dx-KIND.tar.gz`` (RUNS's run files and logs: unpacked into RUNS, a
+later call reuses the runs; RUNS/all is what docs/results/ keeps).
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import shutil
+import subprocess
+import sys
+import tarfile
+import time
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+from results_tables import sweep_tables
+
+HERE = Path(__file__).resolve().parent
+#: What each run folder keeps (checkpoints and plots are not kept).
+KEPT = ("config.json", "metrics.csv", "summary.json", "val_halves.json")
+#: (recipe, --opt values): the baseline, each recipe with dense dX, then each dX route.
+VARIANTS = (("dense", ()), ("ste", ()), ("s-ste", ()),
+            ("ste", ("dx=pruned-t",)), ("s-ste", ("dx=pruned-t",)),
+            ("ste", ("dx=mvue",)), ("s-ste", ("dx=mvue",)))
+
+
+def jobs(args: argparse.Namespace) -> list[tuple[str, list[str]]]:
+    """(folder name, compare command) of each run, seed by seed, then rate, then variant (so that a
+    call cut short leaves whole seeds)."""
+    out = []
+    for seed in args.seeds:
+        for lr in args.lrs:
+            for recipe, opts in VARIANTS:
+                name = "-".join([recipe, *(o.replace("=", "_") for o in opts), f"lr{lr}", f"s{seed}"])
+                cmd = [sys.executable, "-m", "twofour", "compare", "--recipes", recipe, "--lrs", lr,
+                       "--seeds", str(seed), "--model", args.model, "--steps", str(args.steps),
+                       "--batch-size", str(args.batch_size), "--seq-len", str(args.seq_len),
+                       "--eval-interval", str(max(1, args.steps // args.evals)), "--eval-iters", str(args.eval_iters),
+                       "--ckpt-interval", str(args.steps), "--data", str(args.corpus), "--device", args.device,
+                       "--no-progress", "--out", str(args.runs / "parts" / name)]
+                for o in opts:
+                    cmd += ["--opt", o]
+                out.append((name, cmd))
+    return out
+
+
+def done(folder: Path) -> bool:
+    """Whether a run's compare folder holds its scored run."""
+    return any(folder.glob("*/val_halves.json"))
+
+
+def run_all(args: argparse.Namespace, t0: float) -> int:
+    """Each unfinished run's compare process, ``--workers`` at a time, none started past the deadline;
+    the number that failed."""
+    todo = [(n, c) for n, c in jobs(args) if not done(args.runs / "parts" / n)]
+    print(f"{len(jobs(args)) - len(todo)} runs finished already, {len(todo)} to train", flush=True)
+    env = {**os.environ, "TWOFOUR_GEMM": args.gemm, "PYTHONPATH": os.pathsep.join(
+        [str(HERE.parent / "src"), os.environ.get("PYTHONPATH", "")])}
+    logs = args.runs / "logs"
+    logs.mkdir(parents=True, exist_ok=True)
+
+    def one(job: tuple[str, list[str]]) -> int:
+        name, cmd = job
+        if time.time() - t0 > args.deadline:
+            print(f"{name}: not started (past the deadline)", flush=True)
+            return 0
+        t = time.time()
+        with open(logs / f"{name}.log", "w") as log:
+            rc = subprocess.run(cmd, stdout=log, stderr=subprocess.STDOUT, env=env).returncode
+        print(f"{name}: {'done' if rc == 0 else f'FAILED ({rc})'} in {time.time() - t:.0f} s", flush=True)
+        if rc:
+            print((logs / f"{name}.log").read_text()[-2000:], flush=True)
+        return int(rc != 0)
+
+    with ThreadPoolExecutor(args.workers) as pool:
+        return sum(pool.map(one, todo))
+
+
+def gather(runs: Path) -> Path:
+    """Every scored run's files under ``runs``/all (one folder per run, as one sweep's)."""
+    all_ = runs / "all"
+    shutil.rmtree(all_, ignore_errors=True)
+    for scores in sorted((runs / "parts").glob("*/*/val_halves.json")):
+        dest = all_ / scores.parent.name
+        dest.mkdir(parents=True, exist_ok=True)
+        for name in KEPT:
+            if (scores.parent / name).is_file():
+                shutil.copy2(scores.parent / name, dest / name)
+    return all_
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("runs", type=Path, help="folder of the runs (finished runs there are reused)")
+    ap.add_argument("--kind", default="code", choices=["code", "prose"], help="the corpus (make_corpus.py --kind)")
+    ap.add_argument("--model", default="gpt-10m")
+    ap.add_argument("--steps", type=int, default=500, help="optimizer steps per run (default %(default)s)")
+    ap.add_argument("--batch-size", type=int, default=32)
+    ap.add_argument("--seq-len", type=int, default=1024)
+    ap.add_argument("--lrs", type=lambda s: s.split(","), default=["1x", "2x", "4x"],
+                    help="peak rates, multiples of the preset's or numbers (default 1x,2x,4x)")
+    ap.add_argument("--seeds", type=lambda s: [int(x) for x in s.split(",")], default=[1, 2, 3])
+    ap.add_argument("--evals", type=int, default=5, help="evaluations per run (default %(default)s)")
+    ap.add_argument("--eval-iters", type=int, default=16)
+    ap.add_argument("--corpus", type=Path, default=None, help="default /tmp/dx_corpus_KIND")
+    ap.add_argument("--corpus-bytes", type=float, default=18e6, help="corpus size to build (default %(default)g)")
+    ap.add_argument("--device", default="auto")
+    ap.add_argument("--gemm", default="sparse", choices=["sparse", "auto"], help="TWOFOUR_GEMM for the runs")
+    ap.add_argument("--workers", type=int, default=9, help="runs sharing the device at a time")
+    ap.add_argument("--deadline", type=float, default=480, help="seconds after which no run starts")
+    args = ap.parse_args()
+    args.corpus = args.corpus or Path(f"/tmp/dx_corpus_{args.kind}")
+    t0 = time.time()
+    if not args.corpus.is_dir():
+        subprocess.run([sys.executable, str(HERE / "make_corpus.py"), str(args.corpus), "--kind", args.kind,
+                        "--max-bytes", str(args.corpus_bytes), "--min-bytes", "0"], check=True)
+        print(f"corpus built in {time.time() - t0:.1f} s", flush=True)
+    failed = run_all(args, t0)
+    all_ = gather(args.runs)
+    text = sweep_tables(all_)
+    print(text)
+    (args.runs / "dx.md").write_text(text)
+    out = os.environ.get("OUT")
+    if out:
+        Path(out).mkdir(parents=True, exist_ok=True)
+        Path(out, f"dx-{args.kind}.md").write_text(text)
+        with tarfile.open(Path(out, f"dx-{args.kind}.tar.gz"), "w:gz") as tar:  # RUNS's files, to reuse
+            for f in sorted(args.runs.glob("parts/*/*/*")):
+                if f.name in KEPT:
+                    tar.add(f, arcname=str(f.relative_to(args.runs)))
+            tar.add(args.runs / "logs", arcname="logs")
+    print(f"{time.time() - t0:.0f} s in all; {failed} run(s) failed", flush=True)
+    return 1 if failed else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
