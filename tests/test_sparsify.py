@@ -70,7 +70,7 @@ def test_nothing_to_convert_warns():
 def test_bad_recipe_and_options():
     with pytest.raises(ValueError, match="valid recipes"):
         sparsify(tiny_gpt(), "magic")
-    with pytest.raises(ValueError, match="takes no option decay; valid options: mvue, bf16_finetune"):
+    with pytest.raises(ValueError, match="takes no option decay; valid options: mvue, dx, bf16_finetune"):
         sparsify(tiny_gpt(), "ste", decay=1e-4)
 
 
