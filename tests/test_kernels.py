@@ -11,6 +11,7 @@ from twofour.functional import (
     _soft_threshold_24,
     mask_24,
     mvue_inclusion_probability,
+    prune_transpose_24,
     transposable_mask_24,
 )
 from twofour.kernels import compress as ck
@@ -331,3 +332,14 @@ def test_e4m3_bad_input():
         ck.compress_e4m3(torch.zeros(64, 128).to(E4M3).t())
     with pytest.raises(ValueError, match="multiple of 64"):
         ck.compress_e4m3(torch.zeros(64, 32).to(E4M3))
+
+
+def test_hard_pruning_of_a_transpose_is_prune_transpose(device):
+    """The pruned-t route's W_pt from one kernel pass over W_eff^T (a column-major view) equals the
+    plain-torch prune_transpose_24, and its compressed form holds W_pt^T."""
+    torch.manual_seed(0)
+    w = torch.randn(64, 96, device=device, dtype=torch.bfloat16)
+    w_eff = w * mask_24(w)
+    buf, dense = ck.compress(w_eff.t(), "hard", out_dtype=torch.bfloat16, dense_out=True)
+    assert torch.equal(dense.t(), prune_transpose_24(w_eff))
+    assert torch.equal(decompress_reference(buf, 96, 64), dense)

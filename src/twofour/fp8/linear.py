@@ -24,6 +24,11 @@ from .quantize import (
 )
 
 
+def _pruned_t(w_eff: torch.Tensor) -> torch.Tensor:
+    """The pruned-t route's W_pt: one kernel pass where it runs on the GPU, else plain torch."""
+    return ops.prune_transpose(w_eff) if ops.prune_transpose_ok(w_eff) else _prune_transpose_24(w_eff)
+
+
 def _mvue_dw_fits(dy2: torch.Tensor, qxt: torch.Tensor, fmt: torch.dtype, scaling: Scaling, cdt: torch.dtype) -> bool:
     """Whether dW on the MVUE estimate may run as one FP8 2:4 GEMM, as far as a trace can tell (the
     device's half, :func:`_fp8_24_device`, is checked when the route runs): e4m3 gradients with
@@ -151,21 +156,20 @@ class FP8LinearFn(torch.autograd.Function):
         need_dx, need_dw = grad and ctx.needs_input_grad[0], grad and ctx.needs_input_grad[1]
         b = None if bias is None else bias.to(cdt)
         # what dX multiplies by: W_eff, or for the pruned-t route W_eff with W_eff^T pruned 2:4 too
-        w_dx = _prune_transpose_24(w_eff) if dx == "pruned-t" and need_dx else w_eff
-        own_t = w_dx is not w_eff  # dX's copy is quantized from its own matrix
-        sw = qwt = None
+        w_dx = _pruned_t(w_eff) if dx == "pruned-t" and need_dx else w_eff
+        swt = qwt = None  # dX's copy of W^T and its scale
         if precision.forward:
             qx, sx, qxt = quantize_t(x2, E4M3, scaling, transposed=tw and need_dw)
-            qw, sw, qwt = quantize_t(w_eff, E4M3, scaling, transposed=tw and need_dx and not own_t)
+            qw, sw, qwt = quantize_t(w_eff, E4M3, scaling, transposed=tw and need_dx and w_dx is w_eff)
+            swt = sw
             y = scaled_mm(qx, sx, qw, sw, cdt, sparse_b=sparse, bias=b)
         else:  # the forward GEMM in the compute dtype; only the copies the FP8 backward reads
             y = F.linear(x2.to(cdt), w_eff.to(cdt), b)
             _, sx, qxt = quantize_t(x2, E4M3, scaling, transposed=True) if tw and need_dw else (None, None, None)
-            own_t = True
-        if tw and need_dx and own_t:
-            _, sw, qwt = quantize_t(w_dx, E4M3, scaling, transposed=True)
+        if tw and need_dx and qwt is None:  # W^T's copy from its own pass (pruned-t, or no FP8 forward)
+            _, swt, qwt = quantize_t(w_dx, E4M3, scaling, transposed=True)
         if tw:  # what the backward multiplies: W^T and X^T, row-major along N and T
-            ctx.save_for_backward(qwt, sw, qxt, sx)
+            ctx.save_for_backward(qwt, swt, qxt, sx)
         else:
             ctx.save_for_backward(x2, w_dx)
         ctx.dx_mvue = dx == "mvue"

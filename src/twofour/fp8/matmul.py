@@ -34,8 +34,8 @@ def _dense_mm(qa: torch.Tensor, sa: torch.Tensor, qb: torch.Tensor, sb: torch.Te
     m, n = qa.shape[0], qb.shape[0]
     qa, qb = qa.contiguous(), qb.contiguous()  # a row-major, b^T column-major (no-ops when already)
     key = ("scaled_mm", qa.device.type, qa.dtype, qb.dtype, sa.numel() > 1, tuple(qa.shape), n, out_dtype)
-    # torch's CPU _scaled_mm is a naive loop (about 70 ms for 128 x 64 x 256 on a 2-core Xeon, a
-    # hundred times the dequantized product): the CPU takes the reference, the same math
+    # torch 2.13's CPU _scaled_mm is a naive loop (79 ms for e4m3 128 x 64 x 256 on a 2-core Xeon,
+    # where the dequantized product takes 0.14 ms): the CPU takes the reference, the same math
     if qa.is_cuda and scaled_mm_available() and not dispatch.failed(key):
         try:
             out = torch._scaled_mm(qa, qb.t(), sa.reshape(m, 1) if sa.numel() > 1 else sa,

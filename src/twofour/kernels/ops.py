@@ -23,7 +23,7 @@ import torch
 from .. import dispatch
 from . import compress as _ck
 from . import cusparselt as _cs
-from .layout import compressed_size
+from .layout import compressed_size, supported_shape
 from .mask import refresh_mask_, refresh_masks_
 from .triton_common import HAS_TRITON
 
@@ -214,3 +214,17 @@ def compress(x: torch.Tensor, mode: str, *, scale: torch.Tensor | None = None, m
     ``twofour::compress``."""
     args = (x, mode, scale, mask, seed, dense_out, out_dtype, sparse_out)
     return _compress_op(*args) if torch.compiler.is_compiling() else _compress(*args)
+
+
+def prune_transpose(w: torch.Tensor) -> torch.Tensor:
+    """``w`` with ``w^T`` pruned 2:4 as well (the ``pruned-t`` dX route's weight; its plain-torch
+    reference is :func:`twofour.functional.prune_transpose_24`), by one pass of the compression
+    kernel over ``w^T``: a bf16/fp16 ``w`` whose output features are a multiple of 32
+    (:func:`prune_transpose_ok`)."""
+    return compress(w.t(), "hard", dense_out=True, sparse_out=False, out_dtype=w.dtype)[1].t()
+
+
+def prune_transpose_ok(w: torch.Tensor) -> bool:
+    """:func:`prune_transpose` runs on ``w``: Triton on its device, bf16/fp16, output features a
+    multiple of 32."""
+    return triton_ok(w) and w.dtype in (torch.bfloat16, torch.float16) and supported_shape(w.shape[1], w.shape[0])

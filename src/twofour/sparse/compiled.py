@@ -76,7 +76,7 @@ def _candidates(layer, x: torch.Tensor) -> dict:
         torch.autograd.grad(y, (x, w), dy)
 
     def dense() -> None:
-        y = SparseLinearFn.apply(x, w, layer.bias, layer.effective_weight(), False, "dense" if r.dx == "mvue" else r.dx)
+        y = SparseLinearFn.apply(x, w, layer.bias, layer.effective_weight(), False, r.dx_route(False, estimates=False))
         torch.autograd.grad(y, (x, w), dy)
 
     return {"sparse": sparse, "dense": dense}

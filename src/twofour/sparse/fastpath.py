@@ -16,7 +16,6 @@ from __future__ import annotations
 import torch
 
 from .. import dispatch
-from ..functional import _prune_transpose_24
 from ..kernels import ops
 from .pruners import Compressed, Pruner
 
@@ -126,7 +125,8 @@ def _dx_gemm(dy2: torch.Tensor, x2: torch.Tensor, wdense: torch.Tensor, wtc: tor
              dx: str = "dense") -> torch.Tensor:
     """dX by the dX route ``dx`` in x's order (dX^T = W^T dY^T stored column- or row-major): 2:4
     on ``wtc`` (W_eff^T compressed: a transposable mask's, or ``pruned-t``'s W_pt^T), whose dense
-    twin for ``pruned-t`` prunes W_eff^T in plain torch; ``mvue`` by :func:`_mvue_dx`."""
+    twin for ``pruned-t`` makes W_pt by one pass of the compression kernel
+    (:func:`~twofour.kernels.ops.prune_transpose`); ``mvue`` by :func:`_mvue_dx`."""
     t, n = dy2.shape
     k = x2.shape[1]
     x_col = ops.order(x2) == "col"
@@ -134,7 +134,7 @@ def _dx_gemm(dy2: torch.Tensor, x2: torch.Tensor, wdense: torch.Tensor, wtc: tor
         return _mvue_dx(dy2, wdense, x_col)
 
     def dense() -> torch.Tensor:
-        w = _prune_transpose_24(wdense) if dx == "pruned-t" else wdense
+        w = ops.prune_transpose(wdense) if dx == "pruned-t" else wdense
         return (w.t() @ dy2.t()).t() if x_col else dy2 @ w
 
     cands = {"dense": dense}

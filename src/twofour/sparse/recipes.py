@@ -85,9 +85,13 @@ class Recipe:
             return f"out_features={out_features} is not a multiple of 4 (dx='pruned-t' prunes W^T 2:4 too)"
         return self.pruning.unsupported(out_features, in_features)
 
-    def dx_route(self, dense_phase: bool) -> str:
-        """The dX route in effect: the recipe's, or ``dense`` in a dense phase (W_eff = W)."""
-        return "dense" if dense_phase else self.dx
+    def dx_route(self, dense_phase: bool, estimates: bool = True) -> str:
+        """The dX route in effect: the recipe's, or ``dense`` in a dense phase (W_eff = W); without
+        ``estimates`` (dense GEMMs chosen for speed, where an estimate buys nothing) ``mvue`` is
+        exact too, while ``pruned-t``'s second pruning, part of the math, stays."""
+        if dense_phase or (self.dx == "mvue" and not estimates):
+            return "dense"
+        return self.dx
 
     def to_dict(self) -> dict[str, Any]:
         """A plain dict (the pruner and the precision by their names), for checkpoints and logs."""

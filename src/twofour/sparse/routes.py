@@ -56,9 +56,9 @@ def _then(act: Activation | None, y: torch.Tensor) -> torch.Tensor:
     return y if act is None else act(y)
 
 
-def _dx(layer: SparseLinear) -> str:
+def _dx(layer: SparseLinear, estimates: bool = True) -> str:
     """The dX route in effect (:meth:`~twofour.sparse.recipes.Recipe.dx_route`)."""
-    return layer.recipe.dx_route(layer._dense)
+    return layer.recipe.dx_route(layer._dense, estimates)
 
 
 def _compressed(layer: SparseLinear, cdt: torch.dtype, sparse: bool = True):
@@ -128,10 +128,9 @@ def _compiled_run(layer: SparseLinear, x: torch.Tensor, act: Activation | None) 
 def _dense_gemms_run(layer: SparseLinear, x: torch.Tensor, act: Activation | None) -> torch.Tensor:
     """The recipe's math with dense GEMMs on the effective weight and an exact dW, in plain torch
     that compiled code fuses: where :func:`~twofour.sparse.compiled.plan_compiled` measured it
-    faster than the 2:4 op. The ``mvue`` dX route's estimate is left out too (it pays only with
-    its 2:4 GEMM); ``pruned-t``'s second pruning is part of the math and stays."""
-    dx = "dense" if _dx(layer) == "mvue" else _dx(layer)
-    return _then(act, SparseLinearFn.apply(x, layer.weight, layer.bias, layer.effective_weight(), False, dx))
+    faster than the 2:4 op; the ``mvue`` dX route's estimate is left out too."""
+    return _then(act, SparseLinearFn.apply(x, layer.weight, layer.bias, layer.effective_weight(), False,
+                                           _dx(layer, estimates=False)))
 
 
 def _reference_run(layer: SparseLinear, x: torch.Tensor, act: Activation | None) -> torch.Tensor:
