@@ -9,14 +9,14 @@ from pathlib import Path
 import torch
 
 import twofour
-from twofour.models import FFN_PATTERNS, GPT
+from twofour.models import FFN_PATTERNS, from_preset
 
 torch.manual_seed(0)
 # a few hundred kB of real text that every Python install has, read as bytes (vocabulary 256)
 files = sorted(Path(sysconfig.get_paths()["stdlib"]).glob("*.py"))[:40]
 data = torch.tensor(list(b"".join(f.read_bytes() for f in files)), dtype=torch.long)
 
-model = GPT.from_preset("tiny", block_size=128)
+model = from_preset("tiny", block_size=128)
 twofour.sparsify(model, "s-ste", include=FFN_PATTERNS)  # FFN linears 2:4, as in the papers
 opt = torch.optim.AdamW(model.parameters(), lr=1e-3, weight_decay=0.1)
 twofour.attach(model, opt)  # masks and counters advance once per optimizer step

@@ -6,19 +6,19 @@ import torch
 
 import twofour
 from twofour.cli import main
-from twofour.models import GPT, Llama
+from twofour.models import GPT, Llama, from_preset
 
 
 def tiny_gpt(seed=0, **overrides):
     torch.manual_seed(seed)
     cfg = dict(n_layer=2, n_head=2, n_embd=32, block_size=32, vocab_size=64)
-    return GPT.from_preset("tiny", **{**cfg, **overrides})
+    return from_preset("tiny", GPT, **{**cfg, **overrides})
 
 
 def tiny_llama(seed=0, **overrides):
     torch.manual_seed(seed)
     cfg = dict(n_layer=2, n_head=2, n_embd=32, block_size=32, vocab_size=64, ffn_multiple=32)  # FFN width 96
-    return Llama.from_preset("llama-tiny", **{**cfg, **overrides})
+    return from_preset("llama-tiny", Llama, **{**cfg, **overrides})
 
 
 def make_optimizer(model, recipe, total_steps, lr=3e-3):

@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from twofour.activations import split_gate_up
-from twofour.models import GPT, PRESETS, Llama, LlamaConfig
+from twofour.models import GPT, PRESETS, Llama, LlamaConfig, from_preset
 
 from .helpers import tiny_llama
 
@@ -32,11 +32,11 @@ def test_presets_shapes():
 
 def test_from_preset_checks_the_family():
     with pytest.raises(ValueError, match="is a GPT, not a Llama"):
-        Llama.from_preset("tiny")
+        from_preset("tiny", Llama)
     with pytest.raises(ValueError, match="is a Llama, not a GPT"):
-        GPT.from_preset("llama-tiny")
+        from_preset("llama-tiny", GPT)
     with pytest.raises(ValueError, match="valid presets"):
-        Llama.from_preset("llama-3t")
+        from_preset("llama-3t", Llama)
     with pytest.raises(ValueError, match="even head size"):
         Llama(LlamaConfig(n_embd=24, n_head=8))
 

@@ -155,3 +155,98 @@ def test_the_checks_catch_a_bad_import():
     source = "from ..training.runs import CKPT\nfrom . import ops\nimport twofour\n"
     got = [t for t, _ in _imports("twofour.kernels.x", PKG / "kernels" / "x.py", source)]
     assert got == ["twofour.training.runs", "twofour.kernels.ops", "twofour"]
+
+
+def _circles(graph: dict[str, set[str]]) -> list[list[str]]:
+    """The import circles of ``graph`` (module -> modules it imports): its strongly connected
+    parts of more than one module (Tarjan's algorithm)."""
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    on: set[str] = set()
+    out: list[list[str]] = []
+
+    def visit(v: str) -> None:
+        index[v] = low[v] = len(index)
+        stack.append(v)
+        on.add(v)
+        for w in graph.get(v, ()):
+            if w not in index:
+                visit(w)
+                low[v] = min(low[v], low[w])
+            elif w in on:
+                low[v] = min(low[v], index[w])
+        if low[v] == index[v]:
+            part = []
+            while True:
+                w = stack.pop()
+                on.discard(w)
+                part.append(w)
+                if w == v:
+                    break
+            if len(part) > 1:
+                out.append(sorted(part))
+
+    for v in sorted(graph):
+        if v not in index:
+            visit(v)
+    return out
+
+
+def _import_graph() -> dict[str, set[str]]:
+    """Module -> the package's modules it imports (every import: deferred and type-only ones too;
+    a package's ``__init__`` left out, as it only gathers names)."""
+    names = {m for m, _ in MODULES}
+    packages = {m for m in names if (PKG.parent / m.replace(".", "/")).is_dir()}
+    return {m: {t for t, _ in _imports(m, f) if t in names - packages and t != m}
+            for m, f in MODULES if f.name != "__init__.py"}
+
+
+def test_no_import_circles():
+    """No module imports, even inside a function or for types alone, a module that imports it
+    back: each floor of the package imports downward only."""
+    circles = _circles(_import_graph())
+    assert not circles, "import circles:\n" + "\n".join(" <-> ".join(c) for c in circles)
+
+
+#: Third-party modules whose private names twofour calls on purpose (torch._foreach_*, ...).
+THIRD_PARTY = {"torch", "triton", "tl", "np", "numpy", "F", "nn", "dist", "inductor", "dynamo", "functools"}
+#: Private names of third-party objects read on purpose: argparse's list of a parser's actions,
+#: a tensor's version counter (bumped by every in-place write: the fast path's cache key).
+THIRD_PARTY_PRIVATE = {"_actions", "_version"}
+
+
+def _private_reads(source: str) -> list[tuple[int, str]]:
+    """(line, ``x._name``) for every read of another object's private attribute that the module
+    itself does not define: ``self``, ``cls`` and third-party modules' names left out."""
+    tree = ast.parse(source)
+    own = {n.name for n in ast.walk(tree) if isinstance(n, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef))}
+    own |= {t.attr for n in ast.walk(tree) if isinstance(n, (ast.Assign, ast.AnnAssign, ast.AugAssign))
+            for t in (n.targets if isinstance(n, ast.Assign) else [n.target]) if isinstance(t, ast.Attribute)}
+    own |= {t.id for n in ast.walk(tree) if isinstance(n, (ast.Assign, ast.AnnAssign))
+            for t in (n.targets if isinstance(n, ast.Assign) else [n.target]) if isinstance(t, ast.Name)}
+    bad = []
+    for node in ast.walk(tree):
+        if not (isinstance(node, ast.Attribute) and node.attr.startswith("_") and not node.attr.startswith("__")):
+            continue
+        root = node.value
+        while isinstance(root, (ast.Attribute, ast.Call, ast.Subscript)):
+            root = root.func if isinstance(root, ast.Call) else root.value
+        if isinstance(root, ast.Name) and root.id in ({"self", "cls"} | THIRD_PARTY):
+            continue
+        if node.attr not in own | THIRD_PARTY_PRIVATE:
+            bad.append((node.lineno, f"{ast.unparse(node.value)}.{node.attr}"))
+    return bad
+
+
+def test_no_module_reads_another_modules_private_state():
+    """A module's state is read through its public names: no ``x._name`` of a name that the
+    reading module does not define itself."""
+    bad = [f"{m}:{line} reads {what}" for m, f in MODULES for line, what in _private_reads(f.read_text())]
+    assert not bad, "private state read from another module (add a public name):\n" + "\n".join(bad)
+
+
+def test_the_structure_checks_catch_a_circle_and_a_private_read():
+    assert _circles({"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}) == [["a", "b", "c"]]
+    assert _private_reads("def f(layer):\n    return layer._dense\n") == [(2, "layer._dense")]
+    assert _private_reads("class A:\n    def _x(self):\n        return other._x, self._y, torch._foreach_add_\n") == []

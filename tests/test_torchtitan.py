@@ -145,7 +145,7 @@ def test_post_optimizer_hook_advances_the_masks_and_sr_ste_decays_once_a_step():
     layer = model.layers["0"].feed_forward.w1
     w0 = layer.weight.detach().clone()
     opt = train_steps(model, converters, jc, 3)
-    assert int(layer.step) == 3 and layer._step == 3
+    assert int(layer.step) == 3 and layer.step_count == 3
     assert not torch.equal(layer.weight, w0)
     assert torch.equal(layer.mask, layer.pruner.mask(layer.weight.detach()))  # refreshed after the last step
     # the masked decay: added to the gradient right before the container's step, once
@@ -184,7 +184,7 @@ def test_checkpoint_round_trip_restores_masks_scales_and_steps(tmp_path):
             la, lb = getattr(a, name), getattr(b, name)
             for buf in ("mask", "beta", "step", "weight"):
                 assert torch.equal(getattr(la, buf), getattr(lb, buf)), (name, buf)
-            assert lb._step == 2
+            assert lb.step_count == 2
     tokens = torch.randint(0, model.vocab_size, (1, 16))
     torch.testing.assert_close(fresh(tokens), model(tokens), rtol=0, atol=0)
 
@@ -249,7 +249,7 @@ def fsdp_worker(folder: str) -> None:
     fresh, _ = build(jc, seed=100 + dist.get_rank(), mesh=mesh)
     dcp.load({"model": ModelWrapper(fresh)}, checkpoint_id=folder)
     for a, b in zip(layers, [getattr(f, n) for f in ffn_layers(fresh) for n in FFN]):
-        assert torch.equal(a.mask, b.mask) and torch.equal(a.step, b.step) and b._step == 3
+        assert torch.equal(a.mask, b.mask) and torch.equal(a.step, b.step) and b.step_count == 3
         assert torch.equal(a.weight.detach().full_tensor(), b.weight.detach().full_tensor())
     converters.converters[0].close()
     if dist.get_rank() == 0:

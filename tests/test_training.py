@@ -47,7 +47,7 @@ def test_recipe_lowers_the_loss(recipe, device):
         assert max(flips) > 0
     if recipe != "dense":
         layers = [layer for _, layer in twofour.sparse_layers(model)]
-        assert len(layers) == 8 and all(layer._step == STEPS for layer in layers)  # 2 blocks x 4 linears
+        assert len(layers) == 8 and all(layer.step_count == STEPS for layer in layers)  # 2 blocks x 4 linears
 
 
 @pytest.mark.parametrize("recipe", twofour.RECIPES)
@@ -96,7 +96,7 @@ def test_gpu_llama_trains_with_every_recipe_on_the_fast_path(recipe):
 def test_step_counters_advance_once_per_optimizer_step_under_accumulation():
     model, _, _, _ = train("t-sr-ste", steps=8, accum=4, mask_interval=2)
     layers = [layer for _, layer in twofour.sparse_layers(model)]
-    assert len(layers) == 8 and all(layer._step == 8 for layer in layers)
+    assert len(layers) == 8 and all(layer.step_count == 8 for layer in layers)
 
 
 def test_step_recipe_switches_from_dense_to_sparse():
@@ -157,7 +157,7 @@ def test_model_state_round_trip_resumes_identically():
     pairs = list(zip(twofour.sparse_layers(model), twofour.sparse_layers(fresh)))
     assert len(pairs) == 8  # 2 blocks x 4 linears, in both models
     for (_, a), (_, b) in pairs:
-        assert torch.equal(a.weight, b.weight) and torch.equal(a.mask, b.mask) and a._step == b._step == 11
+        assert torch.equal(a.weight, b.weight) and torch.equal(a.mask, b.mask) and a.step_count == b.step_count == 11
 
 
 @pytest.mark.parametrize("scale", [1.0, 1e-3])

@@ -71,7 +71,7 @@ def _fp8_24_fits(sparse_rows: int, k: int, dense_rows: int, out_dtype: torch.dty
 def _fp8_24_device(t: torch.Tensor) -> bool:
     """Whether ``t``'s GPU has FP8 2:4 GEMMs (sm89+) and the fast path (cuSPARSELt, Triton) is on
     (a cached query; not traceable: it takes the cuSPARSELt binding's lock)."""
-    return fp8cast._capability(fp8cast._index(t)) >= (8, 9) and ops.fast_available()
+    return fp8cast.capability(t) >= (8, 9) and ops.fast_available()
 
 
 def _fp8_24_takes(t: torch.Tensor, sparse_rows: int, k: int, dense_rows: int, out_dtype: torch.dtype) -> bool:

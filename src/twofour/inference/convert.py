@@ -14,7 +14,7 @@ def _dense_layer(layer: SparseLinear) -> nn.Module:
     """A SparseLinear in a dense phase as the plain layer it stands for (nn.Linear, or Hugging
     Face's Conv1D where it came from one)."""
     w, b = layer.weight.detach(), layer.bias
-    if layer._conv1d_layout:
+    if layer.conv1d_layout:
         from transformers.pytorch_utils import Conv1D  # noqa: PLC0415 - only for models that came from transformers
 
         new = Conv1D(layer.out_features, layer.in_features)
@@ -48,7 +48,7 @@ def to_inference(model: nn.Module, *, packed_state: bool = False) -> list[str]:
     for name, layer in list(sparse_layers(model)):
         if layer.recipe.sparse and not layer.is_dense_phase:
             new = SparseInferenceLinear.from_weight(layer.effective_weight(), layer.bias, packed_state=packed_state,
-                                                    conv1d=layer._conv1d_layout,
+                                                    conv1d=layer.conv1d_layout,
                                                     transposed_output=layer.transposed_output)
             sparse.append(name)
         else:

@@ -146,7 +146,12 @@ def supported(t: torch.Tensor, rowwise: bool, transposed: bool) -> bool:
     refuses e4m3 before)."""
     return (HAS_TRITON and t.is_contiguous() and t.numel() > 0 and t.is_floating_point()
             and (t.dim() == 2 or not (rowwise or transposed))
-            and (not t.is_cuda or _capability(_index(t)) >= (8, 9)))
+            and (not t.is_cuda or capability(t) >= (8, 9)))
+
+
+def capability(t: torch.Tensor) -> tuple[int, int]:
+    """The compute capability of the GPU ``t`` is on (cached per device)."""
+    return _capability(_index(t))
 
 
 def _index(t: torch.Tensor) -> int:

@@ -13,7 +13,8 @@ output rows interleaved (:mod:`twofour.activations`), and ``mlp.down``; attentio
 from .common import ATTN_PATTERNS, FFN_IN_PATTERNS, FFN_PATTERNS, GPTConfig, KVCache, LlamaConfig
 from .gpt import GPT
 from .llama import GatedMLP, Llama
-from .presets import PRESETS, Preset, build_model
+from .presets import PRESETS, Preset, build_model, from_preset
 
 __all__ = ["GPTConfig", "GPT", "LlamaConfig", "Llama", "GatedMLP", "KVCache", "Preset", "PRESETS", "FFN_PATTERNS",
-           "FFN_IN_PATTERNS", "ATTN_PATTERNS", "build_model"]
+           "FFN_IN_PATTERNS", "ATTN_PATTERNS", "build_model",
+           "from_preset"]

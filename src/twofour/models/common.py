@@ -222,19 +222,6 @@ class _LanguageModel(nn.Module):
             if name.endswith(residual):
                 nn.init.normal_(p, mean=0.0, std=0.02 / math.sqrt(2 * self.cfg.n_layer))
 
-    @classmethod
-    def from_preset(cls, name: str, **overrides):
-        """Build the preset ``name`` (one of this class's in :data:`PRESETS`) with optional
-        config overrides."""
-        from .presets import PRESETS  # noqa: PLC0415 - the presets name this class
-
-        if name not in PRESETS:
-            raise ValueError(f"unknown model preset {name!r}; valid presets: {', '.join(PRESETS)}")
-        preset = PRESETS[name]
-        if not issubclass(preset.model, cls):
-            raise ValueError(f"preset {name!r} is a {preset.model.__name__}, not a {cls.__name__}")
-        return preset.build(**overrides)
-
     @property
     def vocab_size(self) -> int:
         return self.cfg.vocab_size

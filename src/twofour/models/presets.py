@@ -1,4 +1,7 @@
-"""The named models ``twofour train --model`` takes, and :func:`build_model`."""
+"""The named models ``twofour train --model`` takes, :func:`from_preset` and :func:`build_model`.
+
+Above the model classes: a preset names a class and its shape, so the models know nothing of the
+presets."""
 
 from __future__ import annotations
 
@@ -56,6 +59,18 @@ PRESETS: dict[str, Preset] = {
     "llama-8b": _llama(3e-4, n_layer=32, n_head=32, n_kv_head=8, n_embd=4096, ffn_hidden=14336,
                        rope_theta=500000.0),
 }
+
+
+def from_preset(name: str, family: type[_LanguageModel] | None = None, **overrides) -> _LanguageModel:
+    """The model of preset ``name`` (:data:`PRESETS`) with ``overrides`` replacing fields of its
+    config (``from_preset("tiny", block_size=128)``); with ``family`` (:class:`GPT`, :class:`Llama`)
+    the preset must be one of that class's. ``ValueError`` naming the valid presets otherwise."""
+    if name not in PRESETS:
+        raise ValueError(f"unknown model preset {name!r}; valid presets: {', '.join(PRESETS)}")
+    preset = PRESETS[name]
+    if family is not None and not issubclass(preset.model, family):
+        raise ValueError(f"preset {name!r} is a {preset.model.__name__}, not a {family.__name__}")
+    return preset.build(**overrides)
 
 
 def build_model(preset: str, recipe, *, vocab_size: int, block_size: int, sparse_attention: bool = False,

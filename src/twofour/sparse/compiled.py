@@ -6,8 +6,8 @@ compression and the fusion the compiler loses around the op. Where they do not (
 the layer runs the recipe's math with dense GEMMs on its effective weight, in plain torch the
 compiler fuses (the reference math, with an exact dW: MVUE pays only with a 2:4 dW GEMM).
 :func:`plan_compiled` times both forms of each sparse layer shape, eagerly, forward and backward,
-and records the faster in :mod:`twofour.dispatch`; :func:`dense_gemms` reads that record when
-compiled code is traced. A shape nobody planned keeps the 2:4 op.
+and records the faster in :mod:`twofour.dispatch`; :func:`~twofour.sparse.routes.dense_gemms`
+reads that record when compiled code is traced. A shape nobody planned keeps the 2:4 op.
 """
 
 from __future__ import annotations
@@ -15,31 +15,12 @@ from __future__ import annotations
 import torch
 
 from .. import dispatch
-from .fastpath import applies, compiled_linear, compute_dtype, operands
+from .fastpath import applies, compiled_linear, operands
+from .layer import SparseLinear
 from .reference import SparseLinearFn
+from .routes import dense_gemms, plan_key
 
 __all__ = ["plan_compiled", "dense_gemms", "plan_key"]
-
-
-def plan_key(layer, tokens: int, dtype: torch.dtype) -> str:
-    """The dispatch key of one layer form's choice: recipe, shape, tokens, dtype, bias."""
-    r = layer.recipe
-    dx = f"-dx={r.dx}" if r.dx in ("pruned-t", "mvue") else ""
-    kind = f"compiled-layer-{r.name}" + ("-mvue" if r.mvue else "") + dx + ("-bias" if layer.bias is not None else "")
-    return dispatch.choice_key(kind, layer.out_features, layer.in_features, tokens, "row", dtype, ("dense", "sparse"))
-
-
-@torch.compiler.assume_constant_result
-def _recorded_dense(key: str) -> bool:
-    """Whether the plan under ``key`` chose dense GEMMs (a constant for the compiled code)."""
-    return dispatch.recorded(key) == "dense"
-
-
-def dense_gemms(layer, x: torch.Tensor) -> bool:
-    """Whether ``layer`` runs dense GEMMs on its effective weight for ``x`` in compiled code:
-    :func:`plan_compiled` measured them faster at this shape (else, or unplanned: False)."""
-    tokens = x.numel() // x.shape[-1]
-    return _recorded_dense(plan_key(layer, tokens, compute_dtype(x)))
 
 
 def plan_compiled(model: torch.nn.Module, tokens: int, dtype: torch.dtype = torch.bfloat16) -> dict[str, str]:
@@ -48,8 +29,6 @@ def plan_compiled(model: torch.nn.Module, tokens: int, dtype: torch.dtype = torc
     as compiled code does each call) and as dense GEMMs on the effective weight, and record the
     faster for compiled code to take. Measured on a fresh layer of the same shape and recipe (the
     model's may be sharded). Call before the first compiled call. Returns {key: choice}."""
-    from .layer import SparseLinear  # noqa: PLC0415 - the layer imports the routes, which import this module
-
     chosen: dict[str, str] = {}
     for layer in model.modules():
         if not (isinstance(layer, SparseLinear) and layer.recipe.sparse and not layer.is_dense_phase

@@ -81,6 +81,11 @@ class SparseLinear(nn.Linear):
 
     _conv1d_layout = False
 
+    @property
+    def conv1d_layout(self) -> bool:
+        """Whether the state dict keeps Hugging Face Conv1D's (in, out) weight layout (:meth:`from_conv1d`)."""
+        return self._conv1d_layout
+
     def _save_to_state_dict(self, destination, prefix, keep_vars):
         self.settle()  # a refresh left for the next forward: the saved mask is that forward's
         super()._save_to_state_dict(destination, prefix, keep_vars)
@@ -98,9 +103,10 @@ class SparseLinear(nn.Linear):
         """Check the shape, register the recipe's buffers and set the host flags.
 
         Host flags: ``_step``, ``_dense`` and ``_fp8`` mirror the ``step`` and ``dense`` buffers
-        (and the FP8 phase they imply) as plain Python values. The forward's routes
+        (and the FP8 phase they imply) as plain Python values, read as :attr:`step_count`,
+        :attr:`is_dense_phase` and :attr:`is_fp8_phase`. The forward's routes
         (:mod:`twofour.sparse.routes`) branch on them and the fast path keys its weight cache on
-        ``_step``; under ``torch.compile`` a Python value is a constant that dynamo guards on (a
+        the step count; under ``torch.compile`` a Python value is a constant that dynamo guards on (a
         phase change recompiles once), where reading a buffer would cost a host sync per call.
         :meth:`_next_step` and :meth:`_load_from_state_dict` keep them equal to the buffers."""
         reason = self.recipe.unsupported(self.out_features, self.in_features)
@@ -239,6 +245,15 @@ class SparseLinear(nn.Linear):
         self.flips.copy_((new != self.mask).sum())
         self.mask.copy_(new)
 
+    @torch.no_grad()
+    def refresh_mask(self, w: torch.Tensor | None = None) -> None:
+        """Recompute the mask from the current weight (or ``w``, the whole weight gathered
+        elsewhere) and count the flips: the fused GPU kernel where it can run, else plain torch."""
+        if self._fused_refresh_ok():
+            ops.refresh_masks_([self.weight.detach() if w is None else w], [self.mask], [self.flips])
+        else:
+            self._refresh_mask_torch(w)
+
     def settle(self) -> None:
         """Apply a mask refresh left pending for the next forward (a sharded weight's:
         :class:`~twofour.sparse.sharded.DeferredRefresh`) now: the mask is then the one the next
@@ -271,6 +286,11 @@ class SparseLinear(nn.Linear):
     def is_dense_phase(self) -> bool:
         """True while the layer trains dense (dense recipe, STEP's phase 1, final dense fine-tune)."""
         return self._dense
+
+    @property
+    def step_count(self) -> int:
+        """Optimizer steps the layer has advanced by (the ``step`` buffer's value, kept on the host)."""
+        return self._step
 
     # -- forward -----------------------------------------------------------------------------
 

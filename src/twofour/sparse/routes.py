@@ -6,30 +6,89 @@ tries them, and the forward runs the first that applies (:func:`route_for`). Eac
 last applies to calls no other does, so the order only makes the reference the fallback.
 Adding a route is one entry here.
 
-The conditions read the layer's host flags ``_dense`` and ``_fp8`` (and the fast path reads
-``_step``): plain Python values, which a compiled forward takes as constants (see
-:meth:`SparseLinear._init_state <twofour.sparse.layer.SparseLinear._init_state>`).
+The conditions read the layer's host flags ``is_dense_phase`` and ``is_fp8_phase`` (and the
+fast path reads ``step_count``): plain Python values, which a compiled forward takes as constants
+(see :class:`~twofour.sparse.layer.SparseLinear`). What a route reads of the layer is
+:class:`Layer`; the layer imports this module, never the other way. Compiled code's choice between
+the 2:4 op and dense GEMMs (:func:`dense_gemms`) is read from the record that
+:func:`twofour.sparse.compiled.plan_compiled` leaves in :mod:`twofour.dispatch`.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import Any, Protocol
 
 import torch
 import torch.nn.functional as F
 
+from .. import dispatch
 from ..activations import Activation
 from ..fp8.linear import fp8_linear
-from .compiled import dense_gemms
-from .fastpath import FastLinearActFn, FastSparseLinearFn, applies, compiled_linear, compute_dtype, operands
+from .fastpath import (
+    CompressedWeight,
+    FastLinearActFn,
+    FastSparseLinearFn,
+    applies,
+    compiled_linear,
+    compute_dtype,
+    operands,
+)
+from .pruners import Pruner
+from .recipes import Recipe
 from .reference import SparseLinearFn
 
-if TYPE_CHECKING:
-    from .layer import SparseLinear
+__all__ = ["Layer", "Route", "ROUTES", "route_for", "dense_gemms", "plan_key"]
 
-__all__ = ["Route", "ROUTES", "route_for"]
+
+class Layer(Protocol):
+    """What a route reads of a :class:`~twofour.sparse.layer.SparseLinear` (its public state)."""
+
+    recipe: Recipe
+    weight: torch.Tensor
+    bias: torch.Tensor | None
+    beta: torch.Tensor | None
+    mask: torch.Tensor | None
+    in_features: int
+    out_features: int
+    transposed_output: bool
+    compressed: CompressedWeight
+
+    @property
+    def pruner(self) -> Pruner: ...
+    @property
+    def is_dense_phase(self) -> bool: ...
+    @property
+    def is_fp8_phase(self) -> bool: ...
+    @property
+    def step_count(self) -> int: ...
+    def effective_weight(self) -> torch.Tensor: ...
+
+
+SparseLinear = Layer  # the routes' annotations name the layer they run on
+
+
+def plan_key(layer: Any, tokens: int, dtype: torch.dtype) -> str:
+    """The dispatch key of one layer form's choice in compiled code: recipe, shape, tokens, dtype, bias."""
+    r = layer.recipe
+    dx = f"-dx={r.dx}" if r.dx in ("pruned-t", "mvue") else ""
+    kind = f"compiled-layer-{r.name}" + ("-mvue" if r.mvue else "") + dx + ("-bias" if layer.bias is not None else "")
+    return dispatch.choice_key(kind, layer.out_features, layer.in_features, tokens, "row", dtype, ("dense", "sparse"))
+
+
+@torch.compiler.assume_constant_result
+def _recorded_dense(key: str) -> bool:
+    """Whether the plan under ``key`` chose dense GEMMs (a constant for the compiled code)."""
+    return dispatch.recorded(key) == "dense"
+
+
+def dense_gemms(layer: Any, x: torch.Tensor) -> bool:
+    """Whether ``layer`` runs dense GEMMs on its effective weight for ``x`` in compiled code:
+    :func:`~twofour.sparse.compiled.plan_compiled` measured them faster at this shape (else, or
+    unplanned: False)."""
+    tokens = x.numel() // x.shape[-1]
+    return _recorded_dense(plan_key(layer, tokens, compute_dtype(x)))
 
 
 @dataclass(frozen=True)
@@ -49,7 +108,7 @@ def _fast(layer: SparseLinear, x: torch.Tensor) -> bool:
 
 def _sparse_phase(layer: SparseLinear) -> bool:
     """A sparse recipe in a sparse phase, its GEMMs in the compute dtype (not FP8)."""
-    return layer.recipe.sparse and not layer._dense and not layer._fp8
+    return layer.recipe.sparse and not layer.is_dense_phase and not layer.is_fp8_phase
 
 
 def _then(act: Activation | None, y: torch.Tensor) -> torch.Tensor:
@@ -58,12 +117,12 @@ def _then(act: Activation | None, y: torch.Tensor) -> torch.Tensor:
 
 def _dx(layer: SparseLinear, estimates: bool = True) -> str:
     """The dX route in effect (:meth:`~twofour.sparse.recipes.Recipe.dx_route`)."""
-    return layer.recipe.dx_route(layer._dense, estimates)
+    return layer.recipe.dx_route(layer.is_dense_phase, estimates)
 
 
 def _compressed(layer: SparseLinear, cdt: torch.dtype, sparse: bool = True):
     """The layer's effective weight as the fast path takes it, built once per optimizer step."""
-    return layer.compressed.get(layer.weight, layer.pruner, layer.beta, layer.mask, layer._step, cdt, sparse,
+    return layer.compressed.get(layer.weight, layer.pruner, layer.beta, layer.mask, layer.step_count, cdt, sparse,
                                 _dx(layer))
 
 
@@ -87,7 +146,7 @@ def _fp8_run(layer: SparseLinear, x: torch.Tensor, act: Activation | None) -> to
     reference), on the fused kernel's dense effective weight where the fast path takes the call:
     once per optimizer step eagerly, as the custom op ``twofour::compress`` under ``torch.compile``
     (one pass over the weight where Inductor's pruning takes several, docs/notes/fp8-peer.md)."""
-    r, dense = layer.recipe, layer._dense
+    r, dense = layer.recipe, layer.is_dense_phase
     if dense or not _fast(layer, x):
         w_eff = layer.effective_weight()
     elif torch.compiler.is_compiling():
@@ -136,7 +195,7 @@ def _dense_gemms_run(layer: SparseLinear, x: torch.Tensor, act: Activation | Non
 def _reference_run(layer: SparseLinear, x: torch.Tensor, act: Activation | None) -> torch.Tensor:
     """The plain-torch reference math (:class:`~twofour.sparse.reference.SparseLinearFn`): any
     device and dtype, and a sparse recipe's dense phases (W_eff = W, no MVUE)."""
-    dense = layer._dense
+    dense = layer.is_dense_phase
     return _then(act, SparseLinearFn.apply(x, layer.weight, layer.bias, layer.effective_weight(),
                                            layer.recipe.mvue and not dense, _dx(layer)))
 
@@ -144,8 +203,8 @@ def _reference_run(layer: SparseLinear, x: torch.Tensor, act: Activation | None)
 #: The forward's routes in the order it tries them.
 ROUTES: tuple[Route, ...] = (
     Route("fused linear+activation", _fused_applies, _fused_run),
-    Route("fp8", lambda layer, x, act: layer._fp8, _fp8_run),
-    Route("dense", lambda layer, x, act: not layer.recipe.sparse and not layer._fp8, _dense_run),
+    Route("fp8", lambda layer, x, act: layer.is_fp8_phase, _fp8_run),
+    Route("dense", lambda layer, x, act: not layer.recipe.sparse and not layer.is_fp8_phase, _dense_run),
     Route("fast path eager", lambda layer, x, act: (_sparse_phase(layer) and not torch.compiler.is_compiling()
                                                     and _fast(layer, x) and not _fused_applies(layer, x, act)),
           _eager_run),

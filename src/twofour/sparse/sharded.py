@@ -14,15 +14,9 @@ from __future__ import annotations
 
 import weakref
 from collections.abc import Iterable, Iterator
-from typing import TYPE_CHECKING
 
 import torch
 from torch import nn
-
-from ..kernels import ops
-
-if TYPE_CHECKING:
-    from .layer import SparseLinear
 
 __all__ = ["is_shard", "whole", "local_rows", "DeferredRefresh", "refresh_where_gathered", "set_gathered_dtype"]
 
@@ -67,7 +61,7 @@ class DeferredRefresh:
         self.fresh_flips = False
 
     @torch.compiler.disable  # a kernel launch and buffer writes, once a step: eager under torch.compile
-    def apply(self, layer: SparseLinear, w: torch.Tensor | None = None) -> None:
+    def apply(self, layer: nn.Module, w: torch.Tensor | None = None) -> None:
         """The pending refresh of ``layer``, from its weight as gathered for the forward (the unit's
         hook, or the layer's forward), or from ``w``, the whole weight gathered elsewhere
         (:meth:`settle`)."""
@@ -75,13 +69,10 @@ class DeferredRefresh:
         if w is None:
             w = layer.weight.detach()
             self.gathered_dtype = w.dtype
-        if layer._fused_refresh_ok():
-            ops.refresh_masks_([w], [layer.mask], [layer.flips])
-        else:
-            layer._refresh_mask_torch(w)
+        layer.refresh_mask(w)
 
     @torch.no_grad()
-    def settle(self, layer: SparseLinear) -> None:
+    def settle(self, layer: nn.Module) -> None:
         """Apply a pending refresh now, from the whole weight in the dtype the forward gathers it
         in. A collective on a sharded weight: every rank must call it."""
         if not self.pending:
@@ -106,7 +97,7 @@ _HOOKED: weakref.WeakSet = weakref.WeakSet()  # the FSDP2 units that already car
 _WALKED: weakref.WeakSet = weakref.WeakSet()  # the models whose units were all looked at
 
 
-def refresh_where_gathered(model: nn.Module, layers: Iterable[SparseLinear]) -> None:
+def refresh_where_gathered(model: nn.Module, layers: Iterable[nn.Module]) -> None:
     """Under FSDP2, a forward pre-hook on each unit holding some of ``layers`` (``model``'s sparse
     layers), run after FSDP2's own (which gathers the unit's weights): it applies the refreshes
     left pending, eagerly, before the unit's forward. So a unit compiled whole (torchtitan
@@ -138,7 +129,7 @@ def _unit_modules(unit: nn.Module, unit_type: type) -> Iterator[nn.Module]:
             yield from _unit_modules(child, unit_type)
 
 
-def _apply_pending(layers: list[SparseLinear]) -> None:
+def _apply_pending(layers: list[nn.Module]) -> None:
     for layer in layers:
         if layer.deferred.pending:
             layer.deferred.apply(layer)
