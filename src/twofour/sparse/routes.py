@@ -66,9 +66,6 @@ class Layer(Protocol):
     def effective_weight(self) -> torch.Tensor: ...
 
 
-SparseLinear = Layer  # the routes' annotations name the layer they run on
-
-
 def plan_key(layer: Any, tokens: int, dtype: torch.dtype) -> str:
     """The dispatch key of one layer form's choice in compiled code: recipe, shape, tokens, dtype, bias."""
     r = layer.recipe
@@ -97,16 +94,16 @@ class Route:
     this call, ``run(layer, x, act)`` computes ``x W_eff^T + b`` (then ``act`` of it, if given)."""
 
     name: str
-    applies: Callable[[SparseLinear, torch.Tensor, Activation | None], bool]
-    run: Callable[[SparseLinear, torch.Tensor, Activation | None], torch.Tensor]
+    applies: Callable[[Layer, torch.Tensor, Activation | None], bool]
+    run: Callable[[Layer, torch.Tensor, Activation | None], torch.Tensor]
 
 
-def _fast(layer: SparseLinear, x: torch.Tensor) -> bool:
+def _fast(layer: Layer, x: torch.Tensor) -> bool:
     """The GPU fast path can take this call (:func:`twofour.sparse.fastpath.applies`)."""
     return applies(x, layer.in_features, layer.out_features)
 
 
-def _sparse_phase(layer: SparseLinear) -> bool:
+def _sparse_phase(layer: Layer) -> bool:
     """A sparse recipe in a sparse phase, its GEMMs in the compute dtype (not FP8)."""
     return layer.recipe.sparse and not layer.is_dense_phase and not layer.is_fp8_phase
 
@@ -115,23 +112,23 @@ def _then(act: Activation | None, y: torch.Tensor) -> torch.Tensor:
     return y if act is None else act(y)
 
 
-def _dx(layer: SparseLinear, estimates: bool = True) -> str:
+def _dx(layer: Layer, estimates: bool = True) -> str:
     """The dX route in effect (:meth:`~twofour.sparse.recipes.Recipe.dx_route`)."""
     return layer.recipe.dx_route(layer.is_dense_phase, estimates)
 
 
-def _compressed(layer: SparseLinear, cdt: torch.dtype, sparse: bool = True):
+def _compressed(layer: Layer, cdt: torch.dtype, sparse: bool = True):
     """The layer's effective weight as the fast path takes it, built once per optimizer step."""
     return layer.compressed.get(layer.weight, layer.pruner, layer.beta, layer.mask, layer.step_count, cdt, sparse,
                                 _dx(layer))
 
 
-def _fused_applies(layer: SparseLinear, x: torch.Tensor, act: Activation | None) -> bool:
+def _fused_applies(layer: Layer, x: torch.Tensor, act: Activation | None) -> bool:
     return (act is not None and _sparse_phase(layer) and layer.recipe.mvue and not torch.compiler.is_compiling()
             and _fast(layer, x))
 
 
-def _fused_run(layer: SparseLinear, x: torch.Tensor, act: Activation | None) -> torch.Tensor:
+def _fused_run(layer: Layer, x: torch.Tensor, act: Activation | None) -> torch.Tensor:
     """``act(x W_eff^T + b)`` as one op whose backward computes the activation's gradient and the
     MVUE estimate of dY^T in one kernel (``kernels/actgrad.py``) where that measures faster."""
     cdt = compute_dtype(x)
@@ -141,7 +138,7 @@ def _fused_run(layer: SparseLinear, x: torch.Tensor, act: Activation | None) -> 
                                      _dx(layer))
 
 
-def _fp8_run(layer: SparseLinear, x: torch.Tensor, act: Activation | None) -> torch.Tensor:
+def _fp8_run(layer: Layer, x: torch.Tensor, act: Activation | None) -> torch.Tensor:
     """The GEMMs the recipe's precision puts in FP8 (``torch._scaled_mm`` or FP8 2:4, else their
     reference), on the fused kernel's dense effective weight where the fast path takes the call:
     once per optimizer step eagerly, as the custom op ``twofour::compress`` under ``torch.compile``
@@ -157,12 +154,12 @@ def _fp8_run(layer: SparseLinear, x: torch.Tensor, act: Activation | None) -> to
                                  mvue=r.mvue and not dense, sparse=not dense, dx=_dx(layer)))
 
 
-def _dense_run(layer: SparseLinear, x: torch.Tensor, act: Activation | None) -> torch.Tensor:
+def _dense_run(layer: Layer, x: torch.Tensor, act: Activation | None) -> torch.Tensor:
     """nn.Linear's forward: the ``dense`` recipe without FP8."""
     return _then(act, F.linear(x, layer.weight, layer.bias))
 
 
-def _eager_run(layer: SparseLinear, x: torch.Tensor, act: Activation | None) -> torch.Tensor:
+def _eager_run(layer: Layer, x: torch.Tensor, act: Activation | None) -> torch.Tensor:
     """The fast path eagerly: the weight compressed once per optimizer step, each GEMM dense or 2:4,
     whichever measured faster (:class:`~twofour.sparse.fastpath.FastSparseLinearFn`)."""
     cdt = compute_dtype(x)
@@ -173,7 +170,7 @@ def _eager_run(layer: SparseLinear, x: torch.Tensor, act: Activation | None) -> 
     return _then(act, y)
 
 
-def _compiled_run(layer: SparseLinear, x: torch.Tensor, act: Activation | None) -> torch.Tensor:
+def _compiled_run(layer: Layer, x: torch.Tensor, act: Activation | None) -> torch.Tensor:
     """The fast path under ``torch.compile``: the compression in the graph, the GEMMs as custom ops
     (:func:`~twofour.sparse.fastpath.compiled_linear`)."""
     cdt = compute_dtype(x)
@@ -184,7 +181,7 @@ def _compiled_run(layer: SparseLinear, x: torch.Tensor, act: Activation | None) 
     return _then(act, y)
 
 
-def _dense_gemms_run(layer: SparseLinear, x: torch.Tensor, act: Activation | None) -> torch.Tensor:
+def _dense_gemms_run(layer: Layer, x: torch.Tensor, act: Activation | None) -> torch.Tensor:
     """The recipe's math with dense GEMMs on the effective weight and an exact dW, in plain torch
     that compiled code fuses: where :func:`~twofour.sparse.compiled.plan_compiled` measured it
     faster than the 2:4 op; the ``mvue`` dX route's estimate is left out too."""
@@ -192,7 +189,7 @@ def _dense_gemms_run(layer: SparseLinear, x: torch.Tensor, act: Activation | Non
                                            _dx(layer, estimates=False)))
 
 
-def _reference_run(layer: SparseLinear, x: torch.Tensor, act: Activation | None) -> torch.Tensor:
+def _reference_run(layer: Layer, x: torch.Tensor, act: Activation | None) -> torch.Tensor:
     """The plain-torch reference math (:class:`~twofour.sparse.reference.SparseLinearFn`): any
     device and dtype, and a sparse recipe's dense phases (W_eff = W, no MVUE)."""
     dense = layer.is_dense_phase
@@ -218,6 +215,6 @@ ROUTES: tuple[Route, ...] = (
 )
 
 
-def route_for(layer: SparseLinear, x: torch.Tensor, act: Activation | None = None) -> Route:
+def route_for(layer: Layer, x: torch.Tensor, act: Activation | None = None) -> Route:
     """The route ``layer(x, act=act)`` runs: the first of :data:`ROUTES` that applies."""
     return next(route for route in ROUTES if route.applies(layer, x, act))
