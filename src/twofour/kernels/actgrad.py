@@ -27,7 +27,7 @@ from __future__ import annotations
 import torch
 
 from .layout import compressed_size
-from .triton_common import HAS_TRITON, PHILOX_ROUNDS
+from .triton_common import HAS_TRITON, PHILOX_ROUNDS, launch_tuned
 
 if HAS_TRITON:
     import triton
@@ -163,19 +163,8 @@ def act_backward_mvue(z: torch.Tensor, dh: torch.Tensor, act: int, seed: torch.T
             z.stride(1), dh.stride(1), dh.stride(0), t // 32)
     consts = dict(ACT=act, OUT_BF16=z.dtype == torch.bfloat16, BIG=_big(z, dh))
     rows = triton.cdiv(n, 64)
-    if z.is_cuda:  # measured once per shape (triton.autotune), then launched directly
-        key = (t, n, z.stride(), dh.stride(), z.dtype, dh.dtype, tuple(consts.values()))
-        cfg = tile or _launch.get(key)
-        if cfg is None and torch.cuda.is_current_stream_capturing():  # no autotuning inside a capture
-            cfg = (BC, 4)
-        if cfg is None:
-            _act_bwd_mvue_tuned[lambda meta: (rows, triton.cdiv(t, meta["BC"]))](*args, **consts)
-            best = getattr(_act_bwd_mvue_tuned, "best_config", None)
-            if best is not None:
-                _launch[key] = (best.kwargs["BC"], best.num_warps)
-        else:
-            _act_bwd_mvue_kernel[(rows, triton.cdiv(t, cfg[0]))](*args, **consts, BC=cfg[0], num_warps=cfg[1])
-    else:
-        bc = tile[0] if tile else BC
-        _act_bwd_mvue_kernel[(rows, triton.cdiv(t, bc))](*args, **consts, BC=bc)
+    launch_tuned(_act_bwd_mvue_kernel, _act_bwd_mvue_tuned if z.is_cuda else None,
+                 lambda meta: (rows, triton.cdiv(t, meta["BC"])), args, consts, names=("BC",), default=(BC,),
+                 cache=_launch, key=(t, n, z.stride(), dh.stride(), z.dtype, dh.dtype, tuple(consts.values())),
+                 tile=tile, on_gpu=z.is_cuda)
     return dz, buf

@@ -24,7 +24,7 @@ import dataclasses
 import torch
 
 from .layout import compressed_size, supported_shape
-from .triton_common import HAS_TRITON, PHILOX_ROUNDS
+from .triton_common import HAS_TRITON, PHILOX_ROUNDS, launch_tuned
 
 __all__ = ["compress", "compress_tiled", "compress_e4m3", "MODES", "Layout", "CUSPARSELT", "SM90"]
 
@@ -219,22 +219,10 @@ def _compress(x: torch.Tensor, mode: str, *, out_dtype: torch.dtype = torch.bflo
     consts = dict(MODE=MODES[mode], HAS_U=u is not None, WRITE_DENSE=dense_out, OUT_BF16=out_dtype == torch.bfloat16,
                   BIG=max(span, m * k) >= 2**31, QUAD_LOADS=x.stride(0) == 1 and k > 1,
                   WRITE_SPARSE=sparse_out, SM90=layout.sm90)
-    if x.is_cuda:  # tile width and warps measured once per shape and mode (triton.autotune), then
-        # launched directly: the autotuner's own dispatch costs host time per call
-        # (docs/notes/fastpath-experiments.md, "Autotuner dispatch")
-        key = (m, k, x.stride(0), x.stride(1), x.dtype, tuple(consts.values()))
-        cfg = tile or _launch.get(key)
-        if cfg is None:
-            _compress_tuned[lambda meta: (triton.cdiv(m, 64), triton.cdiv(k, meta["BC"]))](*args, **consts)
-            best = getattr(_compress_tuned, "best_config", None)
-            if best is not None:
-                _launch[key] = (best.kwargs["BC"], best.num_warps)
-        else:
-            _compress_kernel[(triton.cdiv(m, 64), triton.cdiv(k, cfg[0]))](*args, **consts, BC=cfg[0],
-                                                                             num_warps=cfg[1])
-    else:
-        bc = tile[0] if tile else BC
-        _compress_kernel[(triton.cdiv(m, 64), triton.cdiv(k, bc))](*args, **consts, BC=bc)
+    launch_tuned(_compress_kernel, _compress_tuned if x.is_cuda else None,
+                 lambda meta: (triton.cdiv(m, 64), triton.cdiv(k, meta["BC"])), args, consts, names=("BC",),
+                 default=(BC,), cache=_launch, key=(m, k, x.stride(0), x.stride(1), x.dtype, tuple(consts.values())),
+                 tile=tile, on_gpu=x.is_cuda)
     return buf, dense
 
 
@@ -258,17 +246,9 @@ def compress_e4m3(q: torch.Tensor) -> torch.Tensor:
     buf = torch.empty(compressed_size(m, k, 1), dtype=torch.uint8, device=q.device)
     nval = m * k // 2
     args = (q.view(torch.uint8), buf[:nval], buf[nval:].view(torch.int32), m, k, k // 64)
-    if q.is_cuda:  # tuned once per shape, then launched directly (the autotuner's dispatch costs host time)
-        cfg = _launch_e4m3.get((m, k))
-        if cfg is None:
-            _compress_e4m3_tuned[lambda meta: (triton.cdiv(m, 64), triton.cdiv(k, meta["BC"]))](*args)
-            best = getattr(_compress_e4m3_tuned, "best_config", None)
-            if best is not None:
-                _launch_e4m3[(m, k)] = (best.kwargs["BC"], best.num_warps)
-        else:
-            _compress_e4m3_kernel[(triton.cdiv(m, 64), triton.cdiv(k, cfg[0]))](*args, BC=cfg[0], num_warps=cfg[1])
-    else:
-        _compress_e4m3_kernel[(triton.cdiv(m, 64), triton.cdiv(k, BC))](*args, BC=BC)
+    launch_tuned(_compress_e4m3_kernel, _compress_e4m3_tuned if q.is_cuda else None,
+                 lambda meta: (triton.cdiv(m, 64), triton.cdiv(k, meta["BC"])), args, {}, names=("BC",),
+                 default=(BC,), cache=_launch_e4m3, key=(m, k), on_gpu=q.is_cuda)
     return buf
 
 

@@ -20,7 +20,7 @@ from __future__ import annotations
 import torch
 
 from .layout import compressed_size, supported_shape
-from .triton_common import HAS_TRITON, PHILOX_ROUNDS, fp8_constants
+from .triton_common import HAS_TRITON, PHILOX_ROUNDS, fp8_constants, launch_tuned
 
 __all__ = ["mvue_e4m3", "SCALE_BOUND"]
 
@@ -112,17 +112,8 @@ def mvue_e4m3(x: torch.Tensor, scale: torch.Tensor, *, seed: torch.Tensor | None
                   **_E4M3)
     args = (x, x.stride(0), x.stride(1), m, k, u if u is not None else scale, seed if seed is not None else scale,
             scale, vals, meta, k // 64)
-    if x.is_cuda:  # tuned once per shape, then launched directly (the autotuner's dispatch costs host time)
-        key = (m, k, x.stride(0), x.stride(1), x.dtype, tuple(consts.values()))
-        cfg = _launch.get(key)
-        if cfg is None:
-            _mvue_e4m3_tuned[lambda meta_: (triton.cdiv(m, 64), triton.cdiv(k, meta_["BC"]))](*args, **consts)
-            best = getattr(_mvue_e4m3_tuned, "best_config", None)
-            if best is not None:
-                _launch[key] = (best.kwargs["BC"], best.num_warps)
-        else:
-            _mvue_e4m3_kernel[(triton.cdiv(m, 64), triton.cdiv(k, cfg[0]))](*args, **consts, BC=cfg[0],
-                                                                              num_warps=cfg[1])
-    else:
-        _mvue_e4m3_kernel[(triton.cdiv(m, 64), triton.cdiv(k, BC))](*args, **consts, BC=BC)
+    launch_tuned(_mvue_e4m3_kernel, _mvue_e4m3_tuned if x.is_cuda else None,
+                 lambda meta_: (triton.cdiv(m, 64), triton.cdiv(k, meta_["BC"])), args, consts, names=("BC",),
+                 default=(BC,), cache=_launch, key=(m, k, x.stride(0), x.stride(1), x.dtype, tuple(consts.values())),
+                 on_gpu=x.is_cuda)
     return buf

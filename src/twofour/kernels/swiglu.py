@@ -23,7 +23,7 @@ from __future__ import annotations
 import torch
 from torch.nn import functional as F
 
-from .triton_common import HAS_TRITON
+from .triton_common import HAS_TRITON, launch_tuned
 
 if HAS_TRITON:
     import triton
@@ -149,21 +149,8 @@ def _run(name: str, args: tuple, rows: int, cols: int, key: tuple, consts: dict,
     autotuner's own dispatch costs host time on every call), ``tile`` if given, or the
     interpreter's tile off the GPU."""
     kernel, tuned = _KERNELS[name]
-    if not on_gpu:
-        br, bc = tile[:2] if tile else _TILE
-        kernel[(triton.cdiv(rows, br), triton.cdiv(cols, bc))](*args, **consts, BR=br, BC=bc)
-        return
-    cfg = tile or _launch.get((name, *key))
-    if cfg is None and torch.cuda.is_current_stream_capturing():  # no autotuning inside a CUDA graph capture
-        cfg = (*_TILE, 4)
-    if cfg is None:
-        tuned[lambda meta: (triton.cdiv(rows, meta["BR"]), triton.cdiv(cols, meta["BC"]))](*args, **consts)
-        best = getattr(tuned, "best_config", None)
-        if best is not None:
-            _launch[(name, *key)] = (best.kwargs["BR"], best.kwargs["BC"], best.num_warps)
-        return
-    br, bc, warps = cfg
-    kernel[(triton.cdiv(rows, br), triton.cdiv(cols, bc))](*args, **consts, BR=br, BC=bc, num_warps=warps)
+    launch_tuned(kernel, tuned, lambda meta: (triton.cdiv(rows, meta["BR"]), triton.cdiv(cols, meta["BC"])), args,
+                 consts, names=("BR", "BC"), default=_TILE, cache=_launch, key=(name, *key), tile=tile, on_gpu=on_gpu)
 
 
 def _big(*ts: torch.Tensor) -> bool:

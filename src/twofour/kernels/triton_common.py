@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import functools
 import math
+from collections.abc import Callable
 
 import torch
 
@@ -21,7 +22,7 @@ try:
 except ImportError:  # the reference path needs no Triton
     triton = None
 
-__all__ = ["HAS_TRITON", "PHILOX_ROUNDS", "fp8_constants"]
+__all__ = ["HAS_TRITON", "PHILOX_ROUNDS", "fp8_constants", "launch_tuned"]
 
 HAS_TRITON = triton is not None
 PHILOX_ROUNDS = 10  # Philox4x32 rounds for MVUE's draws (Triton's and cuRAND's default)
@@ -34,6 +35,33 @@ def fp8_constants(fmt: torch.dtype) -> dict[str, float | int]:
     fi = torch.finfo(fmt)
     return {"FMAX": fi.max, "INV_FMAX": 1.0 / fi.max, "MBITS": 1 - math.frexp(fi.eps)[1],
             "EMIN": math.frexp(fi.tiny)[1] - 1}
+
+
+def launch_tuned(kernel, tuned, grid: Callable[[dict], tuple], args: tuple, consts: dict, *, names: tuple[str, ...],
+                 default: tuple[int, ...], cache: dict, key, tile: tuple[int, ...] | None = None,
+                 on_gpu: bool = True) -> None:
+    """Launch ``kernel`` with its tile sizes ``names`` (``("BC",)``, ``("BR", "BC")``): on the GPU
+    the ones ``tuned`` (the same kernel under ``triton.autotune``) measured for ``key`` once, then
+    recorded in ``cache`` and launched directly (the autotuner's own dispatch costs host time on
+    every call: docs/notes/fastpath-experiments.md, "Autotuner dispatch"); ``tile`` (sizes, then
+    warps) if given; ``default`` with 4 warps inside a CUDA graph capture before any measurement
+    (no autotuning there); off the GPU (the interpreter) ``tile``'s sizes or ``default``.
+    ``grid`` maps the sizes by name to the launch grid."""
+    if not on_gpu:
+        meta = dict(zip(names, tile[:len(names)] if tile else default))
+        kernel[grid(meta)](*args, **consts, **meta)
+        return
+    cfg = tile or cache.get(key)
+    if cfg is None and torch.cuda.is_current_stream_capturing():
+        cfg = (*default, 4)
+    if cfg is None:
+        tuned[grid](*args, **consts)
+        best = getattr(tuned, "best_config", None)
+        if best is not None:
+            cache[key] = (*(best.kwargs[n] for n in names), best.num_warps)
+        return
+    meta = dict(zip(names, cfg[:len(names)]))
+    kernel[grid(meta)](*args, **consts, **meta, num_warps=cfg[len(names)])
 
 
 if HAS_TRITON:
