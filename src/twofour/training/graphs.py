@@ -30,19 +30,38 @@ import torch
 import torch.distributed as dist
 
 from .. import timing
-from ..errors import one_line
+from ..errors import TrainError, one_line
 from ..sparse.layer import SparseLinear
 from .parallel import everywhere
 
 log = logging.getLogger("twofour")
 
-__all__ = ["StepGraphs", "GradAllReduce", "WARMUP_STEPS"]
+__all__ = ["StepGraphs", "GradAllReduce", "WARMUP_STEPS", "capture_plan"]
 
 #: Eager steps with a route signature before its graph is captured: the dispatch measures each
 #: GEMM's routes on its first call, and cuBLAS and Triton initialize on theirs.
 WARMUP_STEPS = 3
 
 Batches = Sequence[tuple[torch.Tensor, torch.Tensor]]
+
+
+def capture_plan(cfg: Any, world: int, micro_batches: int, sharded: bool, device: torch.device,
+                 starts_dense: bool) -> str:
+    """Which CUDA graphs a run's steps replay, decided once per run: ``"compiled"`` (a
+    ``--compile-mode`` that captures, torch.compile's own), ``"step"`` (:class:`StepGraphs` around
+    the eager step: ``--step-graphs`` on a GPU, neither sharded, compiled nor STEP, whose
+    optimizer switches the layers' phases from inside its step) or ``""`` (none). Raises
+    :class:`~twofour.errors.TrainError` for a capturing compile mode with several processes or
+    micro-batches, which torch.compile's graphs do not replay correctly."""
+    if cfg.cuda_graphs:
+        if world > 1 or micro_batches > 1:
+            raise TrainError(f"--compile-mode {cfg.compile_mode} (CUDA graphs) runs in one process with one "
+                             f"micro-batch a step; this run has {world} process(es) and {micro_batches} "
+                             "micro-batches: use --grad-accum 1 and no torchrun, or another --compile-mode")
+        return "compiled"
+    if cfg.step_graphs and device.type == "cuda" and not sharded and not cfg.compile and not starts_dense:
+        return "step"
+    return ""
 
 
 class StepGraphs:

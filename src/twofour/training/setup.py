@@ -14,7 +14,7 @@ from typing import Any
 import torch
 
 from .. import dispatch
-from ..errors import TrainError, warn
+from ..errors import warn
 from ..kernels import ops
 from ..models.presets import build_model as _build_model
 from ..sparse.compiled import plan_compiled
@@ -24,7 +24,7 @@ from ..sparse.recipes import Recipe
 from .checkpoint import load_checkpoint, resume
 from .config import TrainConfig, lr_at, resolve_device
 from .data import TokenData, load_data
-from .graphs import Batches, GradAllReduce, StepGraphs
+from .graphs import Batches, GradAllReduce, StepGraphs, capture_plan
 from .memory import check_memory
 from .parallel import Parallel, checkpoint_blocks, grad_norm, shard
 from .runs import check_resumable, prepare_run_dir
@@ -140,11 +140,8 @@ def setup(cfg: TrainConfig, data: TokenData | None, par: Parallel) -> Run:
     """Build the run ``cfg`` describes in this process (its folder prepared by rank 0, its
     checkpoint loaded with ``--resume``)."""
     recipe = cfg.recipe_object()
-    if cfg.cuda_graphs and (par.world > 1 or cfg.micro_batches(par.world) > 1):
-        raise TrainError(f"--compile-mode {cfg.compile_mode} (CUDA graphs) runs in one process with one micro-batch "
-                         f"a step; this run has {par.world} process(es) and {cfg.micro_batches(par.world)} "
-                         "micro-batches: use --grad-accum 1 and no torchrun, or another --compile-mode")
     device = resolve_device(cfg.device, par.local_rank)
+    graphs = capture_plan(cfg, par.world, cfg.micro_batches(par.world), par.sharded, device, recipe.starts_dense)
     slow = slow_path_warning(device, recipe)
     if slow and par.main:
         warn(slow)
@@ -176,8 +173,7 @@ def setup(cfg: TrainConfig, data: TokenData | None, par: Parallel) -> Run:
     if cfg.compile and autocast_on(cfg, device):  # each layer shape compiled as the 2:4 op or dense GEMMs
         for key, choice in par.from_main(plan_compiled(raw, cfg.batch_size * cfg.seq_len)).items():
             dispatch.set_choice(key, choice)  # rank 0's measurement on every rank: the same code everywhere
-    graphed = (cfg.step_graphs and device.type == "cuda" and not par.sharded and not cfg.compile
-               and not recipe.starts_dense)
+    graphed = graphs == "step"
     model = raw
     if par.ddp and not graphed:  # the recipes' buffers follow from the weights, equal on every rank
         ids = [par.local_rank] if device.type == "cuda" else None
