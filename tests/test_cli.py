@@ -416,7 +416,8 @@ def test_resume_takes_the_runs_settings(tmp_path, corpus, capsys):
 def test_resume_without_compile_drops_the_saved_compile_mode():
     """A run saved with --compile --compile-mode M and resumed with --no-compile runs eager (its
     mode goes back to default) instead of failing; a mode given on resume is kept."""
-    from twofour.training.config import TrainConfig, resumed_config  # noqa: PLC0415
+    from twofour.training.config import TrainConfig  # noqa: PLC0415
+    from twofour.training.resuming import resumed_config  # noqa: PLC0415
 
     saved = TrainConfig(compile=True, compile_mode="reduce-overhead").to_dict()
     eager = resumed_config(saved, TrainConfig(compile=False), given={"compile"})
@@ -433,7 +434,8 @@ def test_an_old_config_reads_as_its_precision(tmp_path):
     precision they meant (without ``fp8_grad_e4m3``: e5m2, the default then), its other options
     kept; a run resumed from it keeps that precision, and another one given contradicts it."""
     from twofour.errors import TrainError  # noqa: PLC0415
-    from twofour.training.config import TrainConfig, resumed_config
+    from twofour.training.config import TrainConfig
+    from twofour.training.resuming import resumed_config
     from twofour.training.runs import read_config, read_summary  # noqa: PLC0415
 
     cfg = TrainConfig(recipe="s-ste", precision="fp8", recipe_options={"mvue": False})

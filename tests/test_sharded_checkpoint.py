@@ -49,23 +49,24 @@ def _worker(rank: int, world: int, job: tuple[dict, tuple[str, int] | None, int]
 
     from twofour.errors import TrainError  # noqa: PLC0415
     from twofour.training import checkpoint_sharded, loop  # noqa: PLC0415
+    from twofour.training.checkpointer import Checkpointer  # noqa: PLC0415
 
-    switch, save, write = checkpoint_sharded._switch, loop.save, FileSystemWriter.write_data
+    switch, save, write = checkpoint_sharded._switch, Checkpointer.save, FileSystemWriter.write_data
 
-    def checked_save(out, cfg, raw, *args, **kw):
+    def checked_save(self, *args, **kw):
         """Every save (on resumed runs too) first checks that each rank holds the very same masks,
         scales and step counters, whole tensors compared (the loop compares checksums)."""
         from twofour.sparse.convert import sparse_layers  # noqa: PLC0415
 
-        for name, layer in sparse_layers(raw):
+        for name, layer in sparse_layers(self.model):
             for buf in (layer.mask, layer.beta, layer.step):
                 if buf is not None:
                     everyone = [torch.empty_like(buf) for _ in range(world)]
                     dist.all_gather(everyone, buf.contiguous())
                     assert all(torch.equal(b, everyone[0]) for b in everyone), f"{name} differs across ranks"
-        return save(out, cfg, raw, *args, **kw)
+        return save(self, *args, **kw)
 
-    loop.save = checked_save
+    Checkpointer.save = checked_save
     cfg, fault, port = job
     os.environ["MASTER_PORT"] = str(port)
     kind, at = fault or ("", 0)

@@ -14,90 +14,12 @@ from .sparse.recipes import DEFAULT_RECIPE, RECIPES
 __all__ = ["main"]
 
 
-def _run_args(p: argparse.ArgumentParser, default_out: str) -> None:
-    from .fp8.precision import PRECISIONS  # noqa: PLC0415
-    from .models.presets import PRESETS  # noqa: PLC0415
-    from .training.config import COMPILE_MODES, REGIMES, TrainConfig  # noqa: PLC0415
-    from .training.options import parse_option  # noqa: PLC0415
-    from .training.parallel import DEFAULT_FSDP, FSDP_POLICIES  # noqa: PLC0415
+def _run_args(p: argparse.ArgumentParser, command: str, default_out: str) -> None:
+    """The run options ``command`` takes, each as TrainConfig declares it (:mod:`twofour.training.declare`)."""
+    from .training.config import TrainConfig  # noqa: PLC0415
+    from .training.declare import add_options  # noqa: PLC0415
 
-    d = TrainConfig()
-    g = p.add_argument_group("model and data")
-    g.add_argument("--model", default=d.model, help=f"preset: {', '.join(PRESETS)} (default %(default)s)")
-    g.add_argument("--n-layer", type=int, default=None, metavar="N",
-                   help="the preset with N blocks instead of its own number (a deep shape on fewer GPUs)")
-    g.add_argument("--sparse-attention", action="store_true", help="also make the attention projections 2:4")
-    g.add_argument("--data", default=None, help="text file or folder, folder of .bin token shards (uint16, or uint32 "
-                   "as meta.pkl's 'dtype' says), or hf:NAME_OR_PATH (default: Python's standard library source)")
-    g.add_argument("--vocab-size", type=int, default=None, help=".bin shards' vocabulary size, the model's (default: "
-                   "meta.pkl's; at least it)")
-    g = p.add_argument_group("recipe")
-    g.add_argument("--opt", type=parse_option, action="append", default=[], metavar="KEY=VALUE",
-                   help="recipe option, repeatable: mvue=false, decay=6e-5, mask_interval=40, dense_finetune=0.2, "
-                        "bf16_finetune=0.1 (with an FP8 --precision: the last 10%% of the steps without FP8), ...")
-    fp8 = g.add_mutually_exclusive_group()
-    fp8.add_argument("--precision", default=d.precision, choices=list(PRECISIONS), metavar="NAME",
-                     help="which GEMMs of the FFN linears (attention's too with --sparse-attention) run in FP8, "
-                          "every recipe, dense included: bf16 (none, the default), fp8 (all three, e4m3, one scale "
-                          "per tensor), fp8-rowwise (one scale per row), fp8-e5m2 (dY in e5m2), fp8-forward (the "
-                          "forward GEMM only), fp8-backward (dX and dW only), and their combinations; all: "
-                          + ", ".join(PRECISIONS))
-    fp8.add_argument("--fp8", dest="precision", action="store_const", const="fp8", help="same as --precision fp8")
-    g = p.add_argument_group("optimization (defaults marked 'regime' come from --regime; see the table below)")
-    g.add_argument("--regime", default=d.regime, choices=list(REGIMES),
-                   help="optimization defaults: ours (default) or the S-STE authors' GPT-2 settings")
-    g.add_argument("--steps", type=int, default=d.steps, help="optimizer steps (default %(default)s)")
-    g.add_argument("--batch-size", type=int, default=d.batch_size,
-                   help="sequences per micro-batch per process (default %(default)s)")
-    g.add_argument("--seq-len", type=int, default=d.seq_len, help="tokens per sequence (default %(default)s)")
-    g.add_argument("--grad-accum", type=int, default=None,
-                   help="micro-batches per optimizer step (default: regime; ours 1)")
-    g.add_argument("--lr", type=float, default=None, help="peak learning rate (default: regime)")
-    g.add_argument("--min-lr-ratio", type=float, default=None, help="cosine floor as a fraction of --lr "
-                   "(default: regime)")
-    g.add_argument("--warmup", type=int, default=None, help="linear warmup steps (default: regime)")
-    g.add_argument("--weight-decay", type=float, default=d.weight_decay, help="AdamW's (default %(default)s)")
-    g.add_argument("--grad-clip", type=float, default=d.grad_clip,
-                   help="gradient norm clipping; 0 turns it off (default %(default)s)")
-    g.add_argument("--skip-nonfinite", type=int, default=d.skip_nonfinite, metavar="N",
-                   help="skip up to N steps whose loss or gradient norm is not finite (NaN, inf), at one host sync "
-                        "a step; default %(default)s: the first such step stops the run, keeping the last good "
-                        "checkpoint")
-    g.add_argument("--no-bf16", dest="bf16", action="store_false", help="no bf16 autocast on the GPU")
-    g.add_argument("--compile", action=argparse.BooleanOptionalAction, default=d.compile,
-                   help="torch.compile the model (default: off)")
-    g.add_argument("--compile-mode", default=d.compile_mode, choices=COMPILE_MODES,
-                   help="torch.compile's mode with --compile; reduce-overhead (CUDA graphs) takes the host's "
-                        "per-kernel time out of the step (default %(default)s)")
-    g.add_argument("--seed", type=int, default=d.seed, help="model init and data order (default %(default)s)")
-    g.add_argument("--device", default=d.device, help="auto, cpu, cuda or cuda:N (default %(default)s)")
-    g.add_argument("--fsdp", nargs="?", const=DEFAULT_FSDP, default=d.fsdp, metavar="POLICY",
-                   choices=list(FSDP_POLICIES),
-                   help=f"under torchrun: FSDP2 instead of DDP, with this policy ({', '.join(FSDP_POLICIES)}; "
-                        f"default {DEFAULT_FSDP}: weights gathered in bf16; fp32: as stored)")
-    g.add_argument("--no-fsdp", dest="fsdp", action="store_const", const=None, help="under torchrun: DDP")
-    g.add_argument("--activation-checkpointing", action=argparse.BooleanOptionalAction,
-                   default=d.activation_checkpointing,
-                   help="recompute each block's activations in the backward: less memory, about a third "
-                        "more compute (default: off)")
-    g.add_argument("--step-graphs", action=argparse.BooleanOptionalAction, default=d.step_graphs,
-                   help="on one GPU without --compile: replay each step's forward and backward as a CUDA graph, "
-                        "so the host's per-layer work does not bound the step (default: on; not under torchrun "
-                        "or with the step recipe)")
-    g = p.add_argument_group("logging and checkpoints")
-    g.add_argument("--eval-interval", type=int, default=d.eval_interval,
-                   help="steps between validation losses (default %(default)s)")
-    g.add_argument("--eval-iters", type=int, default=d.eval_iters,
-                   help="validation batches per evaluation (default %(default)s)")
-    g.add_argument("--ckpt-interval", type=int, default=d.ckpt_interval,
-                   help="steps between checkpoints; also one at the end and on Ctrl-C; 0: none at all "
-                        "(default %(default)s)")
-    g.add_argument("--log-interval", type=int, default=d.log_interval,
-                   help="steps between log lines and metrics rows (default %(default)s)")
-    g.add_argument("--out", default=default_out, help="run folder (default %(default)s)")
-    g.add_argument("--overwrite", action="store_true", help="replace what --out already holds")
-    g.add_argument("--no-progress", dest="progress", action="store_false",
-                   help="plain log lines instead of a progress bar (the default when output is not a terminal)")
+    add_options(p, TrainConfig, command, {"out_dir": default_out})
 
 
 def _config(a: argparse.Namespace, recipe: str):
@@ -111,14 +33,13 @@ def _config(a: argparse.Namespace, recipe: str):
     if data is not None and not data.startswith("hf:"):  # a path means the same folder from anywhere
         data = str(Path(data).expanduser().resolve())
     check_fsdp_launch(a.fsdp, "fsdp" in getattr(a, "given", ()))
-    return TrainConfig(**{**given, "recipe": recipe, "recipe_options": opt_pairs(a.opt), "out_dir": a.out,
+    return TrainConfig(**{**given, "recipe": recipe, "recipe_options": opt_pairs(a.recipe_options or []),
                           "data": data})
 
 
 def _given(a: argparse.Namespace) -> set[str]:
     """The TrainConfig fields set by an option on the command line (not by a default)."""
-    dests = {"opt": "recipe_options", "out": "out_dir"}
-    return {dests.get(dest, dest) for dest in a.given}
+    return set(a.given)
 
 
 def _cmd_train(a: argparse.Namespace) -> int:
@@ -129,7 +50,7 @@ def _cmd_train(a: argparse.Namespace) -> int:
 
     cfg = _config(a, a.recipe)
     if a.resume:  # the run's own settings, from its checkpoint; options given must agree with them
-        cfg = resume_config(a.out, cfg, _given(a))
+        cfg = resume_config(a.out_dir, cfg, _given(a))
     s = train(cfg)
     if s:
         found = checkpoint_path(s["out_dir"])  # ckpt.pt, or an FSDP2 run's sharded ckpt/, or none
@@ -156,7 +77,7 @@ def _cmd_compare(a: argparse.Namespace) -> int:
     if not summaries:  # under torchrun, a rank other than 0: rank 0 reports
         return 0
     print("\n" + table_of(summaries))
-    print(f"table: {Path(a.out) / 'compare.md'}, plot: {Path(a.out) / 'compare.png'}")
+    print(f"table: {Path(a.out_dir) / 'compare.md'}, plot: {Path(a.out_dir) / 'compare.png'}")
     return 0
 
 
@@ -243,12 +164,7 @@ def build_parser() -> argparse.ArgumentParser:
                        f"{DEFAULT_RECIPE}, Python stdlib corpus)",
                        epilog=REGIME_HELP, formatter_class=argparse.RawDescriptionHelpFormatter, allow_abbrev=False)
     t.add_argument("--recipe", default=DEFAULT_RECIPE, help=f"{', '.join(RECIPES)} (default %(default)s)")
-    _run_args(t, "runs/train")
-    t.add_argument("--resume", action="store_true", help="continue the run in --out from its checkpoint, with its "
-                   "settings (options given must agree with them)")
-    t.add_argument("--reschedule", action="store_true", help="with --resume: allow another --steps, recomputing the "
-                   "learning-rate schedule over it (a warmup given as a share of the steps changes too)")
-    t.add_argument("--stop-at", type=int, default=None, help="stop after this step (the schedule still spans --steps)")
+    _run_args(t, "train", "runs/train")
     t.set_defaults(func=_cmd_train)
     c = sub.add_parser("compare", help="train several recipes on the same data and budget; table and plot",
                        description="Train each recipe once per seed with the same options; report per recipe "
@@ -259,7 +175,7 @@ def build_parser() -> argparse.ArgumentParser:
     c.add_argument("--seeds", default=None, help="comma-separated seeds, each recipe once per seed (default --seed)")
     c.add_argument("--lrs", default=None, metavar="LR,LR,...", help="a sweep: each recipe at each peak learning rate "
                    "(5e-4,1e-3,2e-3, or 0.5x,1x,2x the preset's); compare.md gives each at its best (not with --lr)")
-    _run_args(c, "runs/compare")
+    _run_args(c, "compare", "runs/compare")
     c.set_defaults(func=_cmd_compare)
     e = sub.add_parser("export", help="write a trained run for inference: 2:4 layers as values + positions "
                        "(docs/export-format.md)")
@@ -321,13 +237,13 @@ def _interrupted(args: argparse.Namespace, e: KeyboardInterrupt) -> str:
     if args.command not in ("train", "compare"):
         return "interrupted"
     again = ("run the same command again to continue (finished runs are kept, this one resumes)"
-             if args.command == "compare" else f"`twofour train --out {args.out} --resume` continues")
+             if args.command == "compare" else f"`twofour train --out {args.out_dir} --resume` continues")
     if isinstance(e, Interrupted) and e.checkpoint is None:
         return f"interrupted after step {e.step}; nothing saved (--ckpt-interval 0)"
     if isinstance(e, Interrupted):
         return f"interrupted; step {e.step} is saved in {e.checkpoint}: {again}"
-    if args.command == "train" and checkpoint_path(args.out) is not None:
-        return f"interrupted; the last checkpoint in {args.out} is intact: {again}"
+    if args.command == "train" and checkpoint_path(args.out_dir) is not None:
+        return f"interrupted; the last checkpoint in {args.out_dir} is intact: {again}"
     if args.command == "compare":
         return f"interrupted; {again}"
     return "interrupted before a checkpoint was written"

@@ -9,12 +9,11 @@ conversion, :func:`saved_options`.
 
 from __future__ import annotations
 
-import contextlib
+import argparse
 import dataclasses
-import json
 import math
 import re
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -23,11 +22,14 @@ from ..errors import TrainError
 from ..fp8 import E4M3, E5M2, PRECISIONS, ROWWISE, TENSORWISE, Precision
 from ..models.presets import PRESETS
 from ..sparse.recipes import DEFAULT_RECIPE, Recipe, make_recipe, recipe_options
-from .parallel import FSDP_POLICIES
+from .declare import check_fields, declared, non_negative, one_of, option, positive, whole_steps
+from .declare import option_name as declared_option_name
+from .options import parse_option
+from .parallel import DEFAULT_FSDP, FSDP_POLICIES
 
-__all__ = ["TrainConfig", "TrainError", "DEFAULT_LR", "Regime", "REGIMES", "lr_at", "resumed_config", "saved_options",
-           "option_name", "resolve_device", "LAUNCH_OPTIONS", "ADJUSTABLE_OPTIONS", "MAX_SEED", "check_seed",
-           "IDENTITY_OPTIONS", "first_difference"]
+__all__ = ["TrainConfig", "TrainError", "DEFAULT_LR", "Regime", "REGIMES", "lr_at", "saved_options", "option_name",
+           "resolve_device", "LAUNCH_OPTIONS", "ADJUSTABLE_OPTIONS", "MAX_SEED", "check_seed", "COMPILE_MODES",
+           "CUDA_GRAPH_MODES"]
 
 #: Peak learning rate per preset (each :class:`~twofour.models.Preset`'s ``lr``: GPT-3 paper's table
 #: for the GPT-2 sizes, higher for the small ones, as nanoGPT's 10M-parameter example).
@@ -65,48 +67,169 @@ REGIMES: dict[str, Regime] = {
 }
 
 
+_DEVICE = re.compile(r"auto|cpu|cuda(:\d+)?")
+#: The largest ``--seed``: torch's generators take 64 bits, and a rank's data stream adds to the seed.
+MAX_SEED = 2**63 - 1
+
+
+def check_seed(seed: Any, option: str = "--seed") -> None:
+    """TrainError naming ``option`` unless ``seed`` is a whole number from 0 to :data:`MAX_SEED`."""
+    if not isinstance(seed, int) or isinstance(seed, bool) or not 0 <= seed <= MAX_SEED:
+        raise TrainError(f"{option} must be a whole number from 0 to 2**63 - 1, got {seed}")
+
+
+#: torch.compile's modes. "reduce-overhead" replays the step's kernels as CUDA graphs: no host
+#: time per kernel (a sparse layer's custom ops cost the host more than a dense GEMM does; the
+#: real loop's gain from it is in docs/PERFORMANCE.md).
+COMPILE_MODES = ("default", "reduce-overhead", "max-autotune", "max-autotune-no-cudagraphs")
+#: the modes that capture CUDA graphs: run in one process with one micro-batch a step (a graph's
+#: gradients are its own buffers, overwritten by the next micro-batch's replay; DDP and FSDP2
+#: with them are not tested)
+CUDA_GRAPH_MODES = ("reduce-overhead", "max-autotune")
+
+
+
+def _lr_check(v: Any) -> str | None:
+    if v is None or (isinstance(v, (int, float)) and math.isfinite(v) and 0 < v <= 1):
+        return None
+    return f"--lr must be > 0 and at most 1 (AdamW's peak learning rate; the presets' are 2e-4 to 1e-3), got {v}"
+
+
+def _seed_check(v: Any) -> str | None:
+    try:
+        check_seed(v)
+    except TrainError as e:
+        return str(e)
+    return None
+
+
+_MODEL, _RECIPE, _OPTIM, _LOGS = range(4)  # the command line's groups (declare.GROUPS)
+
+
 @dataclass
 class TrainConfig:
-    """Everything a run depends on; saved in its checkpoint and ``config.json``."""
+    """Everything a run depends on; saved in its checkpoint and ``config.json``. Each field is one
+    run option, declared once (:func:`~twofour.training.declare.option`): the command line, the
+    checks, config.json and the resume rules are read from these declarations."""
 
-    model: str = "tiny"
-    recipe: str = DEFAULT_RECIPE
-    recipe_options: dict[str, Any] = field(default_factory=dict)
-    precision: str = "bf16"  # a name of twofour.fp8.PRECISIONS: which GEMMs of the sparsified linears run in FP8
-    sparse_attention: bool = False
-    n_layer: int | None = None  # None: the preset's number of blocks
-    data: str | None = None  # None: the standard library corpus
-    vocab_size: int | None = None  # for .bin shards without meta.pkl
-    steps: int = 300
-    stop_at: int | None = None  # stop (with a checkpoint) after this step, keeping the schedule of `steps`
-    batch_size: int = 16
-    seq_len: int = 128
-    regime: str = "ours"  # a key of REGIMES: the defaults of the four options below and of SR-STE's decay
-    grad_accum: int | None = None  # None: the regime's (ours 1; authors ~0.5M tokens per step)
-    lr: float | None = None  # None: the regime's (ours: DEFAULT_LR of the preset; authors 1.5e-4)
-    min_lr_ratio: float | None = None  # None: the regime's (ours 0.1; authors 1e-5 / 1.5e-4)
-    warmup: int | None = None  # None: the regime's (ours 5% of the steps, at most 2000; authors 10%, at most 3000)
-    weight_decay: float = 0.1
-    betas: tuple[float, float] = (0.9, 0.95)
-    grad_clip: float = 1.0
-    skip_nonfinite: int = 0  # steps with a non-finite loss or gradient norm skipped, not applied; one more stops
-    bf16: bool = True  # bf16 autocast on the GPU (the CPU always runs float32)
-    compile: bool = False
-    compile_mode: str = "default"  # torch.compile's mode (COMPILE_MODES) with `compile`
-    seed: int = 1337
-    eval_interval: int = 100
-    eval_iters: int = 10
-    ckpt_interval: int = 500  # 0: no checkpoints at all (throughput runs of large models)
-    log_interval: int = 10  # a log line, a metrics row and the only host sync every this many steps
-    out_dir: str = "runs/train"
-    resume: bool = False
-    reschedule: bool = False  # resume with another `steps`: the learning-rate schedule is recomputed over it
-    overwrite: bool = False
-    device: str = "auto"
-    fsdp: str | None = None  # under torchrun: FSDP2 with this policy (training.parallel.FSDP_POLICIES), else DDP
-    activation_checkpointing: bool = False  # recompute each block's activations in the backward
-    step_graphs: bool = True  # the eager step's forward and backward as CUDA graphs (training/graphs.py)
-    progress: bool = True
+    model: str = option("tiny", group=_MODEL, identity=True, check=one_of(PRESETS, "model preset|presets"),
+                        help=f"preset: {', '.join(PRESETS)} (default %(default)s)")
+    recipe: str = option(DEFAULT_RECIPE, None, identity=True)  # set by --recipe (train) or --recipes (compare)
+    recipe_options: dict[str, Any] = option(
+        None, "--opt", factory=dict, group=_RECIPE, identity=True, type=parse_option, action="append",
+        metavar="KEY=VALUE", effective=lambda c: c.recipe_object().to_dict(),
+        help="recipe option, repeatable: mvue=false, decay=6e-5, mask_interval=40, dense_finetune=0.2, "
+             "bf16_finetune=0.1 (with an FP8 --precision: the last 10%% of the steps without FP8), ...")
+    precision: str = option(  # a name of twofour.fp8.PRECISIONS: which GEMMs of the sparsified linears run in FP8
+        "bf16", group=_RECIPE, identity=True, check=one_of(PRECISIONS, "--precision|precisions"),
+        choices=list(PRECISIONS), metavar="NAME", exclusive=True,
+        aliases=[("--fp8", {"action": "store_const", "const": "fp8", "help": "same as --precision fp8"})],
+        help="which GEMMs of the FFN linears (attention's too with --sparse-attention) run in FP8, every recipe, "
+             "dense included: bf16 (none, the default), fp8 (all three, e4m3, one scale per tensor), fp8-rowwise "
+             "(one scale per row), fp8-e5m2 (dY in e5m2), fp8-forward (the forward GEMM only), fp8-backward (dX "
+             "and dW only), and their combinations; all: " + ", ".join(PRECISIONS))
+    sparse_attention: bool = option(False, group=_MODEL, identity=True, action="store_true",
+                                    help="also make the attention projections 2:4")
+    n_layer: int | None = option(  # None: the preset's number of blocks
+        None, group=_MODEL, identity=True, check=positive(optional=True), type=int, metavar="N",
+        effective=lambda c: c.n_layer or PRESETS[c.model].config.n_layer,
+        help="the preset with N blocks instead of its own number (a deep shape on fewer GPUs)")
+    data: str | None = option(  # None: the standard library corpus
+        None, group=_MODEL, identity=True,
+        help="text file or folder, folder of .bin token shards (uint16, or uint32 as meta.pkl's 'dtype' says), "
+             "or hf:NAME_OR_PATH (default: Python's standard library source)")
+    vocab_size: int | None = option(  # for .bin shards without meta.pkl
+        None, group=_MODEL, identity=True, check=positive(optional=True), type=int,
+        help=".bin shards' vocabulary size, the model's (default: meta.pkl's; at least it)")
+    steps: int = option(300, group=_OPTIM, check=positive(), type=int, help="optimizer steps (default %(default)s)")
+    stop_at: int | None = option(  # stop (with a checkpoint) after this step, keeping the schedule of `steps`
+        None, resume="launch", commands=("train",), type=int,
+        help="stop after this step (the schedule still spans --steps)")
+    batch_size: int = option(16, group=_OPTIM, check=positive(), type=int,
+                             help="sequences per micro-batch per process (default %(default)s)")
+    seq_len: int = option(128, group=_OPTIM, identity=True, check=positive(), type=int,
+                          help="tokens per sequence (default %(default)s)")
+    regime: str = option(  # a key of REGIMES: the defaults of the four options below and of SR-STE's decay
+        "ours", group=_OPTIM, check=one_of(REGIMES, "regime|regimes"), choices=list(REGIMES),
+        help="optimization defaults: ours (default) or the S-STE authors' GPT-2 settings")
+    grad_accum: int | None = option(  # None: the regime's (ours 1; authors ~0.5M tokens per step)
+        None, group=_OPTIM, check=positive(optional=True), type=int,
+        help="micro-batches per optimizer step (default: regime; ours 1)")
+    lr: float | None = option(  # None: the regime's (ours: DEFAULT_LR of the preset; authors 1.5e-4)
+        None, group=_OPTIM, check=_lr_check, type=float, effective=lambda c: c.peak_lr,
+        help="peak learning rate (default: regime)")
+    min_lr_ratio: float | None = option(  # None: the regime's (ours 0.1; authors 1e-5 / 1.5e-4)
+        None, group=_OPTIM, type=float, effective=lambda c: c.floor_ratio,
+        check=lambda v: None if v is None or 0 <= v <= 1 else f"--min-lr-ratio must be between 0 and 1, got {v}",
+        help="cosine floor as a fraction of --lr (default: regime)")
+    warmup: int | None = option(  # None: the regime's (ours 5% of the steps, at most 2000; authors 10%, at most 3000)
+        None, group=_OPTIM, check=whole_steps, type=int, effective=lambda c: c.warmup_steps,
+        help="linear warmup steps (default: regime)")
+    weight_decay: float = option(0.1, group=_OPTIM, check=non_negative, type=float,
+                                 help="AdamW's (default %(default)s)")
+    betas: tuple[float, float] = option(
+        (0.9, 0.95), None,
+        check=lambda v: None if len(v) == 2 and all(0 <= b < 1 for b in v) else f"betas must be two numbers in "
+                                                                                 f"[0, 1), got {v!r}")
+    grad_clip: float = option(1.0, group=_OPTIM, check=non_negative, type=float,
+                              help="gradient norm clipping; 0 turns it off (default %(default)s)")
+    skip_nonfinite: int = option(  # steps with a non-finite loss or gradient norm skipped, not applied; one more stops
+        0, group=_OPTIM, resume="adjustable", check=whole_steps, type=int, metavar="N",
+        help="skip up to N steps whose loss or gradient norm is not finite (NaN, inf), at one host sync a step; "
+             "default %(default)s: the first such step stops the run, keeping the last good checkpoint")
+    bf16: bool = option(True, "--no-bf16", group=_OPTIM, action="store_false",  # the CPU always runs float32
+                        help="no bf16 autocast on the GPU")
+    compile: bool = option(False, group=_OPTIM, resume="adjustable", action=argparse.BooleanOptionalAction,
+                           help="torch.compile the model (default: off)")
+    compile_mode: str = option(  # torch.compile's mode (COMPILE_MODES) with `compile`
+        "default", group=_OPTIM, resume="adjustable", choices=COMPILE_MODES,
+        check=one_of(COMPILE_MODES, "--compile-mode|modes"),
+        help="torch.compile's mode with --compile; reduce-overhead (CUDA graphs) takes the host's per-kernel time "
+             "out of the step (default %(default)s)")
+    seed: int = option(1337, group=_OPTIM, identity=True, check=_seed_check, type=int,
+                       help="model init and data order (default %(default)s)")
+    eval_interval: int = option(100, group=_LOGS, resume="adjustable", check=positive(), type=int,
+                                help="steps between validation losses (default %(default)s)")
+    eval_iters: int = option(10, group=_LOGS, check=positive(), type=int,
+                             help="validation batches per evaluation (default %(default)s)")
+    ckpt_interval: int = option(  # 0: no checkpoints at all (throughput runs of large models)
+        500, group=_LOGS, resume="adjustable", check=whole_steps, type=int,
+        help="steps between checkpoints; also one at the end and on Ctrl-C; 0: none at all (default %(default)s)")
+    log_interval: int = option(  # a log line, a metrics row and the only host sync every this many steps
+        10, group=_LOGS, resume="adjustable", check=positive(), type=int,
+        help="steps between log lines and metrics rows (default %(default)s)")
+    out_dir: str = option("runs/train", "--out", group=_LOGS, resume="launch", metavar="OUT",
+                          help="run folder (default %(default)s)")
+    resume: bool = option(False, resume="launch", commands=("train",), action="store_true",
+                          help="continue the run in --out from its checkpoint, with its settings (options given "
+                               "must agree with them)")
+    reschedule: bool = option(  # resume with another `steps`: the learning-rate schedule is recomputed over it
+        False, resume="launch", commands=("train",), action="store_true",
+        help="with --resume: allow another --steps, recomputing the learning-rate schedule over it (a warmup given "
+             "as a share of the steps changes too)")
+    overwrite: bool = option(False, group=_LOGS, resume="launch", action="store_true",
+                             help="replace what --out already holds")
+    device: str = option("auto", group=_OPTIM, resume="adjustable", help="auto, cpu, cuda or cuda:N (default "
+                         "%(default)s)", check=lambda v: None if _DEVICE.fullmatch(str(v)) else
+                         f"unknown --device {v!r}; use auto, cpu, cuda or cuda:N")
+    fsdp: str | None = option(  # under torchrun: FSDP2 with this policy (training.parallel.FSDP_POLICIES), else DDP
+        None, group=_OPTIM, resume="adjustable", check=one_of(FSDP_POLICIES, "--fsdp policy|policies", optional=True),
+        nargs="?", const=DEFAULT_FSDP, metavar="POLICY", choices=list(FSDP_POLICIES),
+        aliases=[("--no-fsdp", {"action": "store_const", "const": None, "help": "under torchrun: DDP"})],
+        help=f"under torchrun: FSDP2 instead of DDP, with this policy ({', '.join(FSDP_POLICIES)}; default "
+             f"{DEFAULT_FSDP}: weights gathered in bf16; fp32: as stored)")
+    activation_checkpointing: bool = option(  # recompute each block's activations in the backward
+        False, group=_OPTIM, resume="adjustable", action=argparse.BooleanOptionalAction,
+        help="recompute each block's activations in the backward: less memory, about a third more compute "
+             "(default: off)")
+    step_graphs: bool = option(  # the eager step's forward and backward as CUDA graphs (training/graphs.py)
+        True, group=_OPTIM, resume="adjustable", action=argparse.BooleanOptionalAction,
+        help="on one GPU without --compile: replay each step's forward and backward as a CUDA graph, so the "
+             "host's per-layer work does not bound the step (default: on; not under torchrun or with the step "
+             "recipe)")
+    progress: bool = option(True, "--no-progress", group=_LOGS, resume="launch", action="store_false",
+                            help="plain log lines instead of a progress bar (the default when output is not a "
+                                 "terminal)")
 
     @classmethod
     def from_dict(cls, d: dict[str, Any]) -> TrainConfig:
@@ -137,48 +260,17 @@ class TrainConfig:
             raise TrainError(str(e)) from None
 
     def validate(self) -> None:
-        """Raise TrainError naming the first bad option."""
-        if self.model not in PRESETS:
-            raise TrainError(f"unknown model preset {self.model!r}; valid presets: {', '.join(PRESETS)}")
-        if self.regime not in REGIMES:
-            raise TrainError(f"unknown regime {self.regime!r}; valid regimes: {', '.join(REGIMES)}")
-        if self.precision not in PRECISIONS:
-            raise TrainError(f"unknown --precision {self.precision!r}; valid precisions: {', '.join(PRECISIONS)}")
-        if self.fsdp is not None and self.fsdp not in FSDP_POLICIES:
-            raise TrainError(f"unknown --fsdp policy {self.fsdp!r}; valid policies: {', '.join(FSDP_POLICIES)}")
-        for name in ("steps", "batch_size", "seq_len", "grad_accum", "eval_interval", "eval_iters",
-                     "log_interval", "vocab_size", "n_layer"):
-            value = getattr(self, name)
-            if (value is not None or name not in ("grad_accum", "vocab_size", "n_layer")) and (
-                    not isinstance(value, int) or isinstance(value, bool) or value < 1):
-                raise TrainError(f"{option_name(name)} must be a positive integer, got {value!r}")
-        check_seed(self.seed)
-        self.recipe_object()  # after the integers: a bad --steps is named, not the recipe's total_steps
-        for name in ("warmup", "skip_nonfinite", "ckpt_interval"):
-            value = getattr(self, name)
-            if value is not None and (not isinstance(value, int) or isinstance(value, bool) or value < 0):
-                raise TrainError(f"{option_name(name)} must be a whole number of steps >= 0, got {value!r}")
-        for name in ("weight_decay", "grad_clip"):
-            value = getattr(self, name)
-            if not (isinstance(value, (int, float)) and math.isfinite(value) and value >= 0):
-                raise TrainError(f"{option_name(name)} must be >= 0, got {value!r}")
-        if self.min_lr_ratio is not None and not 0 <= self.min_lr_ratio <= 1:
-            raise TrainError(f"--min-lr-ratio must be between 0 and 1, got {self.min_lr_ratio}")
-        if self.stop_at is not None and not 1 <= self.stop_at <= self.steps:
+        """Raise TrainError naming the first bad option: each option's own check, then those
+        between options (the recipe after the integers: a bad --steps is named, not the recipe's
+        total_steps)."""
+        check_fields(self)
+        self.recipe_object()
+        if self.stop_at is not None and not (isinstance(self.stop_at, int) and 1 <= self.stop_at <= self.steps):
             raise TrainError(f"--stop-at must be between 1 and --steps ({self.steps}), got {self.stop_at}")
         if self.stop_at is not None and self.ckpt_interval == 0:
             raise TrainError("--stop-at pauses a run to resume it later, but --ckpt-interval 0 writes no checkpoint")
-        if self.lr is not None and not (math.isfinite(self.lr) and 0 < self.lr <= 1):
-            raise TrainError(f"--lr must be > 0 and at most 1 (AdamW's peak learning rate; the presets' are "
-                             f"2e-4 to 1e-3), got {self.lr}")
-        if not (len(self.betas) == 2 and all(0 <= b < 1 for b in self.betas)):
-            raise TrainError(f"betas must be two numbers in [0, 1), got {self.betas!r}")
-        if self.compile_mode not in COMPILE_MODES:
-            raise TrainError(f"unknown --compile-mode {self.compile_mode!r}; valid modes: {', '.join(COMPILE_MODES)}")
         if self.compile_mode != "default" and not self.compile:
             raise TrainError(f"--compile-mode {self.compile_mode} applies to a compiled run: add --compile")
-        if not _DEVICE.fullmatch(str(self.device)):
-            raise TrainError(f"unknown --device {self.device!r}; use auto, cpu, cuda or cuda:N")
         if self.resume and self.overwrite:
             raise TrainError("--resume and --overwrite contradict each other: pick one")
         if self.reschedule and not self.resume:
@@ -218,27 +310,6 @@ class TrainConfig:
         return 1 if target is None else max(1, math.ceil(target / (self.batch_size * self.seq_len * world)))
 
 
-_DEVICE = re.compile(r"auto|cpu|cuda(:\d+)?")
-#: The largest ``--seed``: torch's generators take 64 bits, and a rank's data stream adds to the seed.
-MAX_SEED = 2**63 - 1
-
-
-def check_seed(seed: Any, option: str = "--seed") -> None:
-    """TrainError naming ``option`` unless ``seed`` is a whole number from 0 to :data:`MAX_SEED`."""
-    if not isinstance(seed, int) or isinstance(seed, bool) or not 0 <= seed <= MAX_SEED:
-        raise TrainError(f"{option} must be a whole number from 0 to 2**63 - 1, got {seed}")
-
-
-#: torch.compile's modes. "reduce-overhead" replays the step's kernels as CUDA graphs: no host
-#: time per kernel (a sparse layer's custom ops cost the host more than a dense GEMM does; the
-#: real loop's gain from it is in docs/PERFORMANCE.md).
-COMPILE_MODES = ("default", "reduce-overhead", "max-autotune", "max-autotune-no-cudagraphs")
-#: the modes that capture CUDA graphs: run in one process with one micro-batch a step (a graph's
-#: gradients are its own buffers, overwritten by the next micro-batch's replay; DDP and FSDP2
-#: with them are not tested)
-CUDA_GRAPH_MODES = ("reduce-overhead", "max-autotune")
-
-
 def resolve_device(name: str, local_rank: int = 0) -> torch.device:
     """The device ``--device`` names: ``auto`` is this process's GPU (``local_rank``) if there is
     one, else the CPU; ``cuda`` without an index is this process's GPU too. TrainError for a name
@@ -252,18 +323,16 @@ def resolve_device(name: str, local_rank: int = 0) -> torch.device:
         raise TrainError("--device cuda was asked for, but no CUDA GPU is available")
     return torch.device("cuda", local_rank) if dev.type == "cuda" and dev.index is None else dev
 
-#: Set by each invocation, never taken from the checkpoint of a resumed run.
-LAUNCH_OPTIONS = frozenset({"out_dir", "resume", "reschedule", "overwrite", "stop_at", "progress"})
+#: Set by each invocation, never taken from the checkpoint of a resumed run (declared ``resume="launch"``).
+LAUNCH_OPTIONS = frozenset(f.name for f, d in declared(TrainConfig) if d.resume == "launch")
 #: How a run executes and reports, not what it trains: a resumed run keeps its checkpoint's value
-#: unless one is given.
-ADJUSTABLE_OPTIONS = frozenset({"log_interval", "eval_interval", "ckpt_interval", "device", "compile", "compile_mode",
-                                "fsdp", "step_graphs", "skip_nonfinite", "activation_checkpointing"})
-_OPTION_NAMES = {"out_dir": "--out", "recipe_options": "--opt", "bf16": "--no-bf16", "progress": "--no-progress"}
+#: unless one is given (declared ``resume="adjustable"``).
+ADJUSTABLE_OPTIONS = frozenset(f.name for f, d in declared(TrainConfig) if d.resume == "adjustable")
 
 
 def option_name(field_name: str) -> str:
     """The command-line option that sets a TrainConfig field (``batch_size`` -> ``--batch-size``)."""
-    return _OPTION_NAMES.get(field_name, "--" + field_name.replace("_", "-"))
+    return declared_option_name(TrainConfig, field_name)
 
 
 #: The recipe options older versions spelled the precision with (now :attr:`TrainConfig.precision`).
@@ -288,93 +357,6 @@ def saved_options(d: dict[str, Any]) -> dict[str, Any]:
                           ROWWISE if opts.get("fp8_rowwise") else TENSORWISE) if on else None
     return {**d, "recipe_options": {k: v for k, v in opts.items() if k not in _FP8_FLAGS},
             "precision": precision.name if precision else "bf16"}
-
-
-def resumed_config(saved: dict[str, Any], cfg: TrainConfig, given: set[str] | None = None) -> TrainConfig:
-    """The settings a resumed run trains with, as nanoGPT's ``init_from='resume'`` does: those of
-    its checkpoint (``saved``, the checkpoint's config), with ``cfg``'s launch options
-    (:data:`LAUNCH_OPTIONS`) and, where ``cfg`` gives them, its :data:`ADJUSTABLE_OPTIONS`.
-
-    ``given`` names the fields ``cfg`` sets explicitly (the command line's options); None means
-    all of them (a config built in Python). A given field that changes what is trained (data,
-    schedule, batch, recipe, model, ...) must equal the checkpoint's, else TrainError names it
-    (one the checkpoint left unset equals what the default amounts to, :data:`_EFFECTIVE`);
-    ``steps`` may change only with ``reschedule`` (the learning-rate schedule is recomputed)."""
-    old = TrainConfig.from_dict(saved)
-    merged = {}
-    for f in dataclasses.fields(TrainConfig):
-        name, mine, theirs = f.name, getattr(cfg, f.name), getattr(old, f.name)
-        explicit = given is None or name in given
-        if name in LAUNCH_OPTIONS or (name in ADJUSTABLE_OPTIONS and explicit):
-            merged[name] = mine
-        elif explicit and not _same(name, mine, old) and not (name == "steps" and cfg.reschedule):
-            hint = " or add --reschedule to recompute the schedule over the new --steps" if name == "steps" else ""
-            raise TrainError(f"{option_name(name)} {_show(mine)} contradicts the run being resumed "
-                             f"({_show_saved(name, old)} in its checkpoint): a resumed run keeps its settings; leave "
-                             f"the option out{hint}, or start a new run with another --out")
-        else:
-            merged[name] = mine if explicit else theirs
-    if not merged["compile"] and not (given is None or "compile_mode" in given):
-        merged["compile_mode"] = "default"  # resumed with --no-compile: the saved mode goes with it
-    return TrainConfig(**merged)
-
-
-#: The options whose unset value (None, or no recipe options) stands for a default derived from
-#: others: a value given on resume is compared with what the checkpoint's amounts to.
-_EFFECTIVE: dict[str, Any] = {
-    "lr": lambda c: c.peak_lr, "min_lr_ratio": lambda c: c.floor_ratio, "warmup": lambda c: c.warmup_steps,
-    "n_layer": lambda c: c.n_layer or PRESETS[c.model].config.n_layer,
-    "recipe_options": lambda c: c.recipe_object().to_dict(),
-}
-
-
-#: What makes a run the run it is (its model and shapes, recipe, data, seed): a checkpoint belongs
-#: to the run folder whose ``config.json`` agrees with it on all of them.
-IDENTITY_OPTIONS = ("model", "n_layer", "sparse_attention", "seq_len", "vocab_size", "recipe", "recipe_options",
-                    "precision", "data", "seed")
-
-
-def first_difference(a: dict[str, Any], b: dict[str, Any]) -> tuple[str, str, str] | None:
-    """The first of :data:`IDENTITY_OPTIONS` on which saved configs ``a`` and ``b`` train
-    differently, as (option, a's value, b's value) for a message; None when they agree."""
-    ca, cb = TrainConfig.from_dict(a), TrainConfig.from_dict(b)
-    for name in IDENTITY_OPTIONS:
-        if not _same(name, getattr(cb, name), ca):
-            return option_name(name), _show_saved(name, ca), _show_saved(name, cb)
-    return None
-
-
-def _same(name: str, mine: Any, old: TrainConfig) -> bool:
-    """Whether ``mine``, given for field ``name`` on resume, trains what ``old`` (the checkpoint's
-    config) does: the same value, or the value its unset default amounts to."""
-    if _norm(mine) == _norm(getattr(old, name)):
-        return True
-    effective = _EFFECTIVE.get(name)
-    try:
-        return effective is not None and _norm(effective(dataclasses.replace(old, **{name: mine}))) == _norm(
-            effective(old))
-    except (TrainError, KeyError, TypeError, ValueError):  # a value that builds no run: it differs
-        return False
-
-
-def _show_saved(name: str, old: TrainConfig) -> str:
-    """The checkpoint's value of field ``name``, with what an unset default amounts to."""
-    value = getattr(old, name)
-    if value is None and name in _EFFECTIVE:
-        with contextlib.suppress(TrainError, KeyError, TypeError, ValueError):
-            return f"unset: {_EFFECTIVE[name](old)} by default"
-    return _show(value)
-
-
-def _norm(value: Any) -> Any:
-    """Settings compared as their JSON form (tuples and lists alike)."""
-    return json.loads(json.dumps(value))
-
-
-def _show(value: Any) -> str:
-    if isinstance(value, dict):
-        return ",".join(f"{k}={v}" for k, v in value.items()) or "(none)"
-    return "(none)" if value is None else str(value)
 
 
 def lr_at(cfg: TrainConfig, step: int) -> float:

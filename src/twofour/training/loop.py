@@ -31,7 +31,7 @@ import torch
 from torch.distributed.tensor import DTensor
 
 from ..errors import DivergedError
-from .checkpoint import CKPT, checkpoint_path, save
+from .checkpoint import CKPT, checkpoint_path
 from .config import TrainConfig
 from .console import Interrupted, Progress, StopRequest
 from .data import TokenData
@@ -195,8 +195,7 @@ class Tally:
         run = self.run
         if not _finite_weights(run.raw, run.par.world, run.device):
             raise DivergedError(_diverged(f"the weights are not finite after step {done}", run.out, self.saved), done)
-        self.written = save(run.out, run.cfg, run.raw, run.opt, run.sched, done, run.data_gen, run.par.rank,
-                            run.par.world, time.perf_counter() - self.t_start, sharded=run.par.sharded)
+        self.written = run.checkpointer.save(done, time.perf_counter() - self.t_start)
         self.saved = done
         self.t_window = time.perf_counter()
 

@@ -24,8 +24,9 @@ from .. import dispatch
 from ..errors import TrainError
 from ..inference.format import MODEL_CONFIG, WEIGHTS
 from .checkpoint import CKPT, FILE, SHARDED, check_intact, checkpoint_path, read_checkpoint, sharded_problem
-from .config import TrainConfig, first_difference, resumed_config, saved_options
+from .config import TrainConfig, saved_options
 from .lock import RunLock
+from .resuming import first_difference, resumed_config
 
 __all__ = ["METRICS", "FIELDS", "WEIGHTS", "MODEL_CONFIG", "prepare_run_dir", "resume_from", "resume_config",
            "check_resumable", "MetricsLog", "read_metrics", "read_config", "read_summary", "pyplot", "plot_run",
@@ -120,7 +121,7 @@ def resume_from(out: str | Path) -> dict[str, Any]:
 
 def resume_config(out: str | Path, cfg: TrainConfig, given: set[str] | None = None) -> TrainConfig:
     """The settings ``--resume`` continues the run in ``out`` with: its checkpoint's, with ``cfg``'s
-    where they may differ (:func:`~twofour.training.config.resumed_config`; ``given``: the fields set
+    where they may differ (:func:`~twofour.training.resuming.resumed_config`; ``given``: the fields set
     on the command line), checked against its step (:func:`check_resumable`); TrainError, one line,
     before anything runs."""
     ckpt = resume_from(out)

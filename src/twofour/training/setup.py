@@ -21,7 +21,8 @@ from ..sparse.compiled import plan_compiled
 from ..sparse.convert import attach, sparse_layers
 from ..sparse.optim import STEPAdamW
 from ..sparse.recipes import Recipe
-from .checkpoint import load_checkpoint, resume
+from .checkpoint import load_checkpoint
+from .checkpointer import Checkpointer
 from .config import TrainConfig, lr_at, resolve_device
 from .data import TokenData, load_data
 from .graphs import Batches, GradAllReduce, StepGraphs, capture_plan
@@ -91,6 +92,7 @@ class Run:
     start: int  # the first step to run (after a resume: the checkpoint's)
     resumed: bool
     resumed_elapsed: float  # the run's wall time before this process: it goes on across a resume
+    checkpointer: Checkpointer  # where and how the run is saved (whole or sharded)
 
     @property
     def accum(self) -> int:
@@ -166,8 +168,8 @@ def setup(cfg: TrainConfig, data: TokenData | None, par: Parallel) -> Run:
     opt = _optimizer(cfg, raw, recipe, device)
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: lr_at(cfg, s) / cfg.peak_lr)
     data_gen = torch.Generator().manual_seed(cfg.seed + 7919 * par.rank)
-    start = 0 if ckpt is None else resume(ckpt, cfg, raw, opt, sched, data_gen, par.rank, par.world,
-                                          sharded=par.sharded)
+    saver = Checkpointer(out, cfg, raw, opt, sched, data_gen, par.rank, par.world, par.sharded)
+    start = 0 if ckpt is None else saver.resume(ckpt)
     attach(raw, opt)  # masks, refreshes and phases advance once per optimizer step
     autocast = autocast_for(cfg, device)
     if cfg.compile and autocast_on(cfg, device):  # each layer shape compiled as the 2:4 op or dense GEMMs
@@ -183,7 +185,7 @@ def setup(cfg: TrainConfig, data: TokenData | None, par: Parallel) -> Run:
     if par.main:
         (out / "config.json").write_text(json.dumps(cfg.to_dict(), indent=2))
     return Run(cfg, par, device, recipe, data, out, raw, fwd, opt, sched, data_gen, step, autocast, start,
-               ckpt is not None, ckpt.get("elapsed_s", 0.0) if ckpt is not None else 0.0)
+               ckpt is not None, ckpt.get("elapsed_s", 0.0) if ckpt is not None else 0.0, saver)
 
 
 def autocast_on(cfg: TrainConfig, device: torch.device) -> bool:
