@@ -35,7 +35,7 @@ from gap_by_eval import gap_series, gap_table, label_of
 from twofour.training.compare import paired_gaps, run_order, summary_label
 from twofour.training.config import TrainConfig
 from twofour.training.runs import read_config, read_summary
-from twofour.training.sweep import SCORES, sweep_runs, sweep_table
+from twofour.training.sweep import SCORES, best_rates, sweep_runs, sweep_table
 
 RESULTS = Path(__file__).resolve().parent.parent / "docs" / "results"
 #: Where the S-STE ablation's run folders go in the repository (scripts/s_ste_ablation.py).
@@ -175,6 +175,43 @@ def shift_table(folder: Path, recipe: str = "s-ste", versus: str = "ste", factor
     return "\n".join(lines)
 
 
+def twin_table(folder: Path, full_seeds: int = 3) -> str:
+    """A dX-route sweep's test (scripts/dx_sweep.py): each route (a label with ``dx=``) against its
+    twin with the exact dX (the same label without it), report-half losses paired by seed, relative
+    gap in %: each at its own best rate, then at each rate both ran with ``full_seeds`` seeds. A
+    route is kept where it is no worse than its twin beyond the seed spread: the mean of its paired
+    gap at the best rates at most one standard deviation above 0."""
+    runs = [s for s in (read_summary(p.parent) for p in sorted(Path(folder).glob("*/summary.json"))) if s]
+    if not runs:
+        return f"No finished runs in {folder}."
+    found = [r for r in sweep_runs(Path(folder), runs[0]) if "report" in r]
+    loss: dict[tuple[str, float], dict[int, float]] = {}
+    for r in found:
+        loss.setdefault((summary_label(r), r["lr"]), {})[r["seed"]] = r["report"]
+    best = best_rates(found)
+
+    def cell(route: tuple[str, float], twin: tuple[str, float]) -> tuple[str, bool | None]:
+        _, rel = paired_gaps(loss.get(route, {}), loss.get(twin, {}))
+        if len(rel) < 2:
+            return ("n/a" if not rel else f"{100 * rel[0]:+.2f} % (one seed)"), None
+        m, sd = float(np.mean(rel)) * 100, float(np.std(rel, ddof=1)) * 100
+        return f"{m:+.2f} ± {sd:.2f} % (n={len(rel)})", m <= sd
+
+    labels = [label for label in dict.fromkeys(summary_label(r) for r in found) if " dx=" in label]
+    rates = sorted({lr for (_, lr), seeds in loss.items() if len(seeds) >= full_seeds})
+    head = ["route", "its twin", "best rates (route / twin)", "gap to twin at the best rates", "kept"]
+    lines = ["| " + " | ".join(head + [f"at {lr:g}" for lr in rates]) + " |", "|---" * (len(head) + len(rates)) + "|"]
+    for label in labels:
+        twin = re.sub(r" dx=\S+", "", label)
+        b, bt = best.get(label), best.get(twin)
+        at_best, ok = cell((label, b), (twin, bt)) if b and bt else ("n/a", None)
+        same = [cell((label, lr), (twin, lr))[0] if len(loss.get((label, lr), {})) >= full_seeds else "-"
+                for lr in rates]
+        kept = "-" if ok is None else "yes" if ok else "no"
+        lines.append(f"| {label} | {twin} | {b:g} / {bt:g} | {at_best} | {kept} | " + " | ".join(same) + " |")
+    return "\n".join(lines)
+
+
 def _effective_step() -> str:
     path = RESULTS / RATE_SHIFT / "effective_step.json"
     if not path.exists():
@@ -257,10 +294,15 @@ def main() -> int:
     ap.add_argument("--folder", type=Path, help="print the tables of one folder of runs instead")
     ap.add_argument("--base", default="dense", help="with --folder: the baseline's label (default %(default)s)")
     ap.add_argument("--versus", nargs="*", default=[], help="with --folder: more labels to pair gaps with (s-ste ste)")
+    ap.add_argument("--twins", action="store_true", help="with --folder (a dX-route sweep): each route against its "
+                    "twin with the exact dX")
     args = ap.parse_args()
     if args.folder:
         sweep = any(args.folder.glob(f"*/{SCORES}"))  # a twofour compare --lrs folder
-        print(sweep_tables(args.folder) if sweep else _folder_tables(args.folder, args.base, tuple(args.versus)))
+        if args.twins:
+            print(twin_table(args.folder))
+        else:
+            print(sweep_tables(args.folder) if sweep else _folder_tables(args.folder, args.base, tuple(args.versus)))
     elif args.write or args.check:
         path = args.write or args.check
         old = path.read_text()

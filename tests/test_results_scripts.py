@@ -290,3 +290,24 @@ def test_effective_step_splits_s_stes_move_and_tables_the_record(corpus):
     assert all(k <= m + 1e-12 for k, m in zip(ste["kept_move"], ste["move"]))
     rows = effective_step.table({"runs": {"ste": {"1": ste}, "s-ste": {"1": sste}}}).splitlines()
     assert rows[2].startswith("| ste | ") and rows[2].endswith(" | - | - |") and len(rows) == 4
+
+
+def test_the_peer_takes_any_recipe_with_options_as_a_row():
+    peer = _peer()
+    assert peer.row_recipe("ao-float8") == ("dense", "bf16", {})
+    assert peer.row_recipe("s-ste-fp8+dx=mvue") == ("s-ste", "fp8", {"dx": "mvue"})
+    assert peer.row_recipe("t-sr-ste") == ("t-sr-ste", "bf16", {})
+    with pytest.raises(ValueError, match="dx must be one of"):
+        peer.row_recipe("ste+dx=sideways")
+
+
+def test_the_dx_route_tables_recompute_from_their_run_files():
+    """docs/notes/dx-routes.md's speed rows and its route-against-twin table come from the run
+    files in docs/results/dx-speed and docs/results/dx-code."""
+    note = (ROOT / "docs" / "notes" / "dx-routes.md").read_text()
+    runs = json.loads((ROOT / "docs" / "results" / "dx-speed" / "h100-4blocks.json").read_text())
+    table = _peer().report([("", runs)], [2.0])
+    assert "| s-ste+dx=pruned-t | 88.67 | 92,392 | 1.077x | 0.922x |" in table
+    assert "| **s-ste dx=pruned-t** | fwd, dX, dW | **88.67** | **1.077x** |" in note
+    twins = results_tables.twin_table(ROOT / "docs" / "results" / "dx-code").splitlines()
+    assert len(twins) == 6 and all(line in note for line in twins)

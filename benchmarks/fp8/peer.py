@@ -2,7 +2,7 @@
 as ratios to bf16 dense and to torchao float8, and, per row, where the step's GPU time goes.
 
     PYTHONPATH=src python benchmarks/fp8/peer.py [--preset llama-8b --layers 4 --batch 8 --vocab 32000]
-        [--rows dense,ao-float8,ste-fp8,s-ste-fp8,dense-fp8,ste,s-ste] [--json out.json]
+        [--rows dense,ao-float8,ste-fp8,s-ste-fp8,dense-fp8,ste,s-ste,ste+dx=pruned-t,t-sr-ste] [--json out.json]
 
 Each row builds the preset (``--layers`` blocks, sequence 1024) on the GPU, converts its FFN
 linears (twofour's recipe with its precision, or torchao's ``convert_to_float8_training`` with the
@@ -36,6 +36,7 @@ from twofour.errors import one_line
 from twofour.models import FFN_PATTERNS, PRESETS
 from twofour.sparse import make_recipe
 from twofour.sparse.convert import matches
+from twofour.training.options import parse_option
 from twofour.training.runs import source_digest
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # benchmarks/: common.py
@@ -59,6 +60,20 @@ ROWS = {
     "ste-fp8": ("ste", "fp8"),
     "s-ste-fp8": ("s-ste", "fp8"),
 }
+
+
+def row_recipe(row: str) -> tuple[str, str, dict]:
+    """(recipe, precision, options) of a row: a name of :data:`ROWS`, or any recipe with ``-fp8``
+    for FP8 and ``+KEY=VALUE`` recipe options (``ste+dx=pruned-t``, ``s-ste-fp8+dx=mvue``,
+    ``t-sr-ste``); ``ValueError`` naming what is wrong."""
+    base, *opts = row.split("+")
+    if base in ROWS:
+        name, precision = ROWS[base]
+    else:
+        name, precision = (base[:-4], "fp8") if base.endswith("-fp8") else (base, "bf16")
+    options = dict(parse_option(o) for o in opts)
+    make_recipe(name, precision=precision, **options)  # refuses unknown recipes and options
+    return name, precision, options
 
 #: Profiler ranges that a CPU+CUDA profile also lists among the GPU's entries (compiled graphs,
 #: the optimizer step): spans over kernels counted on their own, so left out of the kinds.
@@ -121,9 +136,9 @@ def kind(name: str, ours: set[str]) -> str:
 def run_row(row: str, args: argparse.Namespace) -> dict:
     """Build, compile, time and profile one row: its step ms, tokens/s, the GEMM operators by input
     shapes and every kernel's ms and launches per step."""
-    name, precision = ROWS[row]
+    name, precision, options = row_recipe(row)
     convert: Callable[[nn.Module], object] | None = ao_float8 if row == "ao-float8" else None
-    model, step = preset_train_step(args.preset, args.batch, make_recipe(name, precision=precision),
+    model, step = preset_train_step(args.preset, args.batch, make_recipe(name, precision=precision, **options),
                                     vocab_size=args.vocab, compile=True, n_layer=args.layers, convert=convert)
     for _ in range(3):
         step()
@@ -228,15 +243,20 @@ def report(saved: list[tuple[str, dict]], ratios: list[float]) -> str:
     peers = {"bf16": ok.get("dense"), "fp8": ok.get("ao-float8")}
     head = ["row", "against", "measured", "peer's FFN fwd / dX / dW ms", "2:4 GEMMs could take"]
     out += ["", "Ceilings: the peer's step with the FFN GEMMs a recipe can run 2:4 (forward; dW too with "
-            "MVUE; dX stays dense, W^T not being 2:4 along its rows) sped up r times and nothing else "
+            "MVUE; dX too with a dX route other than dense) sped up r times and nothing else "
             "added; r measured is the peer's forward GEMMs against ste's 2:4 GEMM kernels in the same run "
             "(ste runs only its forward 2:4).", "",
             md_head(*head, *(f"ceiling at r={r}" for r in ["measured", *ratios]))]
     for row, r in ok.items():
         name = row.split(" ")[0]
-        if name not in ROWS or not make_recipe(ROWS[name][0]).sparse:
+        try:
+            recipe_name, precision, options = row_recipe(name)
+        except (ValueError, argparse.ArgumentTypeError):
             continue
-        prec = ROWS[name][1]
+        recipe = make_recipe(recipe_name, precision=precision, **options)
+        if not recipe.sparse:
+            continue
+        prec = "fp8" if recipe.precision.fp8 else "bf16"
         p = peers[prec]
         ste = ok.get("ste-fp8" if prec == "fp8" else "ste")
         if p is None:
@@ -246,7 +266,7 @@ def report(saved: list[tuple[str, dict]], ratios: list[float]) -> str:
             out.append(md_row(row, "n/a: the FFN's forward and dX GEMMs have the same operand shapes here", "",
                               "", "", *[""] * (1 + len(ratios))))
             continue
-        sped = g["fwd"][0] + (g["dW"][0] if make_recipe(ROWS[name][0]).mvue else 0.0)
+        sped = g["fwd"][0] + (g["dW"][0] if recipe.mvue else 0.0) + (g["dX"][0] if recipe.dx != "dense" else 0.0)
         # ste's 2:4 kernels against the peer's forward GEMMs, where ste ran every FFN forward 2:4 and nothing else
         sparse = [v for k, v in (ste or {}).get("kernels", {}).items() if kind(k, ours) == "GEMM 2:4"]
         every = sparse and sum(n for _ms, n in sparse) == g["fwd"][1]
@@ -289,9 +309,12 @@ def main() -> None:
         print(report([(p.stem, json.loads(p.read_text())) for p in args.from_json], ratios))
         return
     rows = args.rows.split(",")
-    unknown = [r for r in rows if r not in ROWS]
-    if unknown:
-        raise SystemExit(f"peer.py: unknown rows {', '.join(unknown)}; known: {', '.join(ROWS)}")
+    for r in rows:
+        try:
+            row_recipe(r)
+        except (ValueError, argparse.ArgumentTypeError) as exc:
+            raise SystemExit(f"peer.py: row {r!r}: {one_line(exc)} "
+                             f"(rows: {', '.join(ROWS)}, or RECIPE[-fp8][+KEY=VALUE])") from None
     rates = {"copy_gbs": copy_bandwidth()}
     saved = {"args": {k: str(v) if isinstance(v, Path) else v for k, v in vars(args).items()}, "rates": rates,
              "code": {"source": source_digest(), "torchao": getattr(_torchao(), "__version__", None)},
