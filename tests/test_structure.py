@@ -250,3 +250,12 @@ def test_the_structure_checks_catch_a_circle_and_a_private_read():
     assert _circles({"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}) == [["a", "b", "c"]]
     assert _private_reads("def f(layer):\n    return layer._dense\n") == [(2, "layer._dense")]
     assert _private_reads("class A:\n    def _x(self):\n        return other._x, self._y, torch._foreach_add_\n") == []
+
+
+@pytest.mark.parametrize("mod,path", MODULES, ids=[m for m, _ in MODULES])
+def test_no_function_over_60_lines(mod, path):
+    """A function reads in one screen: none in the package is over 60 lines (split it by step)."""
+    long = [f"{n.name} ({n.end_lineno - n.lineno + 1} lines, line {n.lineno})"
+            for n in ast.walk(ast.parse(path.read_text())) if isinstance(n, (ast.FunctionDef, ast.AsyncFunctionDef))
+            and n.end_lineno - n.lineno + 1 > 60]
+    assert not long, f"{mod}: {long}"

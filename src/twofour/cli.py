@@ -152,6 +152,62 @@ regimes (--regime) give the defaults of the options marked 'regime'; an option g
 """
 
 
+def _export_parser(sub) -> argparse.ArgumentParser:
+    """``twofour export``'s parser."""
+    e = sub.add_parser("export", help="write a trained run for inference: 2:4 layers as values + positions "
+                       "(docs/export-format.md)")
+    e.add_argument("run", help="run folder or checkpoint file")
+    e.add_argument("--out", default=None, help="output folder (default: the run's folder); gets model.safetensors "
+                   "and model_config.json")
+    e.add_argument("--weights-format", default="safetensors", choices=["safetensors", "pt"],
+                   help="the weights file: model.safetensors, or model.pt (torch.save; read with weights_only=True) "
+                        "(default %(default)s)")
+    e.add_argument("--overwrite", action="store_true", help="replace an export the folder already holds")
+    e.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float16", "float32"],
+                   help="dtype of the stored weights (default %(default)s)")
+    e.set_defaults(func=_cmd_export)
+    return e
+
+
+def _generate_parser(sub) -> argparse.ArgumentParser:
+    """``twofour generate``'s parser."""
+    g = sub.add_parser("generate", help="sample from an exported model (twofour export), with a KV cache")
+    g.add_argument("dir", help="export folder (a run folder after `twofour export RUN`)")
+    g.add_argument("--prompt", default="\n", help="text to continue (token ids separated by spaces for a model "
+                   "without a known tokenizer; default a newline)")
+    g.add_argument("--max-new-tokens", type=int, default=300, help="tokens to sample, printed as they come (default "
+                   "%(default)s, at most 1,000,000)")
+    g.add_argument("--temperature", type=float, default=0.8, help="softmax temperature; 0 takes the most likely "
+                   "token (default %(default)s)")
+    g.add_argument("--top-k", type=int, default=50, help="sample among the k most likely tokens; 0: all "
+                   "(default %(default)s)")
+    g.add_argument("--seed", type=int, default=1337, help="sampling seed (default %(default)s)")
+    g.add_argument("--device", default="auto", help="auto, cpu, cuda or cuda:N (default %(default)s)")
+    g.set_defaults(func=_cmd_generate)
+    return g
+
+
+def _bench_parser(sub) -> argparse.ArgumentParser:
+    """``twofour bench``'s parser."""
+    b = sub.add_parser("bench", help="time twofour against dense bf16 on this GPU: layers, FFN blocks and the "
+                       "training loop's tokens/s; print the tables (needs CUDA)")
+    b.add_argument("--quick", action="store_true", help="fewer shapes and repetitions")
+    what = b.add_mutually_exclusive_group()
+    what.add_argument("--inference", action="store_true", help="instead: an exported 2:4 model (--model) against "
+                      "its dense twin, prefill and decode tokens/s (CUDA graphs, static KV cache)")
+    what.add_argument("--fp8", action="store_true", help="instead: FP8 layers (dense and s-ste) against bf16 and "
+                      "against dense FP8")
+    b.add_argument("--model", default="gpt2-774m", help="--inference: the preset, random weights (default "
+                   "%(default)s; e.g. llama-7b)")
+    b.add_argument("--layers", type=int, default=None, help="--inference: build the preset with this many blocks "
+                   "instead of its own (less memory and time; the report says so)")
+    b.add_argument("--write", default=None, help="also write the markdown report into this file (e.g. "
+                   "docs/bench.md), between its <!-- bench:begin --> and <!-- bench:end --> markers (fp8, inference: "
+                   "their own), appended the first time")
+    b.set_defaults(func=_cmd_bench)
+    return b
+
+
 def build_parser() -> argparse.ArgumentParser:
     """The ``twofour`` parser; ``parser.commands`` maps each command to its subparser."""
     from .version import __version__  # noqa: PLC0415
@@ -177,47 +233,7 @@ def build_parser() -> argparse.ArgumentParser:
                    "(5e-4,1e-3,2e-3, or 0.5x,1x,2x the preset's); compare.md gives each at its best (not with --lr)")
     _run_args(c, "compare", "runs/compare")
     c.set_defaults(func=_cmd_compare)
-    e = sub.add_parser("export", help="write a trained run for inference: 2:4 layers as values + positions "
-                       "(docs/export-format.md)")
-    e.add_argument("run", help="run folder or checkpoint file")
-    e.add_argument("--out", default=None, help="output folder (default: the run's folder); gets model.safetensors "
-                   "and model_config.json")
-    e.add_argument("--weights-format", default="safetensors", choices=["safetensors", "pt"],
-                   help="the weights file: model.safetensors, or model.pt (torch.save; read with weights_only=True) "
-                        "(default %(default)s)")
-    e.add_argument("--overwrite", action="store_true", help="replace an export the folder already holds")
-    e.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float16", "float32"],
-                   help="dtype of the stored weights (default %(default)s)")
-    e.set_defaults(func=_cmd_export)
-    g = sub.add_parser("generate", help="sample from an exported model (twofour export), with a KV cache")
-    g.add_argument("dir", help="export folder (a run folder after `twofour export RUN`)")
-    g.add_argument("--prompt", default="\n", help="text to continue (token ids separated by spaces for a model "
-                   "without a known tokenizer; default a newline)")
-    g.add_argument("--max-new-tokens", type=int, default=300, help="tokens to sample, printed as they come (default "
-                   "%(default)s, at most 1,000,000)")
-    g.add_argument("--temperature", type=float, default=0.8, help="softmax temperature; 0 takes the most likely "
-                   "token (default %(default)s)")
-    g.add_argument("--top-k", type=int, default=50, help="sample among the k most likely tokens; 0: all "
-                   "(default %(default)s)")
-    g.add_argument("--seed", type=int, default=1337, help="sampling seed (default %(default)s)")
-    g.add_argument("--device", default="auto", help="auto, cpu, cuda or cuda:N (default %(default)s)")
-    g.set_defaults(func=_cmd_generate)
-    b = sub.add_parser("bench", help="time twofour against dense bf16 on this GPU: layers, FFN blocks and the "
-                       "training loop's tokens/s; print the tables (needs CUDA)")
-    b.add_argument("--quick", action="store_true", help="fewer shapes and repetitions")
-    what = b.add_mutually_exclusive_group()
-    what.add_argument("--inference", action="store_true", help="instead: an exported 2:4 model (--model) against "
-                      "its dense twin, prefill and decode tokens/s (CUDA graphs, static KV cache)")
-    what.add_argument("--fp8", action="store_true", help="instead: FP8 layers (dense and s-ste) against bf16 and "
-                      "against dense FP8")
-    b.add_argument("--model", default="gpt2-774m", help="--inference: the preset, random weights (default "
-                   "%(default)s; e.g. llama-7b)")
-    b.add_argument("--layers", type=int, default=None, help="--inference: build the preset with this many blocks "
-                   "instead of its own (less memory and time; the report says so)")
-    b.add_argument("--write", default=None, help="also write the markdown report into this file (e.g. "
-                   "docs/bench.md), between its <!-- bench:begin --> and <!-- bench:end --> markers (fp8, inference: "
-                   "their own), appended the first time")
-    b.set_defaults(func=_cmd_bench)
+    e, g, b = _export_parser(sub), _generate_parser(sub), _bench_parser(sub)
     p.commands = {"train": t, "compare": c, "export": e, "generate": g, "bench": b}
     return p
 

@@ -86,18 +86,7 @@ def save_inference(model: GPT | Llama, out: str | Path, *, dtype: torch.dtype | 
     name = _dtype_name(dtype)
     if weights_format not in WEIGHTS_FILES:
         raise ValueError(f"weights_format must be one of {', '.join(WEIGHTS_FILES)}, got {weights_format!r}")
-    out = Path(out)
-    if out.exists() and not out.is_dir():
-        raise FormatError(f"--out {out} exists and is not a folder")
-    held = [n for n in (*WEIGHTS_FILES.values(), MODEL_CONFIG) if (out / n).exists()]
-    if held and not overwrite:
-        raise FormatError(f"{out} already holds an export ({', '.join(held)}); pass --overwrite to replace it, or "
-                          "choose another --out")
-    try:
-        out.mkdir(parents=True, exist_ok=True)
-    except OSError as e:
-        why = missing_link(out) or e.strerror or e  # a link to nothing: not a bare "File exists"
-        raise FormatError(f"cannot create the export folder {out}: {why}") from None
+    out = _export_folder(Path(out), overwrite)
     recipes = {layer.recipe.name for _, layer in sparse_layers(model)}
     dense_phase = [n for n, layer in sparse_layers(model) if layer.recipe.sparse and layer.is_dense_phase]
     sparse = to_inference(model, packed_state=True)
@@ -111,14 +100,7 @@ def save_inference(model: GPT | Llama, out: str | Path, *, dtype: torch.dtype | 
         reason = (f"the run ended in a dense phase of its recipe ({', '.join(sorted(recipes))}: {len(dense_phase)} "
                   "layers train dense at the end, e.g. t-sr-ste's dense fine-tune), so it is exported dense"
                   if dense_phase else "the model has no 2:4 layer, so it is exported dense")
-    weights = out / WEIGHTS_FILES[weights_format]
-    try:
-        if weights_format == "pt":
-            _write_atomically(weights, lambda p: torch.save(tensors, p))
-        else:
-            _write_atomically(weights, lambda p: save_file(tensors, str(p)))
-    except (OSError, RuntimeError, SafetensorError) as e:  # a read-only folder, a full disk
-        raise FormatError(f"cannot write {weights}: {write_failure(e)}") from None
+    weights = _write_weights(out / WEIGHTS_FILES[weights_format], tensors, weights_format)
     config = {"format": FORMAT, "format_version": FORMAT_VERSION, "architecture": arch,
               "model": dataclasses.asdict(model.cfg),
               "dtype": name, "weights": weights.name, "weights_bytes": weights.stat().st_size,
@@ -133,6 +115,36 @@ def save_inference(model: GPT | Llama, out: str | Path, *, dtype: torch.dtype | 
         if name != weights.name:
             (out / name).unlink(missing_ok=True)
     return config
+
+
+def _export_folder(out: Path, overwrite: bool) -> Path:
+    """``out``, created, after refusing a file in its place or (without ``overwrite``) an export
+    it already holds (FormatError, one line)."""
+    if out.exists() and not out.is_dir():
+        raise FormatError(f"--out {out} exists and is not a folder")
+    held = [n for n in (*WEIGHTS_FILES.values(), MODEL_CONFIG) if (out / n).exists()]
+    if held and not overwrite:
+        raise FormatError(f"{out} already holds an export ({', '.join(held)}); pass --overwrite to replace it, or "
+                          "choose another --out")
+    try:
+        out.mkdir(parents=True, exist_ok=True)
+    except OSError as e:
+        why = missing_link(out) or e.strerror or e  # a link to nothing: not a bare "File exists"
+        raise FormatError(f"cannot create the export folder {out}: {why}") from None
+    return out
+
+
+def _write_weights(weights: Path, tensors: dict[str, torch.Tensor], weights_format: str) -> Path:
+    """``tensors`` written atomically to ``weights`` (torch.save or safetensors); FormatError on a
+    read-only folder or a full disk."""
+    try:
+        if weights_format == "pt":
+            _write_atomically(weights, lambda p: torch.save(tensors, p))
+        else:
+            _write_atomically(weights, lambda p: save_file(tensors, str(p)))
+    except (OSError, RuntimeError, SafetensorError) as e:
+        raise FormatError(f"cannot write {weights}: {write_failure(e)}") from None
+    return weights
 
 
 def read_export_config(path: str | Path) -> dict[str, Any]:
@@ -224,6 +236,34 @@ def _check_tensors(expected: dict[str, torch.Tensor], tensors: dict[str, torch.T
         raise FormatError(f"{where}: {k} has dtype {t.dtype}, expected {want}")
 
 
+def _skeleton(cfg: dict[str, Any], path: Path, stored: torch.dtype) -> GPT | Llama:
+    """The export's model on the meta device, its 2:4 layers as :class:`SparseInferenceLinear`;
+    FormatError for a listed 2:4 layer the model lacks."""
+    with torch.device("meta"):
+        model = _build(cfg)
+    mods = dict(model.named_modules())
+    for name in cfg["sparse_layers"]:
+        lin = mods.get(name)
+        if not isinstance(lin, nn.Linear):
+            raise FormatError(f"{path / MODEL_CONFIG} lists {name!r} as a 2:4 layer, but the model has no linear layer "
+                             "of that name")
+        _replace(model, name, SparseInferenceLinear(lin.in_features, lin.out_features, lin.bias is not None,
+                                                    device="meta", dtype=stored,
+                                                    transposed_output=matches(name, FFN_IN_PATTERNS)))
+    return model
+
+
+def _as_dense(model: nn.Module, sparse: list[str], device: torch.device) -> None:
+    """Each 2:4 layer named in ``sparse`` replaced by a plain ``nn.Linear`` with its weights, unpacked
+    on ``device`` (where it runs: a 7B model's on the CPU is slow)."""
+    for name in sparse:
+        lin = model.get_submodule(name).to(device)
+        plain = nn.Linear(lin.in_features, lin.out_features, bias=lin.bias is not None, device="meta")
+        plain.weight = nn.Parameter(lin.dense_weight(), requires_grad=False)
+        plain.bias = lin.bias
+        _replace(model, name, plain)
+
+
 def load_for_inference(path: str | Path, device: str | torch.device | None = None, dtype: torch.dtype | None = None,
                        *, dense: bool = False) -> GPT | Llama:
     """The exported GPT or Llama in ``path``, ready to run: eval mode, on ``device`` (default: CUDA if
@@ -244,17 +284,8 @@ def load_for_inference(path: str | Path, device: str | torch.device | None = Non
     tensors = _read_tensors(path / cfg["weights"])
     sparse, tied = cfg["sparse_layers"], dict(cfg.get("tied_weights", {}))
     stored = _DTYPES[cfg["dtype"]]
-    with torch.device("meta"):
-        model = _build(cfg)
+    model = _skeleton(cfg, path, stored)
     mods = dict(model.named_modules())
-    for name in sparse:
-        lin = mods.get(name)
-        if not isinstance(lin, nn.Linear):
-            raise FormatError(f"{path / MODEL_CONFIG} lists {name!r} as a 2:4 layer, but the model has no linear layer "
-                             "of that name")
-        _replace(model, name, SparseInferenceLinear(lin.in_features, lin.out_features, lin.bias is not None,
-                                                    device="meta", dtype=stored,
-                                                    transposed_output=matches(name, FFN_IN_PATTERNS)))
     expected = {k: v for k, v in model.state_dict().items() if k not in tied}
     if any(src not in expected for src in tied.values()):
         raise FormatError(f"{path / MODEL_CONFIG}: tied_weights names a weight the model doesn't have")
@@ -276,12 +307,7 @@ def load_for_inference(path: str | Path, device: str | torch.device | None = Non
     if dtype is None:
         dtype = stored if device.type == "cuda" else torch.float32
     if dense:
-        for name in sparse:
-            lin = model.get_submodule(name).to(device)  # unpacked where it runs: a 7B model's on the CPU is slow
-            plain = nn.Linear(lin.in_features, lin.out_features, bias=lin.bias is not None, device="meta")
-            plain.weight = nn.Parameter(lin.dense_weight(), requires_grad=False)
-            plain.bias = lin.bias
-            _replace(model, name, plain)
+        _as_dense(model, sparse, device)
     model.to(device=device, dtype=dtype)
     model.requires_grad_(False)
     model.eval()

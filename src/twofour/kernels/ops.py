@@ -110,19 +110,11 @@ def _tune(plan: _cs.Plan, a: torch.Tensor, b: torch.Tensor, out: torch.Tensor, b
     def config_key(config: int) -> _cs.PlanKey:
         return dataclasses.replace(key, config=None if config == plan.config_id else config)
 
-    def recorded() -> int | None:
-        choice = dispatch.recorded(name)
-        if choice is None:
-            return None
-        if not (choice.startswith("sparse#") and choice[7:].isdigit()):
-            raise ValueError(f"the choice for {name} must be 'sparse#N' (a cuSPARSELt configuration), got {choice!r}")
-        return int(choice[7:])
-
     if not dispatch.can_measure():
-        config = recorded()
+        config = _recorded_config(name)
         return (_cs.cached_plan(config_key(config)) if config is not None else None) or plan
     with _tune_lock:
-        config = recorded()
+        config = _recorded_config(name)
         if config is not None:
             try:
                 plan.tuned = _cs.plan_for(config_key(config))
@@ -130,32 +122,7 @@ def _tune(plan: _cs.Plan, a: torch.Tensor, b: torch.Tensor, out: torch.Tensor, b
                 raise ValueError(f"{name}: cuSPARSELt cannot run configuration {config} for this GEMM "
                                  f"({type(e).__name__}: {e})") from e
             return plan.tuned
-        plan.matmul(a, b, out, bias)
-        flat = out.view(-1)
-        sample = slice(None, None, max(1, flat.numel() // 65536))
-        ref = flat[sample].to(torch.float32, copy=True)
-        finite = ref[ref.isfinite()]  # a NaN or inf in the data must not count as a disagreement
-        atol = 1e-2 * (finite.abs().max().item() if finite.numel() else 0.0) + 1e-6
-        plans = {plan.config_id: plan}
-        for config in range(plan.num_configs):
-            if config in plans:
-                continue
-            p = None
-            try:
-                p = _cs.plan_for(config_key(config))
-                p.matmul(a, b, out, bias)
-            except Exception as e:  # noqa: BLE001 - a configuration this shape cannot run is not a candidate
-                log.debug("cuSPARSELt configuration %d left out for %s: %s: %s", config, key, type(e).__name__, e)
-                if p is not None:
-                    _cs.drop_plan(p)
-                continue
-            if p.config_id != config or p.compressed_size != plan.compressed_size or not torch.allclose(
-                    flat[sample].float(), ref, rtol=2e-2, atol=atol, equal_nan=True):
-                log.warning("twofour: cuSPARSELt configuration %d gave another product than the default for %s; "
-                            "left out", config, key)
-                _cs.drop_plan(p)
-                continue
-            plans[config] = p
+        plans = _working_configs(plan, config_key, a, b, out, bias)
         best = int(dispatch.measure(name, {f"sparse#{c}": (lambda p=p: p.matmul(a, b, out, bias))
                                    for c, p in plans.items()})[7:])
         for c, p in plans.items():
@@ -163,6 +130,50 @@ def _tune(plan: _cs.Plan, a: torch.Tensor, b: torch.Tensor, out: torch.Tensor, b
                 _cs.drop_plan(p)
         plan.tuned = plans[best]
         return plan.tuned
+
+
+def _recorded_config(name: str) -> int | None:
+    """The cuSPARSELt configuration recorded under choice ``name`` (``sparse#N``), or None."""
+    choice = dispatch.recorded(name)
+    if choice is None:
+        return None
+    if not (choice.startswith("sparse#") and choice[7:].isdigit()):
+        raise ValueError(f"the choice for {name} must be 'sparse#N' (a cuSPARSELt configuration), got {choice!r}")
+    return int(choice[7:])
+
+
+def _working_configs(plan: _cs.Plan, config_key, a: torch.Tensor, b: torch.Tensor, out: torch.Tensor,
+                     bias: torch.Tensor | None) -> dict[int, _cs.Plan]:
+    """{configuration: plan} of every cuSPARSELt configuration that builds, runs and gives the
+    default's product on a sample of the output (``plan``'s own included): the candidates to time."""
+    key = plan.key
+    plan.matmul(a, b, out, bias)
+    flat = out.view(-1)
+    sample = slice(None, None, max(1, flat.numel() // 65536))
+    ref = flat[sample].to(torch.float32, copy=True)
+    finite = ref[ref.isfinite()]  # a NaN or inf in the data must not count as a disagreement
+    atol = 1e-2 * (finite.abs().max().item() if finite.numel() else 0.0) + 1e-6
+    plans = {plan.config_id: plan}
+    for config in range(plan.num_configs):
+        if config in plans:
+            continue
+        p = None
+        try:
+            p = _cs.plan_for(config_key(config))
+            p.matmul(a, b, out, bias)
+        except Exception as e:  # noqa: BLE001 - a configuration this shape cannot run is not a candidate
+            log.debug("cuSPARSELt configuration %d left out for %s: %s: %s", config, key, type(e).__name__, e)
+            if p is not None:
+                _cs.drop_plan(p)
+            continue
+        if p.config_id != config or p.compressed_size != plan.compressed_size or not torch.allclose(
+                flat[sample].float(), ref, rtol=2e-2, atol=atol, equal_nan=True):
+            log.warning("twofour: cuSPARSELt configuration %d gave another product than the default for %s; "
+                        "left out", config, key)
+            _cs.drop_plan(p)
+            continue
+        plans[config] = p
+    return plans
 
 
 def _compress(x: torch.Tensor, mode: str, scale: torch.Tensor | None, mask: torch.Tensor | None,
