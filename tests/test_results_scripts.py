@@ -172,6 +172,28 @@ def test_make_corpus_prose_keeps_documents_of_words(tmp_path):
     assert sorted(p.suffix for p in out.iterdir()) == [".md", ".rst"]
 
 
+def test_make_corpus_prose_reads_an_html_pages_article_alone(tmp_path):
+    """An HTML page gives its main article's text, without navigation or scripts; Sphinx's copies of
+    each page's source and mdBook's one-page print of a book are left out (they repeat pages)."""
+    src = tmp_path / "src"
+    (src / "_sources").mkdir(parents=True)
+    words = "The layer keeps a dense master weight and prunes it once a step.\n"
+    page = ("<html><head><title>T</title><script>var x = 1;</script></head><body>"
+            "<div class='related' role='navigation'>Home Next Previous index modules</div>"
+            f"<div role='main'><h1>Layers</h1><p>{words * 8}</p><p>Caf&eacute; &amp; tea.</p></div>"
+            "<div class='footer'>Copyright 2024</div></body></html>")
+    (src / "layers.html").write_text(page)
+    (src / "print.html").write_text(page.replace("Layers", "All"))
+    (src / "_sources" / "layers.rst.txt").write_text(words * 8)
+    out = tmp_path / "corpus"
+    res = subprocess.run([sys.executable, str(ROOT / "scripts" / "make_corpus.py"), str(out), "--roots", str(src),
+                          "--kind", "prose"], capture_output=True, text=True)
+    assert res.returncode == 0, res.stderr
+    (text,) = [p.read_text() for p in out.iterdir()]
+    assert text.startswith("Layers\n") and "Café & tea." in text and words.strip() in text
+    assert not any(junk in text for junk in ("var x", "Home Next", "Copyright", "<p>"))
+
+
 def _titan_line(step: int, loss: float, tps: int, rank_tps: int = 0) -> str:
     return (f"[titan] 2026-01-01 00:00:00,000 - root - INFO - \x1b[31mstep: {step:2}  \x1b[32mloss: {loss:8.5f}  "
             f"grad_norm:  1.0  \x1b[38;2;180;60;0mmemory: 17.95GiB(12.84%)  \x1b[34mtps: {tps + rank_tps:,}  "
