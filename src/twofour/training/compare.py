@@ -31,7 +31,7 @@ log = logging.getLogger("twofour")
 __all__ = ["compare", "results_table", "recipe_stats", "plot_compare", "run_label", "summary_label",
            "run_order", "parse_recipes", "parse_seeds", "train_runs", "finished_runs", "one_per_run", "run_folder",
            "dense_label", "curve_panels", "save_figure", "SharedData", "locked", "mean_std", "paired_gaps",
-           "plus_minus", "same_run", "Diverged", "options_for"]
+           "plus_minus", "speed_cells", "same_run", "Diverged", "options_for"]
 
 
 def parse_recipes(text: str) -> list[str]:
@@ -304,6 +304,17 @@ def plus_minus(mean: float | None, std: float | None, fmt: str) -> str:
     return format(mean, fmt) + (f" ± {std:{fmt.lstrip('+')}}" if std is not None else "")
 
 
+def speed_cells(runs: list[dict[str, Any]], ref: list[dict[str, Any]]) -> str:
+    """``| tokens/s | / dense |`` cells: the median over ``runs`` of each run's steady tokens/s, and
+    its ratio to the median of ``ref`` (dense's runs; ``-`` without them)."""
+    mine = [r["tokens_per_s"] for r in runs if r.get("tokens_per_s")]
+    theirs = [r["tokens_per_s"] for r in ref if r.get("tokens_per_s")]
+    if not mine:
+        return "n/a | n/a"
+    ratio = f"{np.median(mine) / np.median(theirs):.3f}x" if theirs else "-"
+    return f"{np.median(mine):,.0f} | {ratio}"
+
+
 def results_table(summaries: list[dict[str, Any]]) -> str:
     """Markdown: one row per run (final val loss, gap to the same seed's dense, flip rates,
     tokens/s, wall time), then one row per recipe: mean ± std over seeds and the paired gap."""
@@ -322,13 +333,18 @@ def results_table(summaries: list[dict[str, Any]]) -> str:
                      f"| {s['final_flip_rate']:.2e} | {s['tokens_per_s']:,.0f} | {s['wall_s']:.0f} |")
     lines += ["", "Per recipe over seeds: mean ± sample standard deviation (n - 1). Paired gap: recipe - dense "
               "of the same seed, for each seed both ran, then mean ± std of those gaps; relative: the gaps "
-              "over that seed's dense loss.", "",
-              "| recipe | seeds | final val loss | paired gap to dense | relative gap |", "|---|---|---|---|---|"]
+              "over that seed's dense loss. Speed: the median over seeds of each run's steady tokens/s, and its "
+              "ratio to dense's (meaningful where each run had its device alone).", "",
+              "| recipe | seeds | final val loss | paired gap to dense | relative gap | tokens/s | / dense |",
+              "|---|---|---|---|---|---|---|"]
     for st in recipe_stats(summaries):
         rel = plus_minus(*(None if v is None else 100 * v for v in (st["rel_gap_mean"], st["rel_gap_std"])), "+.2f")
         seeds = ", ".join(map(str, st["seeds"]))
+        runs = [s for s in summaries if summary_label(s) == st["recipe"]]
+        ref = [s for s in summaries if runs and summary_label(s) == dense_label(runs[0])]
         lines.append(f"| {st['recipe']} | {seeds} | {plus_minus(st['val_loss_mean'], st['val_loss_std'], '.4f')} "
-                     f"| {plus_minus(st['gap_mean'], st['gap_std'], '+.4f')} | {rel}{'' if rel == 'n/a' else ' %'} |")
+                     f"| {plus_minus(st['gap_mean'], st['gap_std'], '+.4f')} | {rel}{'' if rel == 'n/a' else ' %'} "
+                     f"| {speed_cells(runs, ref)} |")
     return "\n".join(lines) + "\n"
 
 

@@ -36,6 +36,7 @@ from .compare import (
     run_order,
     same_run,
     save_figure,
+    speed_cells,
     summary_label,
     train_runs,
 )
@@ -255,7 +256,9 @@ NOTE = ("Every run's final model is scored on the two halves of the validation s
         "recipe's learning rate (the lowest mean over seeds, among its rates run with the most seeds), the second "
         "gives every loss and gap below, so that the choice does not flatter them. Mean ± sample standard deviation "
         "(n - 1) over seeds; a gap is the recipe's loss - dense's (with the same precision) of the same seed, then "
-        "mean ± std over the seeds both ran; relative: over that seed's dense loss.")
+        "mean ± std over the seeds both ran; relative: over that seed's dense loss. Speed: the median over seeds of "
+        "each run's steady tokens/s, and its ratio to dense's at dense's best rate (meaningful where each run had "
+        "its device alone).")
 
 
 def sweep_table(summaries: list[dict[str, Any]]) -> str:
@@ -272,17 +275,18 @@ def sweep_table(summaries: list[dict[str, Any]]) -> str:
              f"{tokens}; peak learning rates {tried}", "", NOTE, "",
              "Each recipe at its best learning rate, against dense at dense's best:", "",
              "| recipe | best lr | seeds | val loss (report half) | dense's best lr | paired gap to dense "
-             "| relative gap |", "|---|---|---|---|---|---|---|"]
+             "| relative gap | tokens/s | / dense |", "|---|---|---|---|---|---|---|---|---|"]
     for label, by_lr in rates.items():
         lr, ref_lr = best[label], best.get(dense_of[label])
         if lr is None:
-            lines.append(f"| {label} | none (no finite loss) | | | | | |")
+            lines.append(f"| {label} | none (no finite loss) | | | | | | | |")
             continue
         ref = rates[dense_of[label]][ref_lr] if ref_lr is not None else {}
         edge = (" (lowest tried)" if lr == min(by_lr) else " (highest tried)" if lr == max(by_lr) else "") \
             if len(by_lr) > 1 else ""
         lines.append(f"| {label} | {lr:g}{edge} | {', '.join(map(str, by_lr[lr]))} | {_scores(by_lr[lr], 'report')} "
-                     f"| {'not run' if ref_lr is None else format(ref_lr, 'g')} | {_gap(by_lr[lr], ref)} |")
+                     f"| {'not run' if ref_lr is None else format(ref_lr, 'g')} | {_gap(by_lr[lr], ref)} "
+                     f"| {speed_cells(list(by_lr[lr].values()), list(ref.values()))} |")
     lines += ["", "Every recipe at every learning rate:", "",
               "| recipe | lr | seeds | val loss (selection half) | val loss (report half) | paired gap to dense at "
               "this lr | relative gap |", "|---|---|---|---|---|---|---|"]
