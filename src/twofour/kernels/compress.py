@@ -232,5 +232,5 @@ def compress_e4m3(q: torch.Tensor) -> torch.Tensor:
 
 def triton_kernel():
     """The Triton kernel :func:`compress` launches (a ``triton.JITFunction``; None without Triton),
-    for tools that compile or launch it on their own (``benchmarks/kernels/sass_count.py``)."""
+    for tools that launch it on their own (``benchmarks/step/layer_profile.py``)."""
     return _compress_kernel if HAS_TRITON else None
