@@ -1,6 +1,5 @@
 """What the benchmark scripts share: the timers, the copy-bandwidth and GEMM-rate probes, markdown
-table lines, a header naming the GPU and the software, a preset's training step to time, and the
-compilation of a Triton kernel for Hopper to count its SASS (the last needs no GPU).
+table lines, a header naming the GPU and the software, and a preset's training step to time.
 
 Scripts run as ``PYTHONPATH=src python benchmarks/FOLDER/SCRIPT.py`` from the repository's root and
 import this module after putting its folder on ``sys.path``::
@@ -13,15 +12,10 @@ Only twofour's public names are used here and in the scripts (``tests/test_bench
 
 from __future__ import annotations
 
-import collections
 import contextlib
 import multiprocessing as mp
-import os
 import platform
-import re
 import statistics
-import subprocess
-import tempfile
 import time
 from collections.abc import Callable
 
@@ -224,37 +218,3 @@ def train_step_ms(preset: str, batch: int, recipe: Recipe, vocab_size: int = 503
     for _ in range(3):
         step()
     return steps_ms(step, 12)
-
-
-def compile_for_hopper(fn, sig: dict[str, str], const: dict, aligned: tuple[str, ...] | list[str],
-                       warps: int) -> tuple[int, int, str, str]:
-    """(registers, spilled bytes, SASS text, TTGIR) of the Triton kernel ``fn`` compiled for sm_90a
-    with the constants ``const`` (named in ``sig`` as constexpr) and the arguments ``aligned``
-    marked divisible by 16, through the ``ptxas``/``cuobjdump`` in Triton's wheel."""
-    import triton
-    from triton.backends.compiler import GPUTarget
-    from triton.compiler import ASTSource
-
-    sig = {**sig, **{k: "constexpr" for k in const}}
-    src = ASTSource(fn=fn, signature=sig, constexprs={(fn.arg_names.index(k),): v for k, v in const.items()},
-                    attrs={(fn.arg_names.index(k),): [["tt.divisibility", 16]] for k in aligned})
-    kernel = triton.compile(src, target=GPUTarget("cuda", 90, 32), options={"num_warps": warps})
-    bins = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin")
-    ptxas = next(p for p in (os.path.join(bins, "ptxas-blackwell"), os.path.join(bins, "ptxas")) if os.path.exists(p))
-    with tempfile.TemporaryDirectory() as tmp:
-        ptx, cubin = os.path.join(tmp, "k.ptx"), os.path.join(tmp, "k.cubin")
-        with open(ptx, "w") as fh:
-            fh.write(kernel.asm["ptx"])
-        log = subprocess.run([ptxas, "-arch=sm_90a", "-v", ptx, "-o", cubin], capture_output=True, text=True,
-                             check=True).stderr
-        text = subprocess.run([os.path.join(bins, "cuobjdump"), "-sass", cubin], capture_output=True, text=True,
-                              check=True).stdout
-    regs = int(re.search(r"Used (\d+) registers", log).group(1))
-    spill = int(re.search(r"(\d+) bytes spill stores", log).group(1))
-    return regs, spill, text, kernel.asm["ttgir"]
-
-
-def opcodes(text: str) -> collections.Counter:
-    """Instruction count per opcode (without modifiers) of a cuobjdump listing."""
-    ops = re.findall(r"^\s+/\*[0-9a-f]+\*/\s+(?:@!?U?P\w+\s+)?([A-Z0-9_]+)", text, flags=re.M)
-    return collections.Counter(ops)

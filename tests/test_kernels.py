@@ -292,7 +292,7 @@ E4M3 = torch.float8_e4m3fn
 
 def test_e4m3_matches_bytes_written_by_cusparselt(device):
     """The e4m3 compression writes, byte for byte, what cuSPARSELt wrote for these matrices on an
-    H100 (benchmarks/gemm/probe_layout_fp8.py; padding rows included)."""
+    H100 (dumped by benchmarks/gemm/probe_layout_fp8.py, since removed, in the git history; padding rows included)."""
     from pathlib import Path
 
     for rec in torch.load(Path(__file__).parent / "data" / "cusparselt_compressed_e4m3_h100.pt"):

@@ -12,7 +12,8 @@ DUMP = Path(__file__).parent / "data" / "cusparselt_compressed_h200.pt"
 
 
 def test_matches_bytes_written_by_cusparselt():
-    """benchmarks/gemm/probe_layout.py compressed these on the GPU; every byte must agree."""
+    """benchmarks/gemm/probe_layout.py (since removed, in the git history) compressed these on the GPU; every
+    byte must agree."""
     for rec in torch.load(DUMP):
         m, k = rec["m"], rec["k"]
         assert compressed_size(m, k) == rec["size"]
@@ -41,8 +42,9 @@ DUMP_E4M3 = Path(__file__).parent / "data" / "cusparselt_compressed_e4m3_h100.pt
 
 
 def test_e4m3_matches_bytes_written_by_cusparselt():
-    """benchmarks/gemm/probe_layout_fp8.py compressed these e4m3 matrices (random non-zero bytes kept)
-    on the GPU, padding rows included; every byte must agree, and decompressing gives them back."""
+    """benchmarks/gemm/probe_layout_fp8.py (since removed, in the git history) compressed these e4m3
+    matrices (random non-zero bytes kept) on the GPU, padding rows included; every byte must agree,
+    and decompressing gives them back."""
     for rec in torch.load(DUMP_E4M3):
         m, k = rec["m"], rec["k"]
         for dense, comp in zip(rec["dense"], rec["comp"]):

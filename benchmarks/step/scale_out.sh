@@ -1,7 +1,6 @@
 #!/usr/bin/env bash
 # The scale-out measurements on NPROC GPUs of one host (2). PARTS chooses (default: all but big, more
 # than the 10 minutes one device call allows; each part has its own time limit):
-#   nccl   the collectives' bandwidth at the sizes these runs move (nccl_bw.py)
 #   dcp    the sharded FSDP2 checkpoint's GPU test (save on 2 GPUs, a kill mid-save, resume bit-exact)
 #   host   where an FSDP2 step's time goes against DDP's, gpt2-124m 16 x 1024 (fsdp_host.py)
 #   loop   the real loop (dist_loop.py): DDP against FSDP2 at gpt2-124m 16 x 1024 and gpt2-774m 8 x 1024
@@ -13,7 +12,7 @@
 #          runs stop starting 150 s before it, and the table holds the runs that finished)
 # TITAN_S: the titan part's time limit (330); RUNS, STEPS, BUDGET pass on to torchtitan_run.sh
 # Results go to $OUT (default /tmp/scale_out): pytest.txt, host.md, loop.md, llama.md, big.md,
-# nccl.md, torchtitan.md, torchtitan_steps.txt and log.txt (everything else each part printed); a
+# torchtitan.md, torchtitan_steps.txt and log.txt (everything else each part printed); a
 # device call brings back 8 files, so one call runs a few parts.
 #   PARTS="dcp host loop" bash benchmarks/step/scale_out.sh     (needs nvmath-python; torchtitan's wheels for titan)
 set -uo pipefail
@@ -21,7 +20,7 @@ cd "$(dirname "$0")/../.."
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1 TMPDIR=/dev/shm PYTHONUNBUFFERED=1
 export PYTHONPATH=$PWD/src${PYTHONPATH:+:$PYTHONPATH}
 OUT=${OUT:-/tmp/scale_out}; mkdir -p "$OUT"
-PARTS=${PARTS:-nccl dcp host loop llama titan}
+PARTS=${PARTS:-dcp host loop llama titan}
 NPROC=${NPROC:-2}
 LLAMA_S=${LLAMA_S:-280}; BIG_S=${BIG_S:-560}  # the llama and big parts' time limits (s)
 TORCHRUN="python3 -m torch.distributed.run --standalone --nproc-per-node $NPROC"
@@ -29,11 +28,6 @@ LOOP="$TORCHRUN benchmarks/step/dist_loop.py"
 LOG=$OUT/log.txt
 has() { [[ " $PARTS " == *" $1 "* ]]; }
 nvidia-smi topo -m >> "$LOG" 2>&1
-
-if has nccl; then
-  echo "== nccl: collectives' bandwidth"
-  timeout 60 $TORCHRUN benchmarks/step/nccl_bw.py > "$OUT/nccl.md" 2>> "$LOG"; cat "$OUT/nccl.md"
-fi
 
 if has dcp; then
   echo "== dcp: sharded checkpoint on 2 GPUs"

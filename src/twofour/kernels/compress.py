@@ -19,29 +19,16 @@ byte against cuSPARSELt's own compression on the GPU.
 
 from __future__ import annotations
 
-import dataclasses
-
 import torch
 
 from .layout import compressed_size, supported_shape
 from .triton_common import HAS_TRITON, PHILOX_ROUNDS, launch_tuned
 
-__all__ = ["compress", "compress_tiled", "compress_e4m3", "MODES", "Layout", "CUSPARSELT", "SM90"]
+__all__ = ["compress", "compress_tiled", "compress_e4m3", "MODES"]
 
 MODES = {"hard": 0, "soft": 1, "mask": 2, "mvue": 3}
 
 
-@dataclasses.dataclass(frozen=True)
-class Layout:
-    """The compressed layout the kernel writes: the values are alike, the metadata is ordered for
-    one GEMM (cuSPARSELt's, ``layout.py``, or CUTLASS's sm90 kernel's, ``benchmarks/gemm/sm90/layout.py``)."""
-
-    name: str
-    sm90: bool
-
-
-CUSPARSELT = Layout("cusparselt", False)
-SM90 = Layout("sm90", True)
 BC = 128  # columns per program off the GPU (a 64 x 128 tile); on the GPU autotuned over 32-256
 
 if HAS_TRITON:
@@ -59,7 +46,6 @@ if HAS_TRITON:
         rank_keep,
         store_compressed,
         store_compressed_e4m3,
-        store_compressed_sm90,
     )
 
     @triton.jit
@@ -67,7 +53,7 @@ if HAS_TRITON:
                          n_ct, MODE: tl.constexpr, HAS_U: tl.constexpr, WRITE_DENSE: tl.constexpr,
                          OUT_BF16: tl.constexpr, BC: tl.constexpr, ROUNDS: tl.constexpr = PHILOX_ROUNDS,
                          BIG: tl.constexpr = False, QUAD_LOADS: tl.constexpr = False,
-                         WRITE_SPARSE: tl.constexpr = True, SM90: tl.constexpr = False):
+                         WRITE_SPARSE: tl.constexpr = True):
         """One 64-row band x BC columns: the four entries of each group as four (64, BC/4)
         tensors (one tile load and a split, or four loads for a source with contiguous rows),
         the kept pair chosen elementwise, values and metadata packed by reshapes."""
@@ -105,9 +91,7 @@ if HAS_TRITON:
         if MODE == 3:
             y0, y1 = mvue_rescale(y0, y1, k0, k1, k2, k3, a0, a1, a2, a3)
         v0, v1 = out_bits(y0, OUT_BF16), out_bits(y1, OUT_BF16)
-        if WRITE_SPARSE and SM90:  # CUTLASS's sm90 layout (benchmarks/gemm/sm90/layout.py)
-            store_compressed_sm90(v0, v1, i0, i1, r, band, pc, m_rows, k_cols, vals, meta, BC)
-        elif WRITE_SPARSE:  # cuSPARSELt's layout (skipped when only the dense matrix is read)
+        if WRITE_SPARSE:  # cuSPARSELt's layout (skipped when only the dense matrix is read)
             store_compressed(v0, v1, i0, i1, r, band, pc, m_rows, k_cols, n_ct, vals, meta, BC)
         if WRITE_DENSE:  # the effective matrix, row-major, for GEMMs that stay dense
             zero = tl.zeros_like(v0)
@@ -120,7 +104,7 @@ if HAS_TRITON:
     _compress_tuned = triton.autotune(
         configs=[triton.Config({"BC": bc}, num_warps=w) for bc, w in ((32, 2), (64, 2), (64, 4), (128, 4), (128, 8),
                                                                        (256, 8))],
-        key=["m_rows", "k_cols", "sr", "sc", "MODE", "WRITE_DENSE", "WRITE_SPARSE", "SM90"],
+        key=["m_rows", "k_cols", "sr", "sc", "MODE", "WRITE_DENSE", "WRITE_SPARSE"],
     )(_compress_kernel)
 
     @triton.jit
@@ -152,10 +136,8 @@ _launch: dict[tuple, tuple[int, int]] = {}  # (shape, strides, dtype, constants)
 
 def compress(x: torch.Tensor, mode: str, *, out_dtype: torch.dtype = torch.bfloat16, scale: torch.Tensor | None = None,
              mask: torch.Tensor | None = None, u: torch.Tensor | None = None, seed: torch.Tensor | None = None,
-             dense_out: bool = False, sparse_out: bool = True, layout: Layout = CUSPARSELT
-             ) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """Prune the (M, K) matrix ``x`` (any strides) along K and compress it for cuSPARSELt
-    (``layout=SM90``: for CUTLASS's sm90 GEMM, K a multiple of 128, bf16 only).
+             dense_out: bool = False, sparse_out: bool = True) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Prune the (M, K) matrix ``x`` (any strides) along K and compress it for cuSPARSELt.
 
     ``mode``: ``hard`` (top-2), ``soft`` (``scale`` * soft threshold), ``mask`` (keep ``mask``,
     a bool tensor of x's shape and strides) or ``mvue`` (uniforms ``u``, two per group, a
@@ -165,7 +147,7 @@ def compress(x: torch.Tensor, mode: str, *, out_dtype: torch.dtype = torch.bfloa
     GPU the tile width and warps are autotuned once per shape.
     """
     return compress_tiled(x, mode, out_dtype=out_dtype, scale=scale, mask=mask, u=u, seed=seed, dense_out=dense_out,
-                          sparse_out=sparse_out, layout=layout)
+                          sparse_out=sparse_out)
 
 
 def compress_tiled(x: torch.Tensor, mode: str, *, tile: tuple[int, int] | None = None,
@@ -179,8 +161,7 @@ def compress_tiled(x: torch.Tensor, mode: str, *, tile: tuple[int, int] | None =
 def _compress(x: torch.Tensor, mode: str, *, out_dtype: torch.dtype = torch.bfloat16,
               scale: torch.Tensor | None = None, mask: torch.Tensor | None = None, u: torch.Tensor | None = None,
               seed: torch.Tensor | None = None, dense_out: bool = False, sparse_out: bool = True,
-              tile: tuple[int, int] | None = None, layout: Layout = CUSPARSELT
-              ) -> tuple[torch.Tensor, torch.Tensor | None]:
+              tile: tuple[int, int] | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
     if not HAS_TRITON:
         raise RuntimeError("twofour's fused compression needs Triton (pip install triton)")
     m, k = x.shape
@@ -190,9 +171,6 @@ def _compress(x: torch.Tensor, mode: str, *, out_dtype: torch.dtype = torch.bflo
         raise ValueError(f"compress: mode must be one of {', '.join(MODES)}, got {mode!r}")
     if out_dtype not in (torch.bfloat16, torch.float16):
         raise TypeError(f"compress: out_dtype must be bfloat16 or float16, got {out_dtype}")
-    if layout.sm90 and (k % 128 or m % 8 or out_dtype != torch.bfloat16):
-        raise ValueError(f"compress: the sm90 layout needs bf16, K a multiple of 128 and M of 8, got {(m, k)} "
-                         f"{out_dtype}")
     if not (sparse_out or dense_out):
         raise ValueError("compress: asked for neither the compressed nor the dense output")
     buf = torch.empty(compressed_size(m, k, 2) if sparse_out else 0, dtype=torch.uint8, device=x.device)
@@ -218,7 +196,7 @@ def _compress(x: torch.Tensor, mode: str, *, out_dtype: torch.dtype = torch.bflo
     span = (m - 1) * abs(x.stride(0)) + (k - 1) * abs(x.stride(1)) + 1
     consts = dict(MODE=MODES[mode], HAS_U=u is not None, WRITE_DENSE=dense_out, OUT_BF16=out_dtype == torch.bfloat16,
                   BIG=max(span, m * k) >= 2**31, QUAD_LOADS=x.stride(0) == 1 and k > 1,
-                  WRITE_SPARSE=sparse_out, SM90=layout.sm90)
+                  WRITE_SPARSE=sparse_out)
     launch_tuned(_compress_kernel, _compress_tuned if x.is_cuda else None,
                  lambda meta: (triton.cdiv(m, 64), triton.cdiv(k, meta["BC"])), args, consts, names=("BC",),
                  default=(BC,), cache=_launch, key=(m, k, x.stride(0), x.stride(1), x.dtype, tuple(consts.values())),
@@ -254,5 +232,5 @@ def compress_e4m3(q: torch.Tensor) -> torch.Tensor:
 
 def triton_kernel():
     """The Triton kernel :func:`compress` launches (a ``triton.JITFunction``; None without Triton),
-    for tools that compile or launch it on their own (``benchmarks/kernels/sass_count.py``)."""
+    for tools that launch it on their own (``benchmarks/step/layer_profile.py``)."""
     return _compress_kernel if HAS_TRITON else None

@@ -223,7 +223,8 @@ def rescale_(y: torch.Tensor, sa: torch.Tensor, sb: torch.Tensor, bias: torch.Te
     return y
 
 
-#: Tile of :func:`transpose` on a GPU (BM, BN, warps), from ``benchmarks/fp8/fp8_transpose.py``.
+#: Tile of :func:`transpose` on a GPU (BM, BN, warps), as measured by ``benchmarks/fp8/fp8_transpose.py`` (since
+#: removed; in the git history, docs/notes/fp8.md has its numbers).
 TRANSPOSE_TILE = (128, 128, 8)
 
 

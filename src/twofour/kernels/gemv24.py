@@ -45,7 +45,7 @@ if HAS_TRITON:  # the reference path needs no Triton
 
 __all__ = ["gemv24", "reference", "MAX_TOKENS", "MULTI_TOKENS", "permute_x",
            "HAS_TRITON", "CONFIGS", "Config", "configs_for", "launch",
-           "triton_kernels", "DOT_MIN"]
+           "DOT_MIN"]
 
 #: The most tokens (rows of x) the kernels take; more go to cuSPARSELt's GEMM.
 MAX_TOKENS = 16
@@ -356,9 +356,3 @@ def _choose(x, values, positions, bias, y, quad: bool) -> Config:
     calls = dispatch.working("gemv24", calls, where, "the 2:4 GEMV configuration")
     order = "bias" if bias is not None else "nobias"
     return cands[dispatch.choose("gemv24", n, k, _block_tokens(t), order, x.dtype, calls, graphed=True)]
-
-
-def triton_kernels() -> dict[str, object]:
-    """The Triton kernels :func:`gemv24` launches by variant (``quad``, ``quad_multi``, ``quad_mma``, ``pairs``;
-    empty without Triton), for tools that compile them on their own (``benchmarks/inference/gemv_sass.py``)."""
-    return {**quad_kernels(), "pairs": _gemv24_pairs_kernel} if HAS_TRITON else {}

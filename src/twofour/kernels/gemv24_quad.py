@@ -22,8 +22,9 @@ columns', which a sum may.
   placed in four (rows, quads) planes, each multiplied by ``tl.dot`` with the matching (quads,
   tokens) tile of x, which comes permuted by position in the quad (:func:`_permute_x_kernel`)
   so that Triton streams it into shared memory by ``cp.async``; the weight tiles stream there
-  too, are decoded in the tensor cores' register layout and feed ``wgmma`` from registers
-  (``benchmarks/inference/gemv_sass.py``). The work per weight byte does not grow with the tokens.
+  too, are decoded in the tensor cores' register layout and feed ``wgmma`` from registers (as the
+  SASS counts of ``benchmarks/inference/gemv_sass.py``, since removed, showed). The work per weight
+  byte does not grow with the tokens.
 
 Each splits the inputs over several programs per band of rows where asked (float32 partials,
 summed by :func:`_sum_splits`), so that a layer with few output rows still fills the GPU.

@@ -1,9 +1,9 @@
 """cuSPARSELt's compressed layout of a row-major 2:4 matrix, in plain torch (the reference).
 
 Found by compressing matrices with known values and masks through cuSPARSELt 0.8
-(``benchmarks/gemm/probe_layout.py`` for bf16, ``benchmarks/gemm/probe_layout_fp8.py`` for e4m3)
-and checked byte-for-byte against it (``tests/test_layout.py``). For an (M, K)
-matrix A, 2:4 along K:
+(``benchmarks/gemm/probe_layout.py`` for bf16, ``benchmarks/gemm/probe_layout_fp8.py`` for e4m3; both
+removed after the fit, in the git history at commit 60fdda3) and checked byte-for-byte against it
+(``tests/test_layout.py``). For an (M, K) matrix A, 2:4 along K:
 
 * values: the kept entries, row-major, two per group in ascending column order: M x K/2 elements;
 * metadata, right after: a 4-bit code per group, ``i0 | i1 << 2`` (the kept indices, i0 < i1),

@@ -244,26 +244,6 @@ if HAS_TRITON:
         tl.store(meta + ((band * n_ct + ct) * 4 + rt) * 32 + rl * 4 + gl, word, mask=ct < n_ct)
 
     @triton.jit
-    def store_compressed_sm90(v0, v1, i0, i1, r, band, pc, m_rows, k_cols, vals, meta, BC: tl.constexpr):
-        """Write a (64, BC) band like :func:`store_compressed`, the metadata in CUTLASS's sm90 layout
-        (``benchmarks/gemm/sm90/layout.py``): one 16-bit word per row and 4 groups, word ``r1 + 2 g2 + 8 r0 + 64 g1 +
-        128 r2`` of its 64 x 128 atom (row 16 r2 + 8 r1 + r0, group 8 g2 + 4 g1 + g0 of the atom)."""
-        Q: tl.constexpr = BC // 16
-        vv = tl.reshape(tl.join(v0, v1), (64, BC // 2))
-        cv = pc * (BC // 2) + tl.arange(0, BC // 2)[None, :]
-        tl.store(vals + r * (k_cols // 2) + cv, vv, mask=(r < m_rows) & (cv < k_cols // 2))
-        code = tl.where(r < m_rows, i0 | (i1 << 2), 4)  # padding rows read as "keep 0 and 1"
-        g0 = tl.arange(0, 4)[None, None, :]
-        word = tl.sum(tl.reshape(code, (64, Q, 4)) << (4 * g0), axis=2)  # (64 rows, Q words)
-        word = tl.where(word >= 32768, word - 65536, word).to(tl.int16)
-        rl = tl.arange(0, 64)[:, None]
-        q = pc * Q + tl.arange(0, Q)[None, :]
-        kb, qa = q // 8, q % 8
-        at = (kb * tl.cdiv(m_rows, 64) + band) * 512
-        tl.store(meta + at + (rl // 8) % 2 + 2 * (qa // 2) + 8 * (rl % 8) + 64 * (qa % 2) + 128 * (rl // 16), word,
-                 mask=q < k_cols // 16)
-
-    @triton.jit
     def store_compressed_e4m3(vv, i0, i1, r, band, pc, m_rows, k_cols, n_ct, vals, meta, BC: tl.constexpr):
         """Write a (64, BC) band's kept values ``vv`` ((64, BC/2), row-major, in ``vals``' element
         type) and the positions ``i0`` < ``i1`` of each group as the e4m3 metadata tiles (16 rows x
@@ -286,5 +266,4 @@ if HAS_TRITON:
         tl.store(meta + ((band * n_ct + ct) * 4 + rt) * 32 + rl * 4 + gw, word, mask=ct < n_ct)
 
     __all__ += ["rank_keep", "pick", "out_bits", "to_grid", "quads", "load_groups", "mvue_weights", "group_uniforms",
-                "mvue_keep", "mvue_draws", "mvue_rescale", "store_compressed", "store_compressed_sm90",
-                "store_compressed_e4m3"]
+                "mvue_keep", "mvue_draws", "mvue_rescale", "store_compressed", "store_compressed_e4m3"]
