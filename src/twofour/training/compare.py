@@ -24,13 +24,14 @@ from .lock import RunLock
 from .loop import train
 from .options import once
 from .parallel import launched_main
-from .runs import METRICS, pyplot, read_config, read_metrics, read_summary
+from .plots import curve_panels, save_figure
+from .runs import METRICS, pyplot, read_config, read_summary
 
 log = logging.getLogger("twofour")
 
 __all__ = ["compare", "results_table", "recipe_stats", "plot_compare", "run_label", "summary_label",
            "run_order", "parse_recipes", "parse_seeds", "train_runs", "finished_runs", "one_per_run", "run_folder",
-           "dense_label", "curve_panels", "save_figure", "SharedData", "locked", "mean_std", "paired_gaps",
+           "dense_label", "SharedData", "locked", "mean_std", "paired_gaps",
            "plus_minus", "speed_cells", "same_run", "Diverged", "options_for"]
 
 
@@ -348,15 +349,6 @@ def results_table(summaries: list[dict[str, Any]]) -> str:
     return "\n".join(lines) + "\n"
 
 
-def _band(curves: list[list[tuple[int, float]]]) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray] | None:
-    """Steps every curve has, and the mean, min and max over the curves there."""
-    common = sorted(set.intersection(*(set(st for st, _ in c) for c in curves)))
-    if not common:
-        return None
-    vals = np.array([[dict(c)[st] for st in common] for c in curves])
-    return np.array(common), vals.mean(0), vals.min(0), vals.max(0)
-
-
 def plot_compare(root: Path, summaries: list[dict[str, Any]]) -> Path | None:
     """compare.png: per recipe, the mean over seeds of the validation loss, the (smoothed)
     train loss and the flip rate, with a band from the seeds' minimum to their maximum."""
@@ -366,44 +358,3 @@ def plot_compare(root: Path, summaries: list[dict[str, Any]]) -> Path | None:
     fig, axes = plt.subplots(1, 3, figsize=(16, 4.5))
     curve_panels(axes, summaries, summary_label)
     return save_figure(fig, root / "compare.png")
-
-
-def curve_panels(axes, summaries: list[dict[str, Any]], label: Callable[[dict[str, Any]], str]) -> None:
-    """:func:`plot_compare`'s three panels on ``axes``: the runs grouped by ``label``, one color each."""
-    runs: dict[str, list[dict[str, list[tuple[int, float]]]]] = {}
-    for s in summaries:
-        m = read_metrics(s["out_dir"])
-        steps, losses = zip(*m["train_loss"])
-        k = max(1, len(losses) // 50)  # smooth the noisy per-step loss for the eye
-        smooth = np.convolve(losses, np.ones(k) / k, mode="valid")
-        m["train_smooth"] = list(zip(steps[k - 1:], smooth))
-        runs.setdefault(label(s), []).append(m)
-    panels = (("val_loss", "validation loss", "o-"), ("train_smooth", "train loss (smoothed)", "-"),
-              ("flip_rate", "mask flip rate", "-"))
-    for i, (recipe, ms) in enumerate(runs.items()):
-        color = f"C{i % 10}"  # one color per recipe in every panel
-        label = f"{recipe} ({len(ms)} seed{'s' if len(ms) > 1 else ''})"
-        for ax, (key, _, style) in zip(axes, panels):
-            band = _band([m[key] for m in ms]) if all(m[key] for m in ms) else None
-            if band is None or (key == "flip_rate" and not (band[1] > 0).any()):
-                continue
-            steps, mean, lo, hi = band
-            if key == "flip_rate":  # log scale: leave out the steps without flips
-                keep = mean > 0
-                steps, mean, lo, hi = steps[keep], mean[keep], np.maximum(lo[keep], mean[keep] * 1e-3), hi[keep]
-            ax.plot(steps, mean, style, markersize=3, label=label, color=color)
-            if len(ms) > 1:
-                ax.fill_between(steps, lo, hi, color=color, alpha=0.2, linewidth=0)
-    for ax, (_, title, _) in zip(axes, panels):
-        ax.set(xlabel="step", ylabel=title, title=title + " (mean over seeds, band: min to max)")
-        if ax.has_data():
-            ax.legend(fontsize=7)
-    axes[2].set_yscale("log")
-
-
-def save_figure(fig, path: Path) -> Path:
-    """``fig`` laid out, written to ``path`` and closed."""
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    pyplot().close(fig)
-    return path

@@ -23,7 +23,6 @@ from ..errors import DivergedError, TrainError
 from .checkpoint import checkpoint_path
 from .compare import (
     SharedData,
-    curve_panels,
     dense_label,
     finished_runs,
     locked,
@@ -35,7 +34,6 @@ from .compare import (
     run_folder,
     run_order,
     same_run,
-    save_figure,
     speed_cells,
     summary_label,
     train_runs,
@@ -46,6 +44,7 @@ from .export import run_model
 from .loop import evaluate
 from .options import once
 from .parallel import launched_main
+from .plots import curve_panels, save_figure
 from .runs import pyplot, read_config
 from .setup import autocast_for
 
