@@ -10,7 +10,8 @@ Builds the corpus first if missing (``scripts/make_corpus.py --kind KIND`` on th
 files, ``--corpus-bytes`` of them, split by file: no validation text is seen in training). Each
 run is one ``twofour compare`` process (its own folder under RUNS/parts, scored on both halves of
 the validation split when it ends), ``--workers`` at a time; none starts after ``--deadline``
-seconds, and runs finished under RUNS/parts are reused. ``TWOFOUR_GEMM=sparse`` (the default
+seconds, and runs finished under RUNS/parts, or under ``--reuse`` (a folder of run folders such as
+docs/results/dx-code), are not trained again. ``TWOFOUR_GEMM=sparse`` (the default
 here) forces every GEMM that has a 2:4 route onto it, so that the MVUE estimates are drawn at every
 shape and the runs measure each route's math, not the speed choice. Then the run files
 (config.json, metrics.csv, summary.json, val_halves.json) are gathered into RUNS/all, whose sweep
@@ -33,6 +34,11 @@ from pathlib import Path
 
 from results_tables import sweep_tables
 
+from twofour.training.compare import run_folder
+from twofour.training.config import TrainConfig
+from twofour.training.options import parse_option
+from twofour.training.sweep import parse_rates
+
 HERE = Path(__file__).resolve().parent
 #: What each run folder keeps (checkpoints and plots are not kept).
 KEPT = ("config.json", "metrics.csv", "summary.json", "val_halves.json")
@@ -42,13 +48,24 @@ VARIANTS = (("dense", ()), ("ste", ()), ("s-ste", ()),
             ("ste", ("dx=mvue",)), ("s-ste", ("dx=mvue",)))
 
 
+def reused(args: argparse.Namespace, recipe: str, opts: tuple[str, ...], lr: str, seed: int) -> bool:
+    """Whether ``--reuse`` (a folder of run folders, as docs/results/dx-code) holds this run scored."""
+    if args.reuse is None:
+        return False
+    rate = parse_rates(lr, TrainConfig(model=args.model))[0]
+    name = run_folder(recipe, dict(parse_option(o) for o in opts), seed, "bf16", rate)
+    return (args.reuse / name / "val_halves.json").is_file()
+
+
 def jobs(args: argparse.Namespace) -> list[tuple[str, list[str]]]:
     """(folder name, compare command) of each run, seed by seed, then rate, then variant (so that a
-    call cut short leaves whole seeds)."""
+    call cut short leaves whole seeds); runs that ``--reuse`` holds are left out."""
     out = []
     for seed in args.seeds:
         for lr in args.lrs:
             for recipe, opts in VARIANTS:
+                if reused(args, recipe, opts, lr, seed):
+                    continue
                 name = "-".join([recipe, *(o.replace("=", "_") for o in opts), f"lr{lr}", f"s{seed}"])
                 cmd = [sys.executable, "-m", "twofour", "compare", "--recipes", recipe, "--lrs", lr,
                        "--seeds", str(seed), "--model", args.model, "--steps", str(args.steps),
@@ -126,6 +143,8 @@ def main() -> int:
     ap.add_argument("--gemm", default="sparse", choices=["sparse", "auto"], help="TWOFOUR_GEMM for the runs")
     ap.add_argument("--workers", type=int, default=9, help="runs sharing the device at a time")
     ap.add_argument("--deadline", type=float, default=480, help="seconds after which no run starts")
+    ap.add_argument("--reuse", type=Path, default=None, help="a folder of finished run folders (docs/results/dx-code): "
+                    "runs it holds are not trained again")
     args = ap.parse_args()
     args.corpus = args.corpus or Path(f"/tmp/dx_corpus_{args.kind}")
     t0 = time.time()

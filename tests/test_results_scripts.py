@@ -333,3 +333,17 @@ def test_the_dx_route_tables_recompute_from_their_run_files():
     assert "| **s-ste dx=pruned-t** | fwd, dX, dW | **88.67** | **1.077x** |" in note
     twins = results_tables.twin_table(ROOT / "docs" / "results" / "dx-code").splitlines()
     assert len(twins) == 6 and all(line in note for line in twins)
+
+
+def test_dx_sweep_leaves_out_the_runs_a_results_folder_holds(tmp_path):
+    """scripts/dx_sweep.py --reuse: a run whose scored folder is in the results folder is not
+    trained again; the others are, seed by seed."""
+    import dx_sweep  # noqa: PLC0415
+
+    (tmp_path / "ste-dx=pruned-t-lr=0.0015-s3").mkdir()
+    (tmp_path / "ste-dx=pruned-t-lr=0.0015-s3" / "val_halves.json").write_text("{}")
+    args = argparse.Namespace(seeds=[3], lrs=["1.5x"], model="gpt-10m", reuse=tmp_path, steps=500, batch_size=32,
+                              seq_len=1024, evals=5, eval_iters=16, corpus=tmp_path / "c", device="auto",
+                              runs=tmp_path / "r")
+    names = [name for name, _ in dx_sweep.jobs(args)]
+    assert len(names) == len(dx_sweep.VARIANTS) - 1 and "ste-dx_pruned-t-lr1.5x-s3" not in names
