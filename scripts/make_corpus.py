@@ -41,6 +41,9 @@ class Kind:
     suffixes: tuple[str, ...]
     keep: Callable[[Path, str], bool]
     text: Callable[[Path, str], str] = lambda path, text: text
+    #: Leave out a documentation build's copies and index pages (:func:`_generated`): not for the
+    #: code kind, so that its corpus stays the one earlier runs used.
+    built_docs: bool = False
 
 
 #: Elements of a documentation page that are not its text: navigation, page furniture, code run
@@ -123,7 +126,7 @@ def _is_prose(path: Path, text: str) -> bool:
 
 
 KINDS = {"code": Kind((".py",), lambda path, text: True),
-         "prose": Kind((".rst", ".md", ".txt", ".pod", ".html", ".htm"), _is_prose, html_text)}
+         "prose": Kind((".rst", ".md", ".txt", ".pod", ".html", ".htm"), _is_prose, html_text, built_docs=True)}
 
 
 #: Folders of a built documentation tree that repeat its pages (Sphinx's copies of each page's
@@ -156,7 +159,8 @@ def build(out: Path, roots: list[Path], max_bytes: float = float("inf"),
     seen: set[str] = set()
     files = dups = size = 0
     for root in roots:
-        for path in sorted(p for p in root.rglob("*") if p.suffix in kind.suffixes and not _generated(p)):
+        for path in sorted(p for p in root.rglob("*")
+                           if p.suffix in kind.suffixes and not (kind.built_docs and _generated(p))):
             if size >= max_bytes:
                 return files, dups, size
             try:
