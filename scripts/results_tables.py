@@ -32,6 +32,7 @@ import effective_step
 import numpy as np
 from gap_by_eval import gap_series, gap_table, label_of
 
+from twofour.training.compare import mean_std as compare_mean_std
 from twofour.training.compare import paired_gaps, run_order, summary_label
 from twofour.training.config import TrainConfig
 from twofour.training.runs import read_config, read_summary
@@ -194,7 +195,7 @@ def twin_table(folder: Path, full_seeds: int = 3) -> str:
         _, rel = paired_gaps(loss.get(route, {}), loss.get(twin, {}))
         if len(rel) < 2:
             return ("n/a" if not rel else f"{100 * rel[0]:+.2f} % (one seed)"), None
-        m, sd = float(np.mean(rel)) * 100, float(np.std(rel, ddof=1)) * 100
+        m, sd = (100 * v for v in compare_mean_std(rel))
         return f"{m:+.2f} ± {sd:.2f} % (n={len(rel)})", m <= sd
 
     labels = [label for label in dict.fromkeys(summary_label(r) for r in found) if " dx=" in label]

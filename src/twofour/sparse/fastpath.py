@@ -133,16 +133,17 @@ def _dx_gemm(dy2: torch.Tensor, x2: torch.Tensor, wdense: torch.Tensor, wtc: tor
     if dx == "mvue":
         return _mvue_dx(dy2, wdense, x_col)
 
-    def dense() -> torch.Tensor:
-        w = ops.prune_transpose(wdense) if dx == "pruned-t" else wdense
-        return (w.t() @ dy2.t()).t() if x_col else dy2 @ w
-
-    cands = {"dense": dense}
+    cands = {"dense": lambda: _dense_dx(dy2, ops.prune_transpose(wdense) if dx == "pruned-t" else wdense, x_col)}
     if wtc.numel():
         cands = {"sparse": lambda: ops.spmm(wtc, dy2.t(), k, not x_col).t(), **cands}
     bo = "col" if ops.order(dy2) == "row" else "row"
     kind = ("dx-xcol" if x_col else "dx") + ("-pt" if dx == "pruned-t" else "")
     return cands[dispatch.choose(kind, k, n, t, bo, dy2.dtype, cands)]()
+
+
+def _dense_dx(dy2: torch.Tensor, w: torch.Tensor, x_col: bool) -> torch.Tensor:
+    """dY W as a dense GEMM, in x's order (computed as (W^T dY^T)^T for a column-major x)."""
+    return (w.t() @ dy2.t()).t() if x_col else dy2 @ w
 
 
 def _mvue_dx(dy2: torch.Tensor, wdense: torch.Tensor, x_col: bool) -> torch.Tensor:
@@ -155,10 +156,7 @@ def _mvue_dx(dy2: torch.Tensor, wdense: torch.Tensor, x_col: bool) -> torch.Tens
         buf = ops.compress(dy2, "mvue", seed=_seed(dy2.device), out_dtype=dy2.dtype)[0]
         return ops.spmm(buf, wdense, t, x_col)
 
-    def dense() -> torch.Tensor:
-        return (wdense.t() @ dy2.t()).t() if x_col else dy2 @ wdense
-
-    cands = {"sparse": sparse, "dense": dense}
+    cands = {"sparse": sparse, "dense": lambda: _dense_dx(dy2, wdense, x_col)}
     kind = "dx-mvue" + ("-xcol" if x_col else "")
     return cands[dispatch.choose(kind, wdense.shape[1], n, t, ops.order(dy2), dy2.dtype, cands)]()
 

@@ -18,7 +18,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any, Protocol
+from typing import Protocol
 
 import torch
 import torch.nn.functional as F
@@ -66,7 +66,7 @@ class Layer(Protocol):
     def effective_weight(self) -> torch.Tensor: ...
 
 
-def plan_key(layer: Any, tokens: int, dtype: torch.dtype) -> str:
+def plan_key(layer: Layer, tokens: int, dtype: torch.dtype) -> str:
     """The dispatch key of one layer form's choice in compiled code: recipe, shape, tokens, dtype, bias."""
     r = layer.recipe
     dx = f"-dx={r.dx}" if r.dx in ("pruned-t", "mvue") else ""
@@ -80,7 +80,7 @@ def _recorded_dense(key: str) -> bool:
     return dispatch.recorded(key) == "dense"
 
 
-def dense_gemms(layer: Any, x: torch.Tensor) -> bool:
+def dense_gemms(layer: Layer, x: torch.Tensor) -> bool:
     """Whether ``layer`` runs dense GEMMs on its effective weight for ``x`` in compiled code:
     :func:`~twofour.sparse.compiled.plan_compiled` measured them faster at this shape (else, or
     unplanned: False)."""

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import functools
 import math
 from collections.abc import Callable, Iterable
 from typing import Any
@@ -70,9 +71,10 @@ def option(default: Any = None, flag: str | None = "", *, help: str = "", group:
     return dataclasses.field(default=default, metadata=meta)
 
 
-def declared(cls: type) -> list[tuple[dataclasses.Field, Declared]]:
-    """The declared options of config class ``cls``, in field order."""
-    return [(f, f.metadata["twofour"]) for f in dataclasses.fields(cls) if "twofour" in f.metadata]
+@functools.cache
+def declared(cls: type) -> tuple[tuple[dataclasses.Field, Declared], ...]:
+    """The declared options of config class ``cls``, in field order (read once per class)."""
+    return tuple((f, f.metadata["twofour"]) for f in dataclasses.fields(cls) if "twofour" in f.metadata)
 
 
 def _flag(f: dataclasses.Field, d: Declared) -> str:

@@ -32,6 +32,7 @@ import torch.distributed as dist
 from .. import timing
 from ..errors import TrainError, one_line
 from ..sparse.layer import SparseLinear
+from .config import TrainConfig
 from .parallel import everywhere
 
 log = logging.getLogger("twofour")
@@ -45,7 +46,7 @@ WARMUP_STEPS = 3
 Batches = Sequence[tuple[torch.Tensor, torch.Tensor]]
 
 
-def capture_plan(cfg: Any, world: int, micro_batches: int, sharded: bool, device: torch.device,
+def capture_plan(cfg: TrainConfig, world: int, micro_batches: int, sharded: bool, device: torch.device,
                  starts_dense: bool) -> str:
     """Which CUDA graphs a run's steps replay, decided once per run: ``"compiled"`` (a
     ``--compile-mode`` that captures, torch.compile's own), ``"step"`` (:class:`StepGraphs` around
