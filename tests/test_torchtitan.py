@@ -315,7 +315,12 @@ def _free_port() -> str:
 
 
 if __name__ == "__main__":
+    import gc
+
     fsdp_worker(sys.argv[1])
+    # the sharded models' cycles hold gloo's process group: free it now, not in the interpreter's
+    # final collection, where gloo's worker threads abort the process waiting for the GIL
+    gc.collect()
 
 
 def test_export_gives_a_plain_llama3_the_2to4_weights(tmp_path):

@@ -295,10 +295,15 @@ def main(argv: list[str] | None = None) -> int:
             print(f"twofour {args.command}: {_interrupted(args, e)}", file=sys.stderr)
         return 130
     finally:  # under torchrun: leave NCCL/gloo cleanly
+        import gc  # noqa: PLC0415
+
         import torch.distributed as dist  # noqa: PLC0415
 
         if dist.is_available() and dist.is_initialized():
             dist.destroy_process_group()
+            # a sharded model's reference cycles hold the process group; freed in the interpreter's
+            # final collection instead, gloo's worker threads abort the process waiting for the GIL
+            gc.collect()
 
 
 if __name__ == "__main__":
