@@ -58,7 +58,8 @@ def host_costs() -> None:
         "twofour::compress (custom op)": lambda: torch.ops.twofour.compress.default(w, "hard", None, None, None,
                                                                                     False, torch.bfloat16),
         "Triton launch": lambda: kernel[(4, triton.cdiv(k, 128))](
-            w, w.stride(0), w.stride(1), m, k, buf, buf, seed, buf, vals, meta, vals, k // 32, **consts, BC=128,
+            w, w.stride(0), w.stride(1), m, k, buf, buf, seed, buf, vals, meta, vals, k // 32, vals, meta, 0,
+            **consts, BC=128,
             num_warps=4),
         "ops.spmm (direct)": lambda: ops.spmm(wc, xb.t(), m, False),
         "twofour::spmm (custom op)": lambda: torch.ops.twofour.spmm.default(wc, xb.t(), m, False),

@@ -24,7 +24,7 @@ import torch
 from .layout import compressed_size, supported_shape
 from .triton_common import HAS_TRITON, PHILOX_ROUNDS, launch_tuned
 
-__all__ = ["compress", "compress_tiled", "compress_e4m3", "MODES"]
+__all__ = ["compress", "compress_tiled", "compress_pruned_t", "compress_e4m3", "MODES"]
 
 MODES = {"hard": 0, "soft": 1, "mask": 2, "mvue": 3}
 
@@ -36,6 +36,7 @@ if HAS_TRITON:
     import triton.language as tl
 
     from .triton_common import (
+        in_float,
         load_groups,
         mvue_draws,
         mvue_rescale,
@@ -50,13 +51,15 @@ if HAS_TRITON:
 
     @triton.jit
     def _compress_kernel(src, sr, sc, m_rows, k_cols, mask_ptr, u_ptr, seed_ptr, scale_ptr, vals, meta, dense_out,
-                         n_ct, MODE: tl.constexpr, HAS_U: tl.constexpr, WRITE_DENSE: tl.constexpr,
+                         n_ct, tvals, tmeta, n_ct_t, MODE: tl.constexpr, HAS_U: tl.constexpr, WRITE_DENSE: tl.constexpr,
                          OUT_BF16: tl.constexpr, BC: tl.constexpr, ROUNDS: tl.constexpr = PHILOX_ROUNDS,
                          BIG: tl.constexpr = False, QUAD_LOADS: tl.constexpr = False,
-                         WRITE_SPARSE: tl.constexpr = True):
+                         WRITE_SPARSE: tl.constexpr = True, WRITE_T: tl.constexpr = False):
         """One 64-row band x BC columns: the four entries of each group as four (64, BC/4)
         tensors (one tile load and a split, or four loads for a source with contiguous rows),
-        the kept pair chosen elementwise, values and metadata packed by reshapes."""
+        the kept pair chosen elementwise, values and metadata packed by reshapes. With
+        ``WRITE_T`` (BC = 64) also the effective tile's transpose pruned 2:4 by magnitude along
+        the rows (the ``pruned-t`` dX route's W_pt^T) and compressed into ``tvals``/``tmeta``."""
         G: tl.constexpr = BC // 4
         band, pc = tl.program_id(0), tl.program_id(1)
         r = band * 64 + tl.arange(0, 64)[:, None]  # (64, 1)
@@ -94,17 +97,44 @@ if HAS_TRITON:
         if WRITE_SPARSE:  # cuSPARSELt's layout (skipped when only the dense matrix is read)
             store_compressed(v0, v1, i0, i1, r, band, pc, m_rows, k_cols, n_ct, vals, meta, BC)
         if WRITE_DENSE:  # the effective matrix, row-major, for GEMMs that stay dense
-            zero = tl.zeros_like(v0)
-            d0, d3 = tl.where(k0, v0, zero), tl.where(k3, v1, zero)
-            d1 = tl.where(i1 == 1, v1, tl.where(i0 == 1, v0, zero))
-            d2 = tl.where(i0 == 2, v0, tl.where(i1 == 2, v1, zero))
-            dd = tl.join(tl.join(d0, d1), tl.join(d2, d3)).permute(0, 1, 3, 2)  # (64, G, e)
-            tl.store(dense_out + r * k_cols + c, tl.reshape(dd, (64, BC)), mask=ok)
+            tl.store(dense_out + r * k_cols + c, _spread(v0, v1, i0, i1, tl.zeros_like(v0), BC), mask=ok)
+        if WRITE_T:  # W_eff^T's groups run down this tile's columns: 4 rows of W_eff each
+            _store_pruned_t(in_float(v0, OUT_BF16), in_float(v1, OUT_BF16), i0, i1, band, pc, m_rows, k_cols, n_ct_t,
+                            tvals, tmeta, OUT_BF16, BIG, BC)
+
+    @triton.jit
+    def _spread(v0, v1, i0, i1, zero, BC: tl.constexpr):
+        """The (64, BC) tile of a group's kept pair ``v0`` < ``v1`` at positions ``i0`` < ``i1``, zeros elsewhere."""
+        d0, d3 = tl.where(i0 == 0, v0, zero), tl.where(i1 == 3, v1, zero)
+        d1 = tl.where(i1 == 1, v1, tl.where(i0 == 1, v0, zero))
+        d2 = tl.where(i0 == 2, v0, tl.where(i1 == 2, v1, zero))
+        return tl.reshape(tl.join(tl.join(d0, d1), tl.join(d2, d3)).permute(0, 1, 3, 2), (64, BC))  # (64, G, e)
+
+    @triton.jit
+    def _store_pruned_t(f0, f1, i0, i1, band, pc, m_rows, k_cols, n_ct_t, tvals, tmeta, OUT_BF16: tl.constexpr,
+                        BIG: tl.constexpr, BC: tl.constexpr):
+        """The ``pruned-t`` operand of a square (64, 64) tile: the effective tile (its kept pairs
+        ``f0``, ``f1`` in float32, as rounded) transposed, pruned to its 2 largest magnitudes in
+        each group of 4 rows and written compressed as W^T's band ``pc``, column block ``band``."""
+        t0, t1, t2, t3 = quads(tl.trans(_spread(f0, f1, i0, i1, tl.zeros_like(f0), BC)), BC // 4)
+        q0, q1, q2, q3 = rank_keep(tl.abs(t0), tl.abs(t1), tl.abs(t2), tl.abs(t3))
+        j0 = tl.where(q0, 0, tl.where(q1, 1, 2))
+        j1 = tl.where(q3, 3, tl.where(q2, 2, 1))
+        z0, z1 = pick(q0, q1, q2, q3, t0, t1, t2, t3)
+        rt = pc * 64 + tl.arange(0, 64)[:, None]  # W^T's rows: this tile's columns
+        if BIG:
+            rt = rt.to(tl.int64)
+        store_compressed(out_bits(z0, OUT_BF16), out_bits(z1, OUT_BF16), j0, j1, rt, pc, band, k_cols, m_rows, n_ct_t,
+                         tvals, tmeta, BC)
 
     _compress_tuned = triton.autotune(
         configs=[triton.Config({"BC": bc}, num_warps=w) for bc, w in ((32, 2), (64, 2), (64, 4), (128, 4), (128, 8),
                                                                        (256, 8))],
         key=["m_rows", "k_cols", "sr", "sc", "MODE", "WRITE_DENSE", "WRITE_SPARSE"],
+    )(_compress_kernel)
+    _compress_t_tuned = triton.autotune(  # with W_pt^T: square 64 x 64 tiles
+        configs=[triton.Config({"BC": 64}, num_warps=w) for w in (2, 4, 8)],
+        key=["m_rows", "k_cols", "sr", "sc", "MODE", "WRITE_DENSE"],
     )(_compress_kernel)
 
     @triton.jit
@@ -158,21 +188,33 @@ def compress_tiled(x: torch.Tensor, mode: str, *, tile: tuple[int, int] | None =
     return _compress(x, mode, tile=tile, **kwargs)
 
 
+def compress_pruned_t(x: torch.Tensor, mode: str, *, out_dtype: torch.dtype = torch.bfloat16,
+                      scale: torch.Tensor | None = None, dense_out: bool = False,
+                      tile: tuple[int, int] | None = None) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor]:
+    """:func:`compress` of the (N, K) ``x`` in ``hard`` or ``soft`` mode, and in the same pass the
+    ``pruned-t`` dX route's operand: the effective matrix's transpose (as rounded to
+    ``out_dtype``) pruned 2:4 by magnitude along N and compressed, byte for byte what
+    ``compress(W_eff.t(), "hard")`` writes, without reading W_eff back. N a multiple of 32; the
+    tiles are 64 x 64 (``tile``: (64, warps))."""
+    if mode not in ("hard", "soft"):
+        raise ValueError(f"compress_pruned_t: mode must be hard or soft, got {mode!r}")
+    if not supported_shape(x.shape[1], x.shape[0]):
+        raise ValueError(f"compress_pruned_t: N and K must be multiples of 32, got shape {tuple(x.shape)}")
+    if tile is not None and tile[0] != 64:
+        raise ValueError(f"compress_pruned_t: tiles are 64 columns wide, got {tile[0]}")
+    return _compress(x, mode, out_dtype=out_dtype, scale=scale, dense_out=dense_out, tile=tile, pruned_t=True)
+
+
 def _compress(x: torch.Tensor, mode: str, *, out_dtype: torch.dtype = torch.bfloat16,
               scale: torch.Tensor | None = None, mask: torch.Tensor | None = None, u: torch.Tensor | None = None,
               seed: torch.Tensor | None = None, dense_out: bool = False, sparse_out: bool = True,
-              tile: tuple[int, int] | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
+              tile: tuple[int, int] | None = None, pruned_t: bool = False):
+    """The launch behind :func:`compress` (returns (buf, dense)) and :func:`compress_pruned_t`
+    (returns (buf, dense, W_pt^T's buf))."""
     if not HAS_TRITON:
         raise RuntimeError("twofour's fused compression needs Triton (pip install triton)")
     m, k = x.shape
-    if not supported_shape(m, k):
-        raise ValueError(f"compress: K must be a multiple of 32, got shape {(m, k)}")
-    if mode not in MODES:
-        raise ValueError(f"compress: mode must be one of {', '.join(MODES)}, got {mode!r}")
-    if out_dtype not in (torch.bfloat16, torch.float16):
-        raise TypeError(f"compress: out_dtype must be bfloat16 or float16, got {out_dtype}")
-    if not (sparse_out or dense_out):
-        raise ValueError("compress: asked for neither the compressed nor the dense output")
+    _check(m, k, mode, out_dtype, sparse_out, dense_out)
     buf = torch.empty(compressed_size(m, k, 2) if sparse_out else 0, dtype=torch.uint8, device=x.device)
     nval = m * k // 2 if sparse_out else 0
     bits = torch.int16 if out_dtype == torch.bfloat16 else torch.float16  # bf16 is written as its bits
@@ -183,6 +225,8 @@ def _compress(x: torch.Tensor, mode: str, *, out_dtype: torch.dtype = torch.bflo
     if not sparse_out:  # unused pointers must still point at memory
         vals = meta = dense_bits
     dummy = vals
+    tbuf = torch.empty(compressed_size(k, m, 2) if pruned_t else 0, dtype=torch.uint8, device=x.device)
+    tvals, tmeta = (tbuf[: m * k].view(bits), tbuf[m * k:].view(torch.int16)) if pruned_t else (dummy, dummy)
     if mode == "mvue" and u is None and seed is None:
         seed = torch.randint(0, 2**31 - 1, (1,), device=x.device, dtype=torch.int64)
     if mask is not None:
@@ -190,18 +234,31 @@ def _compress(x: torch.Tensor, mode: str, *, out_dtype: torch.dtype = torch.bflo
         if mask.stride() != x.stride():
             raise ValueError("compress: mask must have the same strides as x")
     args = (x, x.stride(0), x.stride(1), m, k, mask if mask is not None else dummy, u if u is not None else dummy,
-            seed if seed is not None else dummy, scale if scale is not None else dummy, vals, meta, dense_bits, k // 32)
+            seed if seed is not None else dummy, scale if scale is not None else dummy, vals, meta, dense_bits, k // 32,
+            tvals, tmeta, m // 32)
     if u is not None and (u.shape != (m, k // 2) or not u.is_contiguous()):
         raise ValueError(f"compress: u must be a contiguous ({m}, {k // 2}) tensor (two uniforms per group)")
     span = (m - 1) * abs(x.stride(0)) + (k - 1) * abs(x.stride(1)) + 1
     consts = dict(MODE=MODES[mode], HAS_U=u is not None, WRITE_DENSE=dense_out, OUT_BF16=out_dtype == torch.bfloat16,
                   BIG=max(span, m * k) >= 2**31, QUAD_LOADS=x.stride(0) == 1 and k > 1,
-                  WRITE_SPARSE=sparse_out)
-    launch_tuned(_compress_kernel, _compress_tuned if x.is_cuda else None,
-                 lambda meta: (triton.cdiv(m, 64), triton.cdiv(k, meta["BC"])), args, consts, names=("BC",),
-                 default=(BC,), cache=_launch, key=(m, k, x.stride(0), x.stride(1), x.dtype, tuple(consts.values())),
-                 tile=tile, on_gpu=x.is_cuda)
-    return buf, dense
+                  WRITE_SPARSE=sparse_out, WRITE_T=pruned_t)
+    tuned = (_compress_t_tuned if pruned_t else _compress_tuned) if x.is_cuda else None
+    launch_tuned(_compress_kernel, tuned, lambda meta: (triton.cdiv(m, 64), triton.cdiv(k, meta["BC"])), args, consts,
+                 names=("BC",), default=(64 if pruned_t else BC,), cache=_launch,
+                 key=(m, k, x.stride(0), x.stride(1), x.dtype, tuple(consts.values())), tile=tile, on_gpu=x.is_cuda)
+    return (buf, dense, tbuf) if pruned_t else (buf, dense)
+
+
+def _check(m: int, k: int, mode: str, out_dtype: torch.dtype, sparse_out: bool, dense_out: bool) -> None:
+    """One-line errors for what :func:`compress` can't take."""
+    if not supported_shape(m, k):
+        raise ValueError(f"compress: K must be a multiple of 32, got shape {(m, k)}")
+    if mode not in MODES:
+        raise ValueError(f"compress: mode must be one of {', '.join(MODES)}, got {mode!r}")
+    if out_dtype not in (torch.bfloat16, torch.float16):
+        raise TypeError(f"compress: out_dtype must be bfloat16 or float16, got {out_dtype}")
+    if not (sparse_out or dense_out):
+        raise ValueError("compress: asked for neither the compressed nor the dense output")
 
 
 _launch_e4m3: dict[tuple[int, int], tuple[int, int]] = {}  # (M, K) -> the tuned (BC, warps)

@@ -29,7 +29,7 @@ from .triton_common import HAS_TRITON
 
 log = logging.getLogger(__name__)
 
-__all__ = ["spmm", "compress", "refresh_mask_", "refresh_masks_", "order", "fast_available",
+__all__ = ["spmm", "compress", "compress_pruned_t", "refresh_mask_", "refresh_masks_", "order", "fast_available",
            "triton_ok", "as_2d"]
 
 
@@ -184,8 +184,14 @@ def _compress(x: torch.Tensor, mode: str, scale: torch.Tensor | None, mask: torc
     return buf, dense if dense is not None else buf.new_empty(0, dtype=out_dtype)
 
 
+def _compress_pruned_t(x: torch.Tensor, mode: str, scale: torch.Tensor | None,
+                       out_dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    return _ck.compress_pruned_t(x, mode, out_dtype=out_dtype, scale=scale, dense_out=True)
+
+
 _spmm_op = torch.library.custom_op("twofour::spmm", _spmm, mutates_args=())
 _compress_op = torch.library.custom_op("twofour::compress", _compress, mutates_args=())
+_compress_pt_op = torch.library.custom_op("twofour::compress_pruned_t", _compress_pruned_t, mutates_args=())
 
 
 @_spmm_op.register_fake
@@ -201,6 +207,14 @@ def _(x, mode, scale, mask, seed, dense_out, out_dtype, sparse_out=True):
     size = compressed_size(m, k, torch.finfo(out_dtype).bits // 8) if sparse_out else 0
     buf = torch.empty(size, dtype=torch.uint8, device=x.device)
     return buf, torch.empty((m, k) if dense_out else (0,), dtype=out_dtype, device=x.device)
+
+
+@_compress_pt_op.register_fake
+def _(x, mode, scale, out_dtype):
+    m, k = x.shape
+    return (torch.empty(compressed_size(m, k, 2), dtype=torch.uint8, device=x.device),
+            torch.empty((m, k), dtype=out_dtype, device=x.device),
+            torch.empty(compressed_size(k, m, 2), dtype=torch.uint8, device=x.device))
 
 
 def spmm(a: torch.Tensor, b: torch.Tensor, m: int, d_col: bool, bias: torch.Tensor | None = None,
@@ -225,6 +239,16 @@ def compress(x: torch.Tensor, mode: str, *, scale: torch.Tensor | None = None, m
     ``twofour::compress``."""
     args = (x, mode, scale, mask, seed, dense_out, out_dtype, sparse_out)
     return _compress_op(*args) if torch.compiler.is_compiling() else _compress(*args)
+
+
+def compress_pruned_t(x: torch.Tensor, mode: str, *, scale: torch.Tensor | None = None,
+                      out_dtype: torch.dtype = torch.bfloat16) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(compressed W_eff, dense W_eff, compressed W_pt^T) of the weight ``x`` in one pass of the
+    fused kernel (:func:`twofour.kernels.compress.compress_pruned_t`): the ``pruned-t`` dX route's
+    operands, ``mode`` ``hard`` or ``soft``. Eager calls launch it directly, traced ones go through
+    ``twofour::compress_pruned_t``."""
+    args = (x, mode, scale, out_dtype)
+    return _compress_pt_op(*args) if torch.compiler.is_compiling() else _compress_pruned_t(*args)
 
 
 def prune_transpose(w: torch.Tensor) -> torch.Tensor:

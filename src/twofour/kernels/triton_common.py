@@ -119,6 +119,15 @@ if HAS_TRITON:
         return y
 
     @triton.jit
+    def in_float(y, OUT_BF16: tl.constexpr):
+        """:func:`out_bits`'s output back in float32 (exact: bf16 bits are float32's upper half)."""
+        if OUT_BF16:
+            x = (y.to(tl.int32) << 16).to(tl.float32, bitcast=True)
+        else:
+            x = y.to(tl.float32)
+        return x
+
+    @triton.jit
     def to_grid(v, MBITS: tl.constexpr, EMIN: tl.constexpr):
         """``v`` (float32, within the format's range) rounded to the nearest FP8 value, ties to
         even, still in float32: the cast that follows is exact. Done here rather than by the
@@ -265,5 +274,6 @@ if HAS_TRITON:
         gw = tl.arange(0, 4)[None, None, None, :]
         tl.store(meta + ((band * n_ct + ct) * 4 + rt) * 32 + rl * 4 + gw, word, mask=ct < n_ct)
 
-    __all__ += ["rank_keep", "pick", "out_bits", "to_grid", "quads", "load_groups", "mvue_weights", "group_uniforms",
-                "mvue_keep", "mvue_draws", "mvue_rescale", "store_compressed", "store_compressed_e4m3"]
+    __all__ += ["rank_keep", "pick", "out_bits", "in_float", "to_grid", "quads", "load_groups", "mvue_weights",
+                "group_uniforms", "mvue_keep", "mvue_draws", "mvue_rescale", "store_compressed",
+                "store_compressed_e4m3"]

@@ -58,11 +58,11 @@ def _saving_memory() -> bool:
 def operands(pruner: Pruner, w: torch.Tensor, beta: torch.Tensor | None, mask: torch.Tensor | None,
              dtype: torch.dtype, sparse: bool = True, dx: str = "dense") -> Compressed:
     """The fast path's operands (:meth:`Pruner.compress`); for the ``pruned-t`` dX route the third
-    is W_pt^T compressed: the dense W_eff^T pruned 2:4 along the output features by one more pass."""
-    wc, wd, wtc = pruner.compress(w, beta, mask, dtype, sparse)
+    is W_pt^T compressed: W_eff^T pruned 2:4 along the output features, written by the same pass
+    where the pruning kind fuses it (:meth:`Pruner.compress_pruned_t`)."""
     if dx == "pruned-t" and sparse:
-        wtc = ops.compress(wd.t(), "hard", out_dtype=dtype)[0]
-    return wc, wd, wtc
+        return pruner.compress_pruned_t(w, beta, mask, dtype)
+    return pruner.compress(w, beta, mask, dtype, sparse)
 
 
 class CompressedWeight:

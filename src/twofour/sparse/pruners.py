@@ -73,6 +73,14 @@ class Pruner:
         2:4 operands empty: an FP8 layer multiplies the dense one)."""
         raise NotImplementedError
 
+    def compress_pruned_t(self, w: torch.Tensor, beta: torch.Tensor | None, mask: torch.Tensor | None,
+                          dtype: torch.dtype) -> Compressed:
+        """The ``pruned-t`` dX route's operands: :meth:`compress`'s first two, then W_eff^T pruned
+        2:4 along the output features and compressed (a second pass over the dense W_eff, unless
+        the kind fuses it into the first)."""
+        wc, wd, _ = self.compress(w, beta, mask, dtype)
+        return wc, wd, ops.compress(wd.t(), "hard", out_dtype=dtype)[0]
+
     def __repr__(self) -> str:
         return f"{type(self).__name__}()"
 
@@ -104,6 +112,15 @@ def _no_transpose(w: torch.Tensor) -> torch.Tensor:
     return w.new_empty(0, dtype=torch.uint8)
 
 
+def _fused_pruned_t(w: torch.Tensor, mode: str, scale: torch.Tensor | None, dtype: torch.dtype) -> Compressed | None:
+    """The ``pruned-t`` operands by one pass of the fused kernel (:func:`twofour.kernels.ops.compress_pruned_t`)
+    where the output features are a multiple of 32 (its W^T tiles), else None."""
+    if w.shape[0] % 32:
+        return None
+    wc, wd, wtc = ops.compress_pruned_t(w, mode, scale=scale, out_dtype=dtype)
+    return wc, wd, wtc
+
+
 class HardPruner(Pruner):
     """Top-2 of every group of 4 by magnitude, recomputed from the current weight every step."""
 
@@ -115,6 +132,9 @@ class HardPruner(Pruner):
     def compress(self, w, beta, mask, dtype, sparse=True):
         wc, wd = ops.compress(w, "hard", dense_out=True, out_dtype=dtype, sparse_out=sparse)
         return wc, wd, _no_transpose(w)
+
+    def compress_pruned_t(self, w, beta, mask, dtype):
+        return _fused_pruned_t(w, "hard", None, dtype) or super().compress_pruned_t(w, beta, mask, dtype)
 
 
 class SoftPruner(Pruner):
@@ -136,6 +156,9 @@ class SoftPruner(Pruner):
     def compress(self, w, beta, mask, dtype, sparse=True):
         wc, wd = ops.compress(w, "soft", scale=beta.reshape(1), dense_out=True, out_dtype=dtype, sparse_out=sparse)
         return wc, wd, _no_transpose(w)
+
+    def compress_pruned_t(self, w, beta, mask, dtype):
+        return _fused_pruned_t(w, "soft", beta.reshape(1), dtype) or super().compress_pruned_t(w, beta, mask, dtype)
 
 
 class TransposablePruner(Pruner):
