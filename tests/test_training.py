@@ -262,3 +262,19 @@ def test_a_sparse_gpu_run_without_the_fast_path_is_warned_about(monkeypatch):
     monkeypatch.setattr(ops, "fast_available", lambda: True)
     with dispatch.override(fast=True):
         assert slow_path_warning(cuda, sste) is None
+
+
+def test_a_runs_decisions_are_made_once_in_its_plan():
+    """plan_run: the options and the processes come to one Plan (recipe, device, micro-batches,
+    precision, graphs, optimizer) that set-up and the loop read."""
+    from twofour.training.config import TrainConfig
+    from twofour.training.parallel import Parallel
+    from twofour.training.plan import plan_run
+
+    one = Parallel()
+    plan = plan_run(TrainConfig(model="tiny", recipe="step", device="cpu", grad_accum=3), one)
+    assert plan.recipe.name == "step" and plan.optimizer == "step-adamw" and plan.accum == 3
+    assert plan.device.type == "cpu" and not plan.autocast and plan.precision == "float32" and plan.graphs == ""
+    assert not plan.sharded and plan.world == 1 and not plan.plan_layers
+    plan = plan_run(TrainConfig(model="tiny", recipe="s-ste", device="cpu", compile=True), one)
+    assert plan.optimizer == "adamw" and plan.recipe.name == "s-ste" and not plan.plan_layers  # no autocast on a CPU

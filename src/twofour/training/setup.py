@@ -23,11 +23,12 @@ from ..sparse.optim import STEPAdamW
 from ..sparse.recipes import Recipe
 from .checkpoint import load_checkpoint
 from .checkpointer import Checkpointer
-from .config import TrainConfig, lr_at, resolve_device
+from .config import TrainConfig, lr_at
 from .data import TokenData, load_data
-from .graphs import Batches, GradAllReduce, StepGraphs, capture_plan
+from .graphs import Batches, GradAllReduce, StepGraphs
 from .memory import check_memory
 from .parallel import Parallel, checkpoint_blocks, grad_norm, shard
+from .plan import Plan, plan_run
 from .runs import check_resumable, prepare_run_dir
 
 __all__ = ["Run", "EagerStep", "setup", "build_model", "slow_path_warning"]
@@ -78,8 +79,7 @@ class Run:
 
     cfg: TrainConfig
     par: Parallel
-    device: torch.device
-    recipe: Recipe
+    plan: Plan  # the run's decisions (recipe, device, micro-batches, precision, graphs, optimizer)
     data: TokenData
     out: Path
     raw: torch.nn.Module  # the unwrapped model: state dicts, recipe state, flip rates
@@ -95,9 +95,17 @@ class Run:
     checkpointer: Checkpointer  # where and how the run is saved (whole or sharded)
 
     @property
+    def device(self) -> torch.device:
+        return self.plan.device
+
+    @property
+    def recipe(self) -> Recipe:
+        return self.plan.recipe
+
+    @property
     def accum(self) -> int:
         """Micro-batches per optimizer step in this process."""
-        return self.cfg.micro_batches(self.par.world)
+        return self.plan.accum
 
     @property
     def stop(self) -> int:
@@ -107,7 +115,7 @@ class Run:
     @property
     def tokens_per_step(self) -> int:
         """Tokens of one optimizer step over all processes."""
-        return self.cfg.batch_size * self.cfg.seq_len * self.accum * self.par.world
+        return self.cfg.batch_size * self.cfg.seq_len * self.accum * self.plan.world
 
     @property
     def header(self) -> str:
@@ -116,12 +124,12 @@ class Run:
         where = str(self.device)
         if self.device.type == "cuda":
             where += f" ({torch.cuda.get_device_name(self.device)})"
-        how = "bf16 autocast" if autocast_on(self.cfg, self.device) else "float32"
+        how = self.plan.precision
         if self.cfg.precision != "bf16":
             layers = "FFN and attention" if self.cfg.sparse_attention else "FFN"
             how += f", {self.cfg.precision} GEMMs in the {layers} linears"
-        if self.par.world > 1:
-            how += f", {self.par.world} processes ({'FSDP2' if self.par.sharded else 'DDP'})"
+        if self.plan.world > 1:
+            how += f", {self.plan.world} processes ({'FSDP2' if self.plan.sharded else 'DDP'})"
         if self.resumed and self.cfg.reschedule:
             how += f"; --reschedule: the learning-rate schedule now spans {self.cfg.steps} steps"
         return f"on {where}, {how}"
@@ -141,16 +149,15 @@ class Run:
 def setup(cfg: TrainConfig, data: TokenData | None, par: Parallel) -> Run:
     """Build the run ``cfg`` describes in this process (its folder prepared by rank 0, its
     checkpoint loaded with ``--resume``)."""
-    recipe = cfg.recipe_object()
-    device = resolve_device(cfg.device, par.local_rank)
-    graphs = capture_plan(cfg, par.world, cfg.micro_batches(par.world), par.sharded, device, recipe.starts_dense)
+    plan = plan_run(cfg, par)
+    recipe, device = plan.recipe, plan.device
     slow = slow_path_warning(device, recipe)
     if slow and par.main:
         warn(slow)
     if data is None:
         data = load_data(cfg.data, cfg.vocab_size)
     data.check(cfg.seq_len)
-    check_memory(cfg, data.vocab_size, device, par.world if par.sharded else 1)  # before the run folder is touched
+    check_memory(cfg, data.vocab_size, device, plan.world if plan.sharded else 1)  # before the run folder is touched
     out = prepare_run_dir(cfg) if par.main else Path(cfg.out_dir)
     par.barrier()
     ckpt = load_checkpoint(out, cfg) if cfg.resume else None  # ckpt.pt, or the sharded ckpt/'s meta.pt
@@ -159,61 +166,52 @@ def setup(cfg: TrainConfig, data: TokenData | None, par: Parallel) -> Run:
 
     torch.manual_seed(cfg.seed)
     # an FSDP2 run's model is built on its GPU (a large model's init on the CPU takes minutes)
-    with torch.device(device) if par.sharded else contextlib.nullcontext():
+    with torch.device(device) if plan.sharded else contextlib.nullcontext():
         raw = build_model(cfg, recipe, data.vocab_size).to(device)
     if cfg.activation_checkpointing:
         checkpoint_blocks(raw)
-    if par.sharded:
+    if plan.sharded:
         shard(raw, par.fsdp)
-    opt = _optimizer(cfg, raw, recipe, device)
+    opt = _optimizer(cfg, raw, plan)
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: lr_at(cfg, s) / cfg.peak_lr)
     data_gen = torch.Generator().manual_seed(cfg.seed + 7919 * par.rank)
-    saver = Checkpointer(out, cfg, raw, opt, sched, data_gen, par.rank, par.world, par.sharded)
+    saver = Checkpointer(out, cfg, raw, opt, sched, data_gen, par.rank, plan.world, plan.sharded)
     start = 0 if ckpt is None else saver.resume(ckpt)
     attach(raw, opt)  # masks, refreshes and phases advance once per optimizer step
-    autocast = autocast_for(cfg, device)
-    if cfg.compile and autocast_on(cfg, device):  # each layer shape compiled as the 2:4 op or dense GEMMs
+    autocast = plan.autocast_context()
+    if plan.plan_layers:  # each layer shape compiled as the 2:4 op or dense GEMMs
         for key, choice in par.from_main(plan_compiled(raw, cfg.batch_size * cfg.seq_len)).items():
             dispatch.set_choice(key, choice)  # rank 0's measurement on every rank: the same code everywhere
-    graphed = graphs == "step"
+    graphed = plan.graphs == "step"
     model = raw
     if par.ddp and not graphed:  # the recipes' buffers follow from the weights, equal on every rank
         ids = [par.local_rank] if device.type == "cuda" else None
         model = torch.nn.parallel.DistributedDataParallel(raw, device_ids=ids, broadcast_buffers=False)
     fwd = torch.compile(model, mode=cfg.compile_mode) if cfg.compile else model
-    step = _step(cfg, par, raw, model, fwd, opt, autocast, graphed)
+    step = _step(cfg, plan, par, raw, model, fwd, opt, autocast)
     if par.main:
         (out / "config.json").write_text(json.dumps(cfg.to_dict(), indent=2))
-    return Run(cfg, par, device, recipe, data, out, raw, fwd, opt, sched, data_gen, step, autocast, start,
+    return Run(cfg, par, plan, data, out, raw, fwd, opt, sched, data_gen, step, autocast, start,
                ckpt is not None, ckpt.get("elapsed_s", 0.0) if ckpt is not None else 0.0, saver)
 
 
-def autocast_on(cfg: TrainConfig, device: torch.device) -> bool:
-    """Whether the run computes under bf16 autocast (on the GPU unless ``--no-bf16``)."""
-    return cfg.bf16 and device.type == "cuda"
-
-
-def autocast_for(cfg: TrainConfig, device: torch.device) -> contextlib.AbstractContextManager:
-    """The context the run's forwards run in: bf16 autocast where :func:`autocast_on`, else none."""
-    return torch.autocast("cuda", dtype=torch.bfloat16) if autocast_on(cfg, device) else contextlib.nullcontext()
-
-
-def _optimizer(cfg: TrainConfig, raw: torch.nn.Module, recipe: Recipe, device: torch.device) -> torch.optim.Optimizer:
-    """AdamW with weight decay on the matrices only; STEP's AdamW, which decides when the masks
-    switch on, for that recipe."""
+def _optimizer(cfg: TrainConfig, raw: torch.nn.Module, plan: Plan) -> torch.optim.Optimizer:
+    """AdamW with weight decay on the matrices only (fused on a GPU), or STEP's AdamW, which decides
+    when the masks switch on, as the plan says."""
     decay = [p for p in raw.parameters() if p.dim() >= 2]
     no_decay = [p for p in raw.parameters() if p.dim() < 2]
     groups = [{"params": decay, "weight_decay": cfg.weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
-    if recipe.starts_dense:
+    if plan.optimizer == "step-adamw":
         return STEPAdamW(groups, total_steps=cfg.steps, lr=cfg.peak_lr, betas=cfg.betas)
-    return torch.optim.AdamW(groups, lr=cfg.peak_lr, betas=cfg.betas, fused=device.type == "cuda")
+    return torch.optim.AdamW(groups, lr=cfg.peak_lr, betas=cfg.betas, fused=plan.device.type == "cuda")
 
 
-def _step(cfg: TrainConfig, par: Parallel, raw: torch.nn.Module, model: torch.nn.Module, fwd: Callable,
-          opt: torch.optim.Optimizer, autocast, graphed: bool) -> EagerStep | StepGraphs:
-    """The step object: CUDA graphs where ``graphed`` (under DDP with the model unwrapped and the
-    gradients averaged after the passes), else eager (DDP reducing on the last micro-batch)."""
-    accum = cfg.micro_batches(par.world)
+def _step(cfg: TrainConfig, plan: Plan, par: Parallel, raw: torch.nn.Module, model: torch.nn.Module, fwd: Callable,
+          opt: torch.optim.Optimizer, autocast) -> EagerStep | StepGraphs:
+    """The step object: CUDA graphs where the plan says ``step`` (under DDP with the model
+    unwrapped and the gradients averaged after the passes), else eager (DDP reducing on the last
+    micro-batch)."""
+    accum = plan.accum
     ddp_wrapped = model is not raw
 
     def micro_step(x: torch.Tensor, y: torch.Tensor, last: bool = True) -> torch.Tensor:
@@ -228,12 +226,12 @@ def _step(cfg: TrainConfig, par: Parallel, raw: torch.nn.Module, model: torch.nn
     def clip() -> torch.Tensor:  # the gradients clipped, their norm returned
         return grad_norm(raw, cfg.grad_clip)
 
-    if not graphed:
+    if plan.graphs != "step":
         return EagerStep(micro_step, clip, opt)
     reduce = None
     if par.ddp:
         GradAllReduce.broadcast(raw)  # the replicas start equal, as DDP's constructor makes them
-        reduce = GradAllReduce([p for p in raw.parameters() if p.requires_grad], par.world)
+        reduce = GradAllReduce([p for p in raw.parameters() if p.requires_grad], plan.world)
     return StepGraphs(raw, micro_step, clip, reduce=reduce)
 
 

@@ -44,9 +44,9 @@ from .export import run_model
 from .loop import evaluate
 from .options import once
 from .parallel import launched_main
+from .plan import autocast_for
 from .plots import curve_panels, save_figure
 from .runs import pyplot, read_config
-from .setup import autocast_for
 
 __all__ = ["SCORES", "DIVERGED", "DivergedRuns", "parse_rates", "sweep", "sweep_runs", "halves", "scores",
            "best_rates", "sweep_table", "plot_sweep"]
