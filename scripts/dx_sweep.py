@@ -14,7 +14,7 @@ seconds, and runs finished under RUNS/parts, or under ``--reuse`` (a folder of r
 docs/results/dx-code), are not trained again. ``TWOFOUR_GEMM=sparse`` (the default
 here) forces every GEMM that has a 2:4 route onto it, so that the MVUE estimates are drawn at every
 shape and the runs measure each route's math, not the speed choice. Then the run files
-(config.json, metrics.csv, summary.json, val_halves.json) are gathered into RUNS/all, whose sweep
+(config.json, metrics.csv gzipped, summary.json, val_halves.json) are gathered into RUNS/all, whose sweep
 tables (``results_tables.py --folder``) go to RUNS/dx.md, and with ``$OUT`` set to
 ``$OUT/dx-KIND.md`` and ``$OUT/dx-KIND.tar.gz`` (RUNS's run files and logs: unpacked into RUNS, a
 later call reuses the runs; RUNS/all is what docs/results/ keeps).
@@ -23,6 +23,7 @@ later call reuses the runs; RUNS/all is what docs/results/ keeps).
 from __future__ import annotations
 
 import argparse
+import gzip
 import os
 import shutil
 import subprocess
@@ -119,8 +120,12 @@ def gather(runs: Path) -> Path:
         dest = all_ / scores.parent.name
         dest.mkdir(parents=True, exist_ok=True)
         for name in KEPT:
-            if (scores.parent / name).is_file():
-                shutil.copy2(scores.parent / name, dest / name)
+            src = scores.parent / name
+            if src.is_file() and name == "metrics.csv":  # gzipped, as docs/results keeps it
+                with src.open("rb") as fh, gzip.GzipFile(dest / (name + ".gz"), "wb", mtime=0) as gz:
+                    shutil.copyfileobj(fh, gz)
+            elif src.is_file():
+                shutil.copy2(src, dest / name)
     return all_
 
 

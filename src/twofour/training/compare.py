@@ -25,7 +25,7 @@ from .loop import train
 from .options import once
 from .parallel import launched_main
 from .plots import curve_panels, save_figure
-from .runs import METRICS, pyplot, read_config, read_summary
+from .runs import METRICS, metrics_file, pyplot, read_config, read_summary
 
 log = logging.getLogger("twofour")
 
@@ -256,7 +256,7 @@ def one_per_run(runs: list[dict[str, Any]], key: Callable[[dict[str, Any]], tupl
             log.warning("twofour: %s repeats the run %s (seed %s) of %s; it is left out of the table", r["out_dir"],
                         summary_label(r), r["seed"], same["out_dir"])
     for r in kept.values():
-        if not (Path(r["out_dir"]) / METRICS).is_file():
+        if metrics_file(r["out_dir"]) is None:
             raise TrainError(f"{r['out_dir']} holds a finished run without its {METRICS}: a run is reported from "
                              f"its summary.json, config.json and {METRICS}; copy that file too, or move the folder "
                              f"out of {Path(r['out_dir']).parent}")

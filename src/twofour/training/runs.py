@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import contextlib
 import csv
+import gzip
 import hashlib
 import json
 import shutil
@@ -28,9 +29,9 @@ from .config import TrainConfig, saved_options
 from .lock import RunLock
 from .resuming import first_difference, resumed_config
 
-__all__ = ["METRICS", "FIELDS", "WEIGHTS", "MODEL_CONFIG", "prepare_run_dir", "resume_from", "resume_config",
-           "check_resumable", "MetricsLog", "read_metrics", "read_config", "read_summary", "pyplot", "plot_run",
-           "write_summary", "source_digest"]
+__all__ = ["METRICS", "metrics_file", "FIELDS", "WEIGHTS", "MODEL_CONFIG", "prepare_run_dir", "resume_from",
+           "resume_config", "check_resumable", "MetricsLog", "read_metrics", "read_config", "read_summary", "pyplot",
+           "plot_run", "write_summary", "source_digest"]
 
 METRICS = "metrics.csv"
 FIELDS = ["step", "tokens", "lr", "train_loss", "val_loss", "flip_rate", "tokens_per_s", "elapsed_s"]
@@ -200,14 +201,23 @@ class MetricsLog:
             self.tb.close()
 
 
+def metrics_file(run: str | Path) -> Path | None:
+    """A run folder's metrics: ``metrics.csv``, else the gzipped copy a results folder keeps
+    (``metrics.csv.gz``, docs/results), else None."""
+    for name in (METRICS, METRICS + ".gz"):
+        if (Path(run) / name).is_file():
+            return Path(run) / name
+    return None
+
+
 def read_metrics(run: str | Path) -> dict[str, list[tuple[int, float]]]:
-    """Columns of a run's metrics.csv (the folder or the file) as (step, value) lists, skipping
-    blanks; TrainError naming the line of a row that isn't one."""
+    """Columns of a run's metrics (the folder, or the file: metrics.csv or its .gz) as (step,
+    value) lists, skipping blanks; TrainError naming the line of a row that isn't one."""
     path = Path(run)
     if path.is_dir():
-        path = path / METRICS
+        path = metrics_file(path) or path / METRICS
     cols: dict[str, list[tuple[int, float]]] = {k: [] for k in FIELDS[1:]}
-    with path.open() as fh:
+    with gzip.open(path, "rt") if path.suffix == ".gz" else path.open() as fh:
         for line, r in enumerate(csv.DictReader(fh), 2):
             try:
                 for k in cols:
