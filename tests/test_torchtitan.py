@@ -1,4 +1,5 @@
-"""twofour's torchtitan converter on torchtitan's Llama 3 debug model, on the CPU.
+"""twofour's torchtitan 0.2.2 converter (twofour.integrations.titan2) on torchtitan's Llama 3 debug
+model, on the CPU (torchtitan 0.3: test_torchtitan3.py).
 
 torchtitan's trainer picks CUDA unconditionally, so these tests drive its pieces the way its
 trainer does (config parsing with the custom config module, the model on the meta device, the
@@ -23,6 +24,8 @@ import twofour
 from twofour.errors import TrainError
 
 titan = pytest.importorskip("torchtitan", reason="torchtitan is not installed (pip install \"twofour[torchtitan]\")")
+if tuple(int(x) for x in titan.__version__.split(".")[:2]) >= (0, 3):
+    pytest.skip("torchtitan 0.3 is installed: test_torchtitan3.py covers it", allow_module_level=True)
 
 from torchtitan.components.checkpoint import ModelWrapper  # noqa: E402
 from torchtitan.components.optimizer import build_optimizers  # noqa: E402

@@ -1,242 +1,43 @@
-"""A torchtitan model converter that trains the FFN linears of its Llama 3 with a twofour recipe.
+"""twofour in torchtitan, for the torchtitan installed (``pip install "twofour[torchtitan]"``).
 
-Pinned to torchtitan 0.2.2 (``pip install "twofour[torchtitan]"``). Three entries in a job's toml
-turn it on; the ``[twofour]`` section picks the recipe (every field has a default)::
+torchtitan 0.3 (:mod:`~twofour.integrations.titan3`): a model-config converter and trainer
+configs with it, run by torchtitan's own launcher::
 
-    [job]
-    custom_config_module = "twofour.integrations.torchtitan"   # imports this module
-    [model]
-    converters = ["twofour"]            # before "float8" when both are listed
-    [twofour]
-    recipe = "s-ste"                    # dense, ste, sr-ste, s-ste, t-sr-ste
-    precision = "bf16"                  # or an FP8 precision of twofour.fp8.PRECISIONS
+    torchrun --nproc-per-node 8 -m torchtitan.train --module twofour.integrations.torchtitan \\
+        --config llama3_8b_twofour
 
-torchtitan builds the model on the meta device, runs the converters, then applies activation
-checkpointing, ``torch.compile`` and FSDP2, allocates the model and calls its ``init_weights``.
-The converter swaps the matching ``nn.Linear`` layers for :class:`~twofour.SparseLinear` (the same
-parameters, so FSDP2 and the optimizer see plain linears), recomputes the recipe's buffers after
-``init_weights`` (:meth:`~twofour.SparseLinear.reset_state`), advances the masks after every
-optimizer step (torchtitan's post-optimizer hook) and, for SR-STE's masked decay, adds the decay
-right before the step. The buffers (masks, scales, step counters) are module buffers: torchtitan's
-distributed checkpoint saves and restores them with the weights.
+torchtitan 0.2.2 (:mod:`~twofour.integrations.titan2`): a model converter turned on from a job's
+toml (``job.custom_config_module = "twofour.integrations.torchtitan"``, ``model.converters =
+["twofour"]``, a ``[twofour]`` section). Either way a checkpoint exports to 2:4 weights:
+``python -m twofour.integrations.torchtitan CHECKPOINT OUT.safetensors``
+(:func:`~twofour.integrations.titan_export.export_checkpoint`). docs/torchtitan.md has the rest.
 """
 
-import argparse
-import tempfile
-import types
-from dataclasses import dataclass, field, fields
-from pathlib import Path
-from typing import Any
-
-import torch
-from torch import nn
-from torch.optim.optimizer import register_optimizer_step_pre_hook
-
-from ..errors import TrainError
-from ..sparse import DEFAULT_RECIPE, Recipe, add_masked_decay, advance, make_recipe, sparse_layers, sparsify
-from ..sparse.layer import RECIPE_BUFFERS
-from ..sparse.pruners import SOFT
-
-try:
-    from torchtitan.components.optimizer import OptimizersContainer
-    from torchtitan.models.llama3 import TransformerModelArgs, llama3_args
-    from torchtitan.protocols.model_converter import register_model_converter
-except ImportError as e:  # pragma: no cover - the message is the test
-    raise ImportError(f"twofour.integrations.torchtitan needs torchtitan ({e}): "
-                      "pip install \"twofour[torchtitan]\"") from None
-
-__all__ = ["NAME", "FLAVORS", "FFN_LINEARS", "ATTENTION_LINEARS", "TwoFour", "JobConfig", "TwoFourConverter",
-           "recipe_from_config", "export_checkpoint"]
-
-#: The name to list in ``[model] converters``.
-NAME = "twofour"
-#: Llama 3 shapes this module adds to torchtitan's ``llama3`` flavors (``model.flavor``), where
-#: torchtitan 0.2.2 has none: Llama 3.2 1B's dimensions, and the 8B's layer 4 deep (a benchmark
-#: of the 8B's GEMM shapes that fits one GPU and minutes).
-FLAVORS: dict[str, dict[str, Any]] = {
-    "1B": dict(dim=2048, n_layers=16, n_heads=32, n_kv_heads=8, ffn_dim_multiplier=1.5, multiple_of=256,
-               rope_theta=500000),
-    "8B_4layers": dict(dim=4096, n_layers=4, n_heads=32, n_kv_heads=8, ffn_dim_multiplier=1.3, multiple_of=1024,
-                       rope_theta=500000),
-}
-#: torchtitan's Llama 3 FFN linears (``layers.<i>.feed_forward.w1``), the default ``include``.
-FFN_LINEARS: tuple[str, ...] = ("*.feed_forward.w1", "*.feed_forward.w2", "*.feed_forward.w3")
-#: Its attention projections, to add to ``include`` for a 2:4 attention as well.
-ATTENTION_LINEARS: tuple[str, ...] = ("*.attention.wq", "*.attention.wk", "*.attention.wv", "*.attention.wo")
-#: Converters of torchtitan that swap ``nn.Linear`` layers too, and where their skip lists live: the
-#: twofour converter runs first and adds its layers to these lists, so they stay 2:4.
-_LINEAR_SWAPPERS = {"float8": ("float8",), "mx": ("mx",)}
+from importlib.metadata import PackageNotFoundError, version
 
 
-@dataclass
-class TwoFour:
-    """The ``[twofour]`` section of a torchtitan job config: the recipe and the layers it covers.
-
-    Options left at None take the recipe's default (:func:`twofour.make_recipe`); a recipe refuses
-    options it does not take. ``total_steps`` is ``training.steps``."""
-
-    recipe: str = DEFAULT_RECIPE
-    """dense, ste, sr-ste, s-ste or t-sr-ste (step needs twofour's STEPAdamW, which torchtitan doesn't build)."""
-    precision: str = "bf16"
-    """Which GEMMs of the 2:4 layers run in FP8: a name of twofour.fp8.PRECISIONS."""
-    include: list[str] = field(default_factory=lambda: list(FFN_LINEARS))
-    """fnmatch patterns on module names: the linears made 2:4 (add *.attention.w* for attention)."""
-    exclude: list[str] = field(default_factory=lambda: ["output"])
-    """fnmatch patterns on module names left dense."""
-    mvue: bool | None = None
-    decay: float | None = None
-    mask_interval: int | None = None
-    dense_finetune: float | None = None
-    bf16_finetune: float | None = None
-    beta_interval: int | None = None
-
-
-@dataclass
-class JobConfig:
-    """What ``job.custom_config_module`` merges into torchtitan's JobConfig: the ``[twofour]`` section."""
-
-    twofour: TwoFour = field(default_factory=TwoFour)
-
-
-#: The recipe options of the section: every field but the recipe, its precision and the layers it covers.
-_OPTIONS = tuple(f.name for f in fields(TwoFour) if f.name not in ("recipe", "precision", "include", "exclude"))
-
-
-def recipe_from_config(cfg: TwoFour, total_steps: int) -> Recipe:
-    """The :class:`~twofour.Recipe` a ``[twofour]`` section names, for a run of ``total_steps``."""
-    options = {k: getattr(cfg, k) for k in _OPTIONS if getattr(cfg, k) is not None}
+def _installed() -> tuple[int, int]:
+    """torchtitan's (major, minor) version; ImportError saying how to install it when it is missing."""
     try:
-        recipe = make_recipe(cfg.recipe, precision=cfg.precision, total_steps=total_steps, **options)
-    except (TypeError, ValueError) as e:
-        raise TrainError(f"[twofour] {e}") from None
-    if recipe.starts_dense:
-        raise TrainError(f"[twofour] recipe {cfg.recipe!r} needs twofour.STEPAdamW as its optimizer, which "
-                         "torchtitan does not build: pick dense, ste, sr-ste, s-ste or t-sr-ste")
-    return recipe
+        major, minor = version("torchtitan").split(".")[:2]
+    except PackageNotFoundError:
+        raise ImportError("twofour.integrations.torchtitan needs torchtitan: pip install \"twofour[torchtitan]\"") \
+            from None
+    return int(major), int("".join(c for c in minor if c.isdigit()) or 0)
 
 
-class TwoFourConverter:
-    """torchtitan's ``ModelConverter`` for twofour: sparsify in ``convert``, advance the masks in
-    ``post_optimizer_hook`` (torchtitan calls it after every optimizer step)."""
+#: The installed torchtitan's (major, minor) version, which picks the integration.
+TORCHTITAN = _installed()
 
-    def __init__(self, job_config: Any, parallel_dims: Any):
-        cfg = getattr(job_config, NAME, None)
-        if cfg is None:
-            raise TrainError(f"model.converters lists {NAME!r} but the job config has no [twofour] section: set "
-                             "job.custom_config_module = \"twofour.integrations.torchtitan\"")
-        if getattr(parallel_dims, "pp_enabled", False):
-            raise TrainError("the twofour converter does not support pipeline parallelism "
-                             "(parallelism.pipeline_parallel_degree > 1)")
-        self.recipe = recipe_from_config(cfg, job_config.training.steps)
-        self.include, self.exclude = list(cfg.include), list(cfg.exclude)
-        self._skip_lists = _swapper_skip_lists(job_config)
-        self._models: list[nn.Module] = []
-        self._decay_hook: torch.utils.hooks.RemovableHandle | None = None
+if TORCHTITAN >= (0, 3):
+    from .titan3 import *  # noqa: F403
+    from .titan3 import __all__ as _names
+else:
+    from .titan2 import *  # noqa: F403
+    from .titan2 import __all__ as _names
+from .titan_export import export_checkpoint, main  # noqa: E402
 
-    def convert(self, model: nn.Module) -> None:
-        """Swap the included linears for SparseLinear (in place, on the meta device or not)."""
-        sparsify(model, self.recipe, include=self.include, exclude=self.exclude)
-        names = [name for name, _ in sparse_layers(model)]
-        for skip in self._skip_lists:  # float8 / mx converters listed after this one leave them alone
-            skip.extend(n for n in names if n not in skip)
-        # the buffers made on the meta device are garbage after to_empty: recompute them after init
-        model.init_weights = types.MethodType(_init_weights_then_recipe_state, model)
-        self._models.append(model)
-        if self.recipe.decay and self._decay_hook is None:
-            self._decay_hook = register_optimizer_step_pre_hook(self._masked_decay)
-
-    def _masked_decay(self, optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
-        """SR-STE's masked decay, right before torchtitan's optimizers step (after its gradient
-        clipping); once per step: the container's step, not each optimizer's inside it."""
-        if isinstance(optimizer, OptimizersContainer):
-            for model in self._models:
-                add_masked_decay(model)
-
-    def post_optimizer_hook(self, model: nn.Module | list[nn.Module]) -> None:
-        """Advance every sparse layer by one optimizer step (masks, flip counts, phases)."""
-        for part in model if isinstance(model, list) else [model]:
-            advance(part)
-
-    def close(self) -> None:
-        """Remove the process-wide optimizer hook of a decay recipe (a test or a second run in one process)."""
-        if self._decay_hook is not None:
-            self._decay_hook.remove()
-            self._decay_hook = None
-
-
-def _swapper_skip_lists(job_config: Any) -> list[list[str]]:
-    """The skip lists (``filter_fqns``) of the linear-swapping converters listed after twofour's;
-    one listed before it is refused (it would have swapped the layers twofour is to make 2:4)."""
-    converters = list(job_config.model.converters)
-    mine = converters.index(NAME)
-    out = []
-    for name, path in _LINEAR_SWAPPERS.items():
-        if name not in converters:
-            continue
-        if converters.index(name) < mine:
-            raise TrainError(f"model.converters lists {name!r} before {NAME!r}: list {NAME!r} first, so that "
-                             f"{name} skips the 2:4 layers (converters = {[NAME, name]!r})")
-        section = job_config.quantize.linear
-        for attr in path:
-            section = getattr(section, attr)
-        out.append(section.filter_fqns)
-    return out
-
-
-def _init_weights_then_recipe_state(self: nn.Module, *args: Any, **kwargs: Any) -> None:
-    """The model's own ``init_weights``, then each sparse layer's buffers from its new weight."""
-    type(self).init_weights(self, *args, **kwargs)
-    for _, layer in sparse_layers(self):
-        layer.reset_state()
-
-
-@torch.no_grad()
-def export_checkpoint(checkpoint: str | Path, out: str | Path, dtype: torch.dtype | None = None) -> list[str]:
-    """A torchtitan checkpoint folder (``.../checkpoint/step-N``) of a twofour run -> one safetensors
-    file of the model in torchtitan's names, each 2:4 layer's weight replaced by the 2:4 weight its
-    forward used (S-STE: ``beta * soft_threshold(W)``; the others: ``W * mask``) and the recipe
-    buffers dropped. torchtitan's plain Llama 3 loads it (``load_state_dict``); then
-    :func:`twofour.sparsify_for_inference` makes those layers 2:4 inference layers. Returns their names."""
-    from safetensors.torch import save_file  # noqa: PLC0415
-    from torch.distributed.checkpoint.format_utils import dcp_to_torch_save  # noqa: PLC0415
-
-    with tempfile.TemporaryDirectory() as tmp:  # its file mapped while the tensors are read
-        dcp_to_torch_save(str(checkpoint), Path(tmp) / "full.pt")
-        full = torch.load(Path(tmp) / "full.pt", weights_only=True, mmap=True)  # tensors read when used
-        states = full["model"] if isinstance(full.get("model"), dict) else full  # nested, or torchtitan's flat
-        weights = {k: v for k, v in states.items() if isinstance(v, torch.Tensor)}
-        layers = sorted(k.removesuffix(".mask") for k in weights
-                        if k.endswith(".mask") and k.removesuffix("mask") + "weight" in weights)
-        if not layers:
-            raise TrainError(f"{checkpoint}: no 2:4 layer (a '.mask' beside a '.weight') in this checkpoint")
-        sparse = []
-        for name in layers:
-            w, mask, beta = weights[f"{name}.weight"], weights[f"{name}.mask"], weights.get(f"{name}.beta")
-            if bool(weights.get(f"{name}.dense", torch.tensor(False))):
-                continue  # in a dense phase (STEP's first, a final dense fine-tune): its weight as it is
-            weights[f"{name}.weight"] = SOFT.effective(w, beta, mask) if beta is not None else w * mask
-            sparse.append(name)
-        model = {k: (v.to(dtype) if dtype is not None and v.is_floating_point() else v).contiguous()
-                 for k, v in weights.items() if k.rsplit(".", 1)[-1] not in RECIPE_BUFFERS}
-        save_file(model, str(out), metadata={"twofour_sparse_layers": ",".join(sparse)})
-    return sparse
-
-
-def main(argv: list[str] | None = None) -> None:
-    """``python -m twofour.integrations.torchtitan CHECKPOINT OUT.safetensors [--dtype bfloat16]``."""
-    parser = argparse.ArgumentParser(prog="python -m twofour.integrations.torchtitan",
-                                     description="Export a torchtitan checkpoint of a twofour run (2:4 weights).")
-    parser.add_argument("checkpoint", help="a torchtitan checkpoint folder, e.g. outputs/x/checkpoint/step-1000")
-    parser.add_argument("out", help="the safetensors file to write")
-    parser.add_argument("--dtype", choices=("float32", "bfloat16", "float16"), default=None)
-    args = parser.parse_args(argv)
-    names = export_checkpoint(args.checkpoint, args.out, getattr(torch, args.dtype) if args.dtype else None)
-    print(f"{len(names)} 2:4 layers -> {args.out}")
-
-
-register_model_converter(TwoFourConverter, NAME)
-for _flavor, _dims in FLAVORS.items():
-    llama3_args.setdefault(_flavor, TransformerModelArgs(**_dims))
+__all__ = ["TORCHTITAN", *_names, "export_checkpoint"]
 
 if __name__ == "__main__":
     main()
