@@ -11,7 +11,6 @@ benchmarks/step/torchtitan_run.sh.
 import os
 import re
 import shutil
-import socket
 import subprocess
 import sys
 from pathlib import Path
@@ -264,7 +263,9 @@ def fsdp_worker(folder: str) -> None:
 def test_fsdp2_two_processes_advance_identical_masks_and_resume(tmp_path):
     """torchtitan's FSDP2 on 2 CPU processes: masks from the gathered weights after init and after
     each step (with SR-STE's decay on the sharded gradients), equal on both ranks, and a DCP round trip."""
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-port", _free_port(),
+    from .helpers import free_port  # noqa: PLC0415 - this file also runs as torchrun's script
+
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-port", str(free_port()),
            __file__, str(tmp_path / "ckpt")]
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     res = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=600)
@@ -277,11 +278,13 @@ def test_torchtitans_launcher_trains_resumes_exactly_and_exports(tmp_path):
     with step 4's checkpoint removed, the same job resumes from step 2 (masks, scales, step counters
     from torchtitan's checkpoint) to the same step-4 loss, bit for bit; the checkpoint exports to 18
     2:4 FFN weights. (MVUE off: its random draws come from torch's RNG, which torchtitan does not save.)"""
+    from .helpers import free_port  # noqa: PLC0415 - this file also runs as torchrun's script
+
     root = Path(__file__).parents[1]
     data = tmp_path / "data"
     subprocess.run([sys.executable, str(root / "examples/torchtitan/make_data.py"), str(data), "--records", "200"],
                    check=True, timeout=120)
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "1", "--master-port", _free_port(),
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "1", "--master-port", str(free_port()),
            str(Path(__file__).with_name("torchtitan_cpu_launcher.py")),
            "--job.config_file", str(root / "examples/torchtitan/debug_model.toml"),
            "--model.hf_assets_path", str(root / "examples/torchtitan/assets/tokenizer"),
@@ -310,11 +313,6 @@ def test_torchtitans_launcher_trains_resumes_exactly_and_exports(tmp_path):
             assert "step:  1 " not in log and "Loading the checkpoint" in log
     assert losses[0] == losses[1]
 
-
-def _free_port() -> str:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return str(sock.getsockname()[1])
 
 
 if __name__ == "__main__":

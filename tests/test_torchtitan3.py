@@ -1,11 +1,10 @@
 """twofour in torchtitan 0.3 (twofour.integrations.titan3) on the CPU: the converter on Llama 3's
 config tree, its composition with torchtitan's float8 converter and override mechanism, and
 torchtitan's own launcher training, checkpointing and resuming the debug model with 2:4 FFNs
-(tests/torchtitan3_cpu_launcher.py points it at the CPU). The 0.2.2 integration: test_torchtitan.py."""
+(tests/torchtitan_cpu_launcher.py points it at the CPU). The 0.2.2 integration: test_torchtitan.py."""
 
 import re
 import shutil
-import socket
 import subprocess
 import sys
 from pathlib import Path
@@ -26,6 +25,8 @@ from torchtitan.models.common.linear import Linear  # noqa: E402
 from torchtitan.models.llama3 import config_registry, model_registry  # noqa: E402
 
 from twofour.integrations.titan3 import TwoFourLinear  # noqa: E402
+
+from .helpers import free_port  # noqa: E402
 
 ROOT = Path(__file__).parents[1]
 
@@ -89,8 +90,8 @@ def test_torchtitans_launcher_trains_resumes_exactly_and_exports(tmp_path):
     subprocess.run([sys.executable, str(ROOT / "examples/torchtitan/make_data.py"), str(data), "--records", "200"],
                    check=True, timeout=120)
     override = 'twofour.integrations.titan3.sparse_ffn={"recipe": "s-ste", "mvue": false, "total_steps": 4}'
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "1", "--master-port", _free_port(),
-           str(Path(__file__).with_name("torchtitan3_cpu_launcher.py")), "--module", "llama3", "--config",
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "1", "--master-port", str(free_port()),
+           str(Path(__file__).with_name("torchtitan_cpu_launcher.py")), "--module", "llama3", "--config",
            "llama3_debugmodel", "--override.imports", override,
            "--hf_assets_path", str(ROOT / "examples/torchtitan/assets/tokenizer"),
            "--dataloader.dataset_path", str(data), "--dump_folder", str(tmp_path / "out"),
@@ -119,8 +120,3 @@ def test_torchtitans_launcher_trains_resumes_exactly_and_exports(tmp_path):
             assert "1" not in steps and "Loading the checkpoint" in log
     assert losses[0] == losses[1]
 
-
-def _free_port() -> str:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return str(sock.getsockname()[1])

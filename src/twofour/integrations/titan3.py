@@ -163,18 +163,16 @@ def recipe_of(config: TwoFourConverter.Config) -> Recipe:
     return recipe
 
 
-def _before_step(optimizer: Any, args: Any, kwargs: Any) -> None:
-    """SR-STE's masked decay before torchtitan's optimizers step (after its gradient clipping)."""
-    if isinstance(optimizer, OptimizersContainer):  # once a step: the container's, not each optimizer's inside it
-        for part in optimizer.model_parts:
-            add_masked_decay(part)
+def _on_titan_optimizers(action: Any) -> Any:
+    """An optimizer step hook running ``action`` on each model part of torchtitan's optimizers (the
+    container's step, once a step, not each optimizer's inside it; other optimizers are left alone)."""
 
+    def hook(optimizer: Any, args: Any, kwargs: Any) -> None:
+        if isinstance(optimizer, OptimizersContainer):
+            for part in optimizer.model_parts:
+                action(part)
 
-def _after_step(optimizer: Any, args: Any, kwargs: Any) -> None:
-    """Masks, flip counts and phases advanced after each step of torchtitan's optimizers."""
-    if isinstance(optimizer, OptimizersContainer):
-        for part in optimizer.model_parts:
-            advance(part)
+    return hook
 
 
 def with_twofour(config: Any, recipe: str = DEFAULT_RECIPE, *, precision: str = "bf16",
@@ -245,5 +243,6 @@ def llama3_8b_4layers_twofour() -> Any:
     return with_twofour(llama3_8b_4layers())
 
 
-register_optimizer_step_pre_hook(_before_step)  # importing this module turns on its hooks: they act on sparse
-register_optimizer_step_post_hook(_after_step)  # layers in torchtitan's optimizers' model parts, if there are any
+# importing this module turns on its hooks; they act on the sparse layers of torchtitan's optimizers' model parts:
+register_optimizer_step_pre_hook(_on_titan_optimizers(add_masked_decay))  # SR-STE's decay, after the clipping
+register_optimizer_step_post_hook(_on_titan_optimizers(advance))  # masks, flip counts and phases
