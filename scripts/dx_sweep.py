@@ -5,6 +5,13 @@
     PYTHONPATH=src python scripts/dx_sweep.py RUNS --kind code [--lrs 1x,2x,4x] [--seeds 1,2,3]
     PYTHONPATH=src python scripts/dx_sweep.py /tmp/dx --kind prose --model tiny --steps 6 --batch-size 2 \\
         --seq-len 64 --corpus-bytes 3e5 --device cpu --workers 2 --lrs 1x,2x --seeds 1   # the CPU check
+    PYTHONPATH=src python scripts/dx_sweep.py /tmp/h20 --kind code --corpus /tmp/code --best-from docs/results/dx-code \
+        --variants dense,ste,s-ste,s-ste+dx=pruned-t --tokens-per-weight 20 --workers 6   # the long runs
+
+``--variants`` picks the recipes (with their ``--opt`` values joined by ``+``), ``--best-from`` runs
+each at its best rate in a finished sweep folder (the lowest mean selection score, as ``twofour
+compare --lrs`` picks it) instead of ``--lrs``, ``--tokens-per-weight`` sizes the runs in tokens per
+block weight of the model instead of ``--steps``.
 
 Builds the corpus first if missing (``scripts/make_corpus.py --kind KIND`` on this machine's
 files, ``--corpus-bytes`` of them, split by file: no validation text is seen in training). Each
@@ -24,6 +31,8 @@ from __future__ import annotations
 
 import argparse
 import gzip
+import json
+import math
 import os
 import shutil
 import subprocess
@@ -33,12 +42,15 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
+import torch
 from results_tables import sweep_tables
 
-from twofour.training.compare import run_folder
+from twofour.models import from_preset
+from twofour.training.compare import run_folder, run_label
 from twofour.training.config import TrainConfig
 from twofour.training.options import parse_option
-from twofour.training.sweep import parse_rates
+from twofour.training.runs import read_summary
+from twofour.training.sweep import best_rates, parse_rates, sweep_runs
 
 HERE = Path(__file__).resolve().parent
 #: What each run folder keeps (checkpoints and plots are not kept).
@@ -47,6 +59,39 @@ KEPT = ("config.json", "metrics.csv", "summary.json", "val_halves.json")
 VARIANTS = (("dense", ()), ("ste", ()), ("s-ste", ()),
             ("ste", ("dx=pruned-t",)), ("s-ste", ("dx=pruned-t",)),
             ("ste", ("dx=mvue",)), ("s-ste", ("dx=mvue",)))
+
+
+def variant(text: str) -> tuple[str, tuple[str, ...]]:
+    """``s-ste+dx=pruned-t`` -> ("s-ste", ("dx=pruned-t",)): a recipe and its --opt values."""
+    recipe, *opts = text.split("+")
+    return recipe, tuple(opts)
+
+
+def block_weights(model: str) -> int:
+    """The weights of the preset's blocks (its matrices inside the stack of blocks; embeddings and
+    head left out): what "tokens per block weight" counts."""
+    with torch.device("meta"):
+        m = from_preset(model)
+    stack = next(mod for mod in m.modules() if isinstance(mod, torch.nn.ModuleList))
+    return sum(p.numel() for p in stack.parameters() if p.dim() == 2)
+
+
+def best_rates_in(folder: Path) -> dict[str, float | None]:
+    """Each variant's best rate in a finished sweep folder (its selection scores: ``val_halves.json``)."""
+    runs = [s for s in (read_summary(p.parent) for p in sorted(folder.glob("*/summary.json"))) if s]
+    if not runs:
+        raise SystemExit(f"--best-from {folder}: no finished runs there")
+    return best_rates(sweep_runs(folder, runs[0]))
+
+
+def rates_for(args: argparse.Namespace, recipe: str, opts: tuple[str, ...]) -> list[str]:
+    """The rates a variant runs at: ``--lrs``, or with ``--best-from`` its best rate there."""
+    if args.best is None:
+        return args.lrs
+    label = run_label(recipe, dict(parse_option(o) for o in opts), "bf16")
+    if args.best.get(label) is None:
+        raise SystemExit(f"--best-from {args.best_from}: no finished sweep of {label!r} there")
+    return [json.dumps(args.best[label])]
 
 
 def reused(args: argparse.Namespace, recipe: str, opts: tuple[str, ...], lr: str, seed: int) -> bool:
@@ -61,22 +106,23 @@ def reused(args: argparse.Namespace, recipe: str, opts: tuple[str, ...], lr: str
 def jobs(args: argparse.Namespace) -> list[tuple[str, list[str]]]:
     """(folder name, compare command) of each run, seed by seed, then rate, then variant (so that a
     call cut short leaves whole seeds); runs that ``--reuse`` holds are left out."""
+    runs = sorted(((k, lr, recipe, opts) for recipe, opts in args.variants
+                   for k, lr in enumerate(rates_for(args, recipe, opts))), key=lambda run: run[0])
     out = []
     for seed in args.seeds:
-        for lr in args.lrs:
-            for recipe, opts in VARIANTS:
-                if reused(args, recipe, opts, lr, seed):
-                    continue
-                name = "-".join([recipe, *(o.replace("=", "_") for o in opts), f"lr{lr}", f"s{seed}"])
-                cmd = [sys.executable, "-m", "twofour", "compare", "--recipes", recipe, "--lrs", lr,
-                       "--seeds", str(seed), "--model", args.model, "--steps", str(args.steps),
-                       "--batch-size", str(args.batch_size), "--seq-len", str(args.seq_len),
-                       "--eval-interval", str(max(1, args.steps // args.evals)), "--eval-iters", str(args.eval_iters),
-                       "--ckpt-interval", str(args.steps), "--data", str(args.corpus), "--device", args.device,
-                       "--no-progress", "--out", str(args.runs / "parts" / name)]
-                for o in opts:
-                    cmd += ["--opt", o]
-                out.append((name, cmd))
+        for _, lr, recipe, opts in runs:
+            if reused(args, recipe, opts, lr, seed):
+                continue
+            name = "-".join([recipe, *(o.replace("=", "_") for o in opts), f"lr{lr}", f"s{seed}"])
+            cmd = [sys.executable, "-m", "twofour", "compare", "--recipes", recipe, "--lrs", lr,
+                   "--seeds", str(seed), "--model", args.model, "--steps", str(args.steps),
+                   "--batch-size", str(args.batch_size), "--seq-len", str(args.seq_len),
+                   "--eval-interval", str(max(1, args.steps // args.evals)), "--eval-iters", str(args.eval_iters),
+                   "--ckpt-interval", str(args.steps), "--data", str(args.corpus), "--device", args.device,
+                   "--no-progress", "--out", str(args.runs / "parts" / name)]
+            for o in opts:
+                cmd += ["--opt", o]
+            out.append((name, cmd))
     return out
 
 
@@ -150,7 +196,16 @@ def main() -> int:
     ap.add_argument("--deadline", type=float, default=480, help="seconds after which no run starts")
     ap.add_argument("--reuse", type=Path, default=None, help="a folder of finished run folders (docs/results/dx-code): "
                     "runs it holds are not trained again")
+    ap.add_argument("--variants", type=lambda s: [variant(v) for v in s.split(",")], default=list(VARIANTS),
+                    help="recipes with their --opt values joined by '+' (s-ste+dx=pruned-t); default the dX sweep's")
+    ap.add_argument("--best-from", type=Path, default=None,
+                    help="a finished sweep folder: each variant at its best rate there instead of --lrs")
+    ap.add_argument("--tokens-per-weight", type=float, default=None,
+                    help="the run's length in tokens per block weight of the model, instead of --steps")
     args = ap.parse_args()
+    args.best = None if args.best_from is None else best_rates_in(args.best_from)
+    if args.tokens_per_weight is not None:
+        args.steps = math.ceil(args.tokens_per_weight * block_weights(args.model) / (args.batch_size * args.seq_len))
     args.corpus = args.corpus or Path(f"/tmp/dx_corpus_{args.kind}")
     t0 = time.time()
     if not args.corpus.is_dir():

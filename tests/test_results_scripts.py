@@ -344,6 +344,34 @@ def test_dx_sweep_leaves_out_the_runs_a_results_folder_holds(tmp_path):
     (tmp_path / "ste-dx=pruned-t-lr=0.0015-s3" / "val_halves.json").write_text("{}")
     args = argparse.Namespace(seeds=[3], lrs=["1.5x"], model="gpt-10m", reuse=tmp_path, steps=500, batch_size=32,
                               seq_len=1024, evals=5, eval_iters=16, corpus=tmp_path / "c", device="auto",
-                              runs=tmp_path / "r")
+                              runs=tmp_path / "r", variants=list(dx_sweep.VARIANTS), best=None)
     names = [name for name, _ in dx_sweep.jobs(args)]
     assert len(names) == len(dx_sweep.VARIANTS) - 1 and "ste-dx_pruned-t-lr1.5x-s3" not in names
+
+
+def test_dx_sweep_runs_each_variant_at_its_best_rate_for_a_horizon(tmp_path):
+    """--best-from: each variant at the rate with the lowest mean selection score in a finished sweep
+    (docs/results/dx-code), recomputed here from its scores; --tokens-per-weight: the steps of 20
+    tokens per block weight of gpt-10m (its 6 blocks' matrices)."""
+    import dx_sweep  # noqa: PLC0415
+
+    folder = ROOT / "docs" / "results" / "dx-code"
+    means: dict[str, dict[float, list[float]]] = {}
+    for f in folder.glob("*/val_halves.json"):
+        summary = json.loads((f.parent / "summary.json").read_text())
+        label = dx_sweep.run_label(summary["recipe"], summary.get("recipe_options"))
+        rate = json.loads((f.parent / "config.json").read_text())["lr"]
+        means.setdefault(label, {}).setdefault(rate, []).append(json.loads(f.read_text())["selection"])
+    best = dx_sweep.best_rates_in(folder)
+    for label, rates in means.items():
+        most = max(len(v) for v in rates.values())
+        assert best[label] == min((r for r, v in rates.items() if len(v) == most), key=lambda r: sum(rates[r]))
+    args = argparse.Namespace(seeds=[1], lrs=["1x"], model="gpt-10m", reuse=None, steps=6480, batch_size=32,
+                              seq_len=1024, evals=5, eval_iters=16, corpus=tmp_path / "c", device="auto",
+                              runs=tmp_path / "r", variants=[dx_sweep.variant("s-ste+dx=pruned-t")], best=best,
+                              best_from=folder)
+    [(name, cmd)] = dx_sweep.jobs(args)
+    assert cmd[cmd.index("--lrs") + 1] == json.dumps(best["s-ste dx=pruned-t"]) and "--opt" in cmd
+    assert dx_sweep.block_weights("gpt-10m") == 6 * (1152 * 384 + 384 * 384 + 2 * 1536 * 384)
+    with pytest.raises(SystemExit, match="no finished sweep"):
+        dx_sweep.jobs(argparse.Namespace(**{**vars(args), "variants": [dx_sweep.variant("t-sr-ste")]}))
