@@ -162,7 +162,7 @@ def test_compress_op_traces_like_eager():
     traced = torch.compile(lambda t: ops.compress(t, "hard", dense_out=True), fullgraph=True)(x)
     assert all(torch.equal(a, b) for a, b in zip(eager, traced, strict=True))
     beta = torch.ones(1)
-    torch.library.opcheck(torch.ops.twofour.compress_pruned_t.default, (x, "soft", beta, torch.bfloat16))
+    torch.library.opcheck(torch.ops.twofour.compress_pruned_t.default, (x, "soft", beta, None, torch.bfloat16))
     eager = ops.compress_pruned_t(x, "soft", scale=beta)
     traced = torch.compile(lambda t: ops.compress_pruned_t(t, "soft", scale=beta), fullgraph=True)(x)
     assert all(torch.equal(a, b) for a, b in zip(eager, traced, strict=True))
@@ -367,5 +367,17 @@ def test_one_pass_writes_the_pruned_t_operand(mode, shape, device):
         assert torch.equal(wtc, ck.compress(wd.t(), "hard")[0])  # the two-pass bytes, metadata included
     with pytest.raises(ValueError, match="multiples of 32"):
         ck.compress_pruned_t(torch.randn(48, 64, device=device), "hard")
-    with pytest.raises(ValueError, match="hard or soft"):
+    with pytest.raises(ValueError, match="hard, soft or mask"):
         ck.compress_pruned_t(torch.randn(64, 64, device=device), "mvue")
+
+
+def test_one_pass_writes_a_transposable_masks_two_operands(device):
+    """compress_pruned_t in mask mode: W * m compressed (and dense) as compress() writes it, and
+    W^T compressed by m^T as the second pass over W^T wrote it, byte for byte."""
+    torch.manual_seed(0)
+    w = torch.randn(96, 128, device=device)
+    m = transposable_mask_24(w)
+    wc, wd, wtc = ck.compress_pruned_t(w, "mask", mask=m, dense_out=True)
+    wc0, wd0 = ck.compress(w, "mask", mask=m, dense_out=True)
+    assert torch.equal(wc, wc0) and torch.equal(wd, wd0)
+    assert torch.equal(wtc, ck.compress(w.t(), "mask", mask=m.t())[0])

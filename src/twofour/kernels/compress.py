@@ -100,7 +100,7 @@ if HAS_TRITON:
             tl.store(dense_out + r * k_cols + c, _spread(v0, v1, i0, i1, tl.zeros_like(v0), BC), mask=ok)
         if WRITE_T:  # W_eff^T's groups run down this tile's columns: 4 rows of W_eff each
             _store_pruned_t(in_float(v0, OUT_BF16), in_float(v1, OUT_BF16), i0, i1, band, pc, m_rows, k_cols, n_ct_t,
-                            tvals, tmeta, OUT_BF16, BIG, BC)
+                            tvals, tmeta, OUT_BF16, BIG, BC, MODE == 2)
 
     @triton.jit
     def _spread(v0, v1, i0, i1, zero, BC: tl.constexpr):
@@ -112,12 +112,19 @@ if HAS_TRITON:
 
     @triton.jit
     def _store_pruned_t(f0, f1, i0, i1, band, pc, m_rows, k_cols, n_ct_t, tvals, tmeta, OUT_BF16: tl.constexpr,
-                        BIG: tl.constexpr, BC: tl.constexpr):
-        """The ``pruned-t`` operand of a square (64, 64) tile: the effective tile (its kept pairs
-        ``f0``, ``f1`` in float32, as rounded) transposed, pruned to its 2 largest magnitudes in
-        each group of 4 rows and written compressed as W^T's band ``pc``, column block ``band``."""
+                        BIG: tl.constexpr, BC: tl.constexpr, MASK_T: tl.constexpr):
+        """The transpose's operand of a square (64, 64) tile: the effective tile (its kept pairs
+        ``f0``, ``f1`` in float32, as rounded) transposed and written compressed as W^T's band
+        ``pc``, column block ``band``, keeping in each group of 4 rows its 2 largest magnitudes (the
+        ``pruned-t`` route) or, with ``MASK_T``, the positions the tile's mask keeps there (a
+        transposable mask: 2:4 along both dimensions)."""
         t0, t1, t2, t3 = quads(tl.trans(_spread(f0, f1, i0, i1, tl.zeros_like(f0), BC)), BC // 4)
-        q0, q1, q2, q3 = rank_keep(tl.abs(t0), tl.abs(t1), tl.abs(t2), tl.abs(t3))
+        if MASK_T:
+            one = tl.full(f0.shape, 1, tl.int32)
+            m0, m1, m2, m3 = quads(tl.trans(_spread(one, one, i0, i1, tl.zeros_like(one), BC)), BC // 4)
+            q0, q1, q2, q3 = m0 != 0, m1 != 0, m2 != 0, m3 != 0
+        else:
+            q0, q1, q2, q3 = rank_keep(tl.abs(t0), tl.abs(t1), tl.abs(t2), tl.abs(t3))
         j0 = tl.where(q0, 0, tl.where(q1, 1, 2))
         j1 = tl.where(q3, 3, tl.where(q2, 2, 1))
         z0, z1 = pick(q0, q1, q2, q3, t0, t1, t2, t3)
@@ -189,20 +196,22 @@ def compress_tiled(x: torch.Tensor, mode: str, *, tile: tuple[int, int] | None =
 
 
 def compress_pruned_t(x: torch.Tensor, mode: str, *, out_dtype: torch.dtype = torch.bfloat16,
-                      scale: torch.Tensor | None = None, dense_out: bool = False,
+                      scale: torch.Tensor | None = None, mask: torch.Tensor | None = None, dense_out: bool = False,
                       tile: tuple[int, int] | None = None) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor]:
-    """:func:`compress` of the (N, K) ``x`` in ``hard`` or ``soft`` mode, and in the same pass the
-    ``pruned-t`` dX route's operand: the effective matrix's transpose (as rounded to
-    ``out_dtype``) pruned 2:4 by magnitude along N and compressed, byte for byte what
-    ``compress(W_eff.t(), "hard")`` writes, without reading W_eff back. N a multiple of 32; the
-    tiles are 64 x 64 (``tile``: (64, warps))."""
-    if mode not in ("hard", "soft"):
-        raise ValueError(f"compress_pruned_t: mode must be hard or soft, got {mode!r}")
+    """:func:`compress` of the (N, K) ``x`` and in the same pass its transpose's 2:4 operand: in
+    ``hard`` or ``soft`` mode the ``pruned-t`` dX route's (the effective matrix's transpose, as
+    rounded to ``out_dtype``, pruned 2:4 by magnitude along N: byte for byte what
+    ``compress(W_eff.t(), "hard")`` writes, without reading W_eff back); in ``mask`` mode, with a
+    transposable ``mask``, W^T's compressed by ``mask.t()`` (what ``compress(x.t(), "mask",
+    mask=mask.t())`` writes). N a multiple of 32; the tiles are 64 x 64 (``tile``: (64, warps))."""
+    if mode not in ("hard", "soft", "mask"):
+        raise ValueError(f"compress_pruned_t: mode must be hard, soft or mask, got {mode!r}")
     if not supported_shape(x.shape[1], x.shape[0]):
         raise ValueError(f"compress_pruned_t: N and K must be multiples of 32, got shape {tuple(x.shape)}")
     if tile is not None and tile[0] != 64:
         raise ValueError(f"compress_pruned_t: tiles are 64 columns wide, got {tile[0]}")
-    return _compress(x, mode, out_dtype=out_dtype, scale=scale, dense_out=dense_out, tile=tile, pruned_t=True)
+    return _compress(x, mode, out_dtype=out_dtype, scale=scale, mask=mask, dense_out=dense_out, tile=tile,
+                     pruned_t=True)
 
 
 def _compress(x: torch.Tensor, mode: str, *, out_dtype: torch.dtype = torch.bfloat16,

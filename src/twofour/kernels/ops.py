@@ -184,9 +184,9 @@ def _compress(x: torch.Tensor, mode: str, scale: torch.Tensor | None, mask: torc
     return buf, dense if dense is not None else buf.new_empty(0, dtype=out_dtype)
 
 
-def _compress_pruned_t(x: torch.Tensor, mode: str, scale: torch.Tensor | None,
+def _compress_pruned_t(x: torch.Tensor, mode: str, scale: torch.Tensor | None, mask: torch.Tensor | None,
                        out_dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    return _ck.compress_pruned_t(x, mode, out_dtype=out_dtype, scale=scale, dense_out=True)
+    return _ck.compress_pruned_t(x, mode, out_dtype=out_dtype, scale=scale, mask=mask, dense_out=True)
 
 
 _spmm_op = torch.library.custom_op("twofour::spmm", _spmm, mutates_args=())
@@ -210,7 +210,7 @@ def _(x, mode, scale, mask, seed, dense_out, out_dtype, sparse_out=True):
 
 
 @_compress_pt_op.register_fake
-def _(x, mode, scale, out_dtype):
+def _(x, mode, scale, mask, out_dtype):
     m, k = x.shape
     return (torch.empty(compressed_size(m, k, 2), dtype=torch.uint8, device=x.device),
             torch.empty((m, k), dtype=out_dtype, device=x.device),
@@ -242,12 +242,13 @@ def compress(x: torch.Tensor, mode: str, *, scale: torch.Tensor | None = None, m
 
 
 def compress_pruned_t(x: torch.Tensor, mode: str, *, scale: torch.Tensor | None = None,
+                      mask: torch.Tensor | None = None,
                       out_dtype: torch.dtype = torch.bfloat16) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """(compressed W_eff, dense W_eff, compressed W_pt^T) of the weight ``x`` in one pass of the
+    """(compressed W_eff, dense W_eff, compressed W_eff^T 2:4) of the weight ``x`` in one pass of the
     fused kernel (:func:`twofour.kernels.compress.compress_pruned_t`): the ``pruned-t`` dX route's
-    operands, ``mode`` ``hard`` or ``soft``. Eager calls launch it directly, traced ones go through
-    ``twofour::compress_pruned_t``."""
-    args = (x, mode, scale, out_dtype)
+    operands (``mode`` ``hard`` or ``soft``), or a transposable mask's (``mask``). Eager calls
+    launch it directly, traced ones go through ``twofour::compress_pruned_t``."""
+    args = (x, mode, scale, mask, out_dtype)
     return _compress_pt_op(*args) if torch.compiler.is_compiling() else _compress_pruned_t(*args)
 
 
