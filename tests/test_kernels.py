@@ -162,9 +162,9 @@ def test_compress_op_traces_like_eager():
     traced = torch.compile(lambda t: ops.compress(t, "hard", dense_out=True), fullgraph=True)(x)
     assert all(torch.equal(a, b) for a, b in zip(eager, traced, strict=True))
     beta = torch.ones(1)
-    torch.library.opcheck(torch.ops.twofour.compress_pruned_t.default, (x, "soft", beta, None, torch.bfloat16))
-    eager = ops.compress_pruned_t(x, "soft", scale=beta)
-    traced = torch.compile(lambda t: ops.compress_pruned_t(t, "soft", scale=beta), fullgraph=True)(x)
+    torch.library.opcheck(torch.ops.twofour.compress_both.default, (x, "soft", beta, None, torch.bfloat16))
+    eager = ops.compress_both(x, "soft", scale=beta)
+    traced = torch.compile(lambda t: ops.compress_both(t, "soft", scale=beta), fullgraph=True)(x)
     assert all(torch.equal(a, b) for a, b in zip(eager, traced, strict=True))
 
 
@@ -353,31 +353,31 @@ def test_hard_pruning_of_a_transpose_is_prune_transpose(device):
 @pytest.mark.parametrize("mode", ["hard", "soft"])
 @pytest.mark.parametrize("shape", [(96, 128), (160, 64)])
 def test_one_pass_writes_the_pruned_t_operand(mode, shape, device):
-    """compress_pruned_t: W_eff compressed and dense as compress() writes them, and W_pt^T (W_eff^T,
+    """compress_both: W_eff compressed and dense as compress() writes them, and W_pt^T (W_eff^T,
     as rounded, pruned 2:4 along the output features) compressed, from one pass; on random weights
     and on small integers (ties in both directions)."""
     torch.manual_seed(0)
     for w in (torch.randn(shape, device=device), torch.randint(-3, 4, shape, device=device).float()):
         beta = _fixed_scale(w).reshape(1) if mode == "soft" else None
-        wc, wd, wtc = ck.compress_pruned_t(w, mode, scale=beta, dense_out=True)
+        wc, wd, wtc = ck.compress_both(w, mode, scale=beta, dense_out=True)
         wc0, wd0 = ck.compress(w, mode, scale=beta, dense_out=True)
         assert torch.equal(wc, wc0) and torch.equal(wd, wd0)
         pt = prune_transpose_24(wd.float()).bfloat16()
         assert torch.equal(decompress_reference(wtc, shape[1], shape[0]), pt.t())
         assert torch.equal(wtc, ck.compress(wd.t(), "hard")[0])  # the two-pass bytes, metadata included
     with pytest.raises(ValueError, match="multiples of 32"):
-        ck.compress_pruned_t(torch.randn(48, 64, device=device), "hard")
+        ck.compress_both(torch.randn(48, 64, device=device), "hard")
     with pytest.raises(ValueError, match="hard, soft or mask"):
-        ck.compress_pruned_t(torch.randn(64, 64, device=device), "mvue")
+        ck.compress_both(torch.randn(64, 64, device=device), "mvue")
 
 
 def test_one_pass_writes_a_transposable_masks_two_operands(device):
-    """compress_pruned_t in mask mode: W * m compressed (and dense) as compress() writes it, and
+    """compress_both in mask mode: W * m compressed (and dense) as compress() writes it, and
     W^T compressed by m^T as the second pass over W^T wrote it, byte for byte."""
     torch.manual_seed(0)
     w = torch.randn(96, 128, device=device)
     m = transposable_mask_24(w)
-    wc, wd, wtc = ck.compress_pruned_t(w, "mask", mask=m, dense_out=True)
+    wc, wd, wtc = ck.compress_both(w, "mask", mask=m, dense_out=True)
     wc0, wd0 = ck.compress(w, "mask", mask=m, dense_out=True)
     assert torch.equal(wc, wc0) and torch.equal(wd, wd0)
     assert torch.equal(wtc, ck.compress(w.t(), "mask", mask=m.t())[0])

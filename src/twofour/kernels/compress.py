@@ -24,7 +24,7 @@ import torch
 from .layout import compressed_size, supported_shape
 from .triton_common import HAS_TRITON, PHILOX_ROUNDS, launch_tuned
 
-__all__ = ["compress", "compress_tiled", "compress_pruned_t", "compress_e4m3", "MODES"]
+__all__ = ["compress", "compress_tiled", "compress_both", "compress_e4m3", "MODES"]
 
 MODES = {"hard": 0, "soft": 1, "mask": 2, "mvue": 3}
 
@@ -195,7 +195,7 @@ def compress_tiled(x: torch.Tensor, mode: str, *, tile: tuple[int, int] | None =
     return _compress(x, mode, tile=tile, **kwargs)
 
 
-def compress_pruned_t(x: torch.Tensor, mode: str, *, out_dtype: torch.dtype = torch.bfloat16,
+def compress_both(x: torch.Tensor, mode: str, *, out_dtype: torch.dtype = torch.bfloat16,
                       scale: torch.Tensor | None = None, mask: torch.Tensor | None = None, dense_out: bool = False,
                       tile: tuple[int, int] | None = None) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor]:
     """:func:`compress` of the (N, K) ``x`` and in the same pass its transpose's 2:4 operand: in
@@ -205,11 +205,11 @@ def compress_pruned_t(x: torch.Tensor, mode: str, *, out_dtype: torch.dtype = to
     transposable ``mask``, W^T's compressed by ``mask.t()`` (what ``compress(x.t(), "mask",
     mask=mask.t())`` writes). N a multiple of 32; the tiles are 64 x 64 (``tile``: (64, warps))."""
     if mode not in ("hard", "soft", "mask"):
-        raise ValueError(f"compress_pruned_t: mode must be hard, soft or mask, got {mode!r}")
+        raise ValueError(f"compress_both: mode must be hard, soft or mask, got {mode!r}")
     if not supported_shape(x.shape[1], x.shape[0]):
-        raise ValueError(f"compress_pruned_t: N and K must be multiples of 32, got shape {tuple(x.shape)}")
+        raise ValueError(f"compress_both: N and K must be multiples of 32, got shape {tuple(x.shape)}")
     if tile is not None and tile[0] != 64:
-        raise ValueError(f"compress_pruned_t: tiles are 64 columns wide, got {tile[0]}")
+        raise ValueError(f"compress_both: tiles are 64 columns wide, got {tile[0]}")
     return _compress(x, mode, out_dtype=out_dtype, scale=scale, mask=mask, dense_out=dense_out, tile=tile,
                      pruned_t=True)
 
@@ -218,7 +218,7 @@ def _compress(x: torch.Tensor, mode: str, *, out_dtype: torch.dtype = torch.bflo
               scale: torch.Tensor | None = None, mask: torch.Tensor | None = None, u: torch.Tensor | None = None,
               seed: torch.Tensor | None = None, dense_out: bool = False, sparse_out: bool = True,
               tile: tuple[int, int] | None = None, pruned_t: bool = False):
-    """The launch behind :func:`compress` (returns (buf, dense)) and :func:`compress_pruned_t`
+    """The launch behind :func:`compress` (returns (buf, dense)) and :func:`compress_both`
     (returns (buf, dense, W_pt^T's buf))."""
     if not HAS_TRITON:
         raise RuntimeError("twofour's fused compression needs Triton (pip install triton)")

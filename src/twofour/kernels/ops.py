@@ -29,7 +29,7 @@ from .triton_common import HAS_TRITON
 
 log = logging.getLogger(__name__)
 
-__all__ = ["spmm", "compress", "compress_pruned_t", "refresh_mask_", "refresh_masks_", "order", "fast_available",
+__all__ = ["spmm", "compress", "compress_both", "refresh_mask_", "refresh_masks_", "order", "fast_available",
            "triton_ok", "as_2d"]
 
 
@@ -184,14 +184,14 @@ def _compress(x: torch.Tensor, mode: str, scale: torch.Tensor | None, mask: torc
     return buf, dense if dense is not None else buf.new_empty(0, dtype=out_dtype)
 
 
-def _compress_pruned_t(x: torch.Tensor, mode: str, scale: torch.Tensor | None, mask: torch.Tensor | None,
+def _compress_both(x: torch.Tensor, mode: str, scale: torch.Tensor | None, mask: torch.Tensor | None,
                        out_dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    return _ck.compress_pruned_t(x, mode, out_dtype=out_dtype, scale=scale, mask=mask, dense_out=True)
+    return _ck.compress_both(x, mode, out_dtype=out_dtype, scale=scale, mask=mask, dense_out=True)
 
 
 _spmm_op = torch.library.custom_op("twofour::spmm", _spmm, mutates_args=())
 _compress_op = torch.library.custom_op("twofour::compress", _compress, mutates_args=())
-_compress_pt_op = torch.library.custom_op("twofour::compress_pruned_t", _compress_pruned_t, mutates_args=())
+_compress_both_op = torch.library.custom_op("twofour::compress_both", _compress_both, mutates_args=())
 
 
 @_spmm_op.register_fake
@@ -209,7 +209,7 @@ def _(x, mode, scale, mask, seed, dense_out, out_dtype, sparse_out=True):
     return buf, torch.empty((m, k) if dense_out else (0,), dtype=out_dtype, device=x.device)
 
 
-@_compress_pt_op.register_fake
+@_compress_both_op.register_fake
 def _(x, mode, scale, mask, out_dtype):
     m, k = x.shape
     return (torch.empty(compressed_size(m, k, 2), dtype=torch.uint8, device=x.device),
@@ -241,15 +241,15 @@ def compress(x: torch.Tensor, mode: str, *, scale: torch.Tensor | None = None, m
     return _compress_op(*args) if torch.compiler.is_compiling() else _compress(*args)
 
 
-def compress_pruned_t(x: torch.Tensor, mode: str, *, scale: torch.Tensor | None = None,
+def compress_both(x: torch.Tensor, mode: str, *, scale: torch.Tensor | None = None,
                       mask: torch.Tensor | None = None,
                       out_dtype: torch.dtype = torch.bfloat16) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """(compressed W_eff, dense W_eff, compressed W_eff^T 2:4) of the weight ``x`` in one pass of the
-    fused kernel (:func:`twofour.kernels.compress.compress_pruned_t`): the ``pruned-t`` dX route's
+    fused kernel (:func:`twofour.kernels.compress.compress_both`): the ``pruned-t`` dX route's
     operands (``mode`` ``hard`` or ``soft``), or a transposable mask's (``mask``). Eager calls
-    launch it directly, traced ones go through ``twofour::compress_pruned_t``."""
+    launch it directly, traced ones go through ``twofour::compress_both``."""
     args = (x, mode, scale, mask, out_dtype)
-    return _compress_pt_op(*args) if torch.compiler.is_compiling() else _compress_pruned_t(*args)
+    return _compress_both_op(*args) if torch.compiler.is_compiling() else _compress_both(*args)
 
 
 def prune_transpose(w: torch.Tensor) -> torch.Tensor:

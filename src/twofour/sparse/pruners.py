@@ -113,9 +113,9 @@ def _no_transpose(w: torch.Tensor) -> torch.Tensor:
 
 
 def _fused_pruned_t(w: torch.Tensor, mode: str, scale: torch.Tensor | None, dtype: torch.dtype) -> Compressed | None:
-    """The ``pruned-t`` operands by one pass of the fused kernel (:func:`twofour.kernels.ops.compress_pruned_t`)
+    """The ``pruned-t`` operands by one pass of the fused kernel (:func:`twofour.kernels.ops.compress_both`)
     where the output features are a multiple of 32 (its W^T tiles), else None."""
-    return None if w.shape[0] % 32 else ops.compress_pruned_t(w, mode, scale=scale, out_dtype=dtype)
+    return None if w.shape[0] % 32 else ops.compress_both(w, mode, scale=scale, out_dtype=dtype)
 
 
 class HardPruner(Pruner):
@@ -182,7 +182,7 @@ class TransposablePruner(Pruner):
 
     def compress(self, w, beta, mask, dtype, sparse=True):
         if sparse and w.shape[0] % 32 == 0:  # W_eff and W_eff^T from one pass
-            return ops.compress_pruned_t(w, "mask", mask=mask, out_dtype=dtype)
+            return ops.compress_both(w, "mask", mask=mask, out_dtype=dtype)
         wc, wd = ops.compress(w, "mask", mask=mask, dense_out=True, out_dtype=dtype, sparse_out=sparse)
         wtc = ops.compress(w.t(), "mask", mask=mask.t(), out_dtype=dtype)[0] if sparse else _no_transpose(w)
         return wc, wd, wtc
