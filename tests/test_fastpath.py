@@ -370,9 +370,12 @@ def test_pruned_t_dx_matches_reference(recipe, gemm, layout, monkeypatch):
     g = torch.randn(4, 256, 512, device="cuda", dtype=torch.bfloat16)
     spmm, calls = ops.spmm, []
     monkeypatch.setattr(ops, "spmm", lambda *a: calls.append(1) or spmm(*a))
+    both, passes = ops.compress_both, []
+    monkeypatch.setattr(ops, "compress_both", lambda *a, **k: passes.append(1) or both(*a, **k))
     with dispatch.override(gemm=gemm):
         yf, dxf, dwf = run(layer, x, g, True)
     assert len(calls) == (2 if gemm == "sparse" else 0)
+    assert len(passes) == 1  # W_eff and W_pt^T from one pass over the weight
     yr, dxr, dwr = run(layer, x, g, False)
     assert rel(yf, yr) < 1e-2 and rel(dxf, dxr) < 1e-2 and rel(dwf, dwr) < 1e-2
     w_eff = layer.effective_weight().bfloat16().float()

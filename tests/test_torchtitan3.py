@@ -120,3 +120,24 @@ def test_torchtitans_launcher_trains_resumes_exactly_and_exports(tmp_path):
             assert "1" not in steps and "Loading the checkpoint" in log
     assert losses[0] == losses[1]
 
+
+
+def test_torchtitans_optimizers_advance_the_masks_and_add_srstes_decay():
+    """The hooks importing the integration installs, on the optimizers torchtitan builds for the model:
+    SR-STE's masked decay added to the gradients before the step, every layer one step on after it."""
+    config = tt.with_twofour(config_registry.llama3_debugmodel(), "sr-ste", decay=1e-2)
+    with torch.device("meta"):
+        model = config.model_spec.model.build()
+    model.to_empty(device="cpu")
+    with torch.no_grad():
+        model.init_weights(buffer_device=None)
+    opt = config.optimizer.build(model_parts=[model])
+    layers = [m for m in model.modules() if isinstance(m, TwoFourLinear)]
+    before = [(m.weight.detach().clone(), m.mask.clone()) for m in layers]
+    for p in model.parameters():
+        p.grad = torch.zeros_like(p)
+    opt.step()
+    for m, (w, mask) in zip(layers, before, strict=True):
+        torch.testing.assert_close(m.weight.grad, 1e-2 * w * ~mask)
+        assert m.step_count == 1 and int(m.step) == 1
+        assert torch.equal(m.mask, m.pruner.mask(m.weight.detach()))
