@@ -143,7 +143,8 @@ class FP8LinearFn(torch.autograd.Function):
     ``cdt`` from the unquantized operands; outputs in ``cdt``; dW passed straight through to the
     master ``weight``; ``grad``: whether grad mode was on at the call (no backward copies
     otherwise); ``sparse``: W_eff is 2:4 (the forward GEMM may then run FP8 2:4,
-    :func:`scaled_mm`). Tensorwise, each operand is quantized once, with the transposed copy its
+    :func:`scaled_mm`, and so may dX where the dX route makes W^T 2:4 along the output features:
+    ``pruned-t``, ``transposable``). Tensorwise, each operand is quantized once, with the transposed copy its
     other GEMM reads written in the same pass; rowwise, the other axis is quantized again from
     the high-precision tensor."""
 
@@ -173,6 +174,7 @@ class FP8LinearFn(torch.autograd.Function):
         else:
             ctx.save_for_backward(x2, w_dx)
         ctx.dx_mvue = dx == "mvue"
+        ctx.sparse_dx = sparse and dx in ("pruned-t", "transposable")  # W_dx^T 2:4 along N: dX may run FP8 2:4
         ctx.mvue, ctx.scaling, ctx.cdt, ctx.x_shape, ctx.x_dtype = mvue, scaling, cdt, x.shape, x.dtype
         ctx.grad_fmt = grad_fmt
         ctx.has_bias, ctx.w_dtype = bias is not None, weight.dtype
@@ -216,7 +218,8 @@ class FP8LinearFn(torch.autograd.Function):
             sdt = sd
         if need_dx:
             qe, se = (qd, sd) if dy_dx is dy2 else quantize(dy_dx, gf, sc)
-            dx = scaled_mm(qe, se, qwt, swt, cdt).reshape(ctx.x_shape).to(ctx.x_dtype)
+            dx = scaled_mm(qe, se, qwt, swt, cdt, sparse_b=ctx.sparse_dx, gemm="dx")
+            dx = dx.reshape(ctx.x_shape).to(ctx.x_dtype)
         if est:
             dw = _mvue_dw_reference(dy2, qxt, sxt, gf, sc, cdt).to(ctx.w_dtype)
         elif need_dw:

@@ -90,18 +90,20 @@ def _sparse_applies(q24: torch.Tensor, s24: torch.Tensor, q: torch.Tensor, s: to
 
 
 def _scaled_mm(qa: torch.Tensor, sa: torch.Tensor, qb: torch.Tensor, sb: torch.Tensor,
-               out_dtype: torch.dtype, sparse_b: bool = False, bias: torch.Tensor | None = None) -> torch.Tensor:
+               out_dtype: torch.dtype, sparse_b: bool = False, bias: torch.Tensor | None = None,
+               gemm: str = "fwd") -> torch.Tensor:
     if not sparse_b or not _sparse_applies(qb, sb, qa, sa, out_dtype):
         return _dense_mm(qa, sa, qb, sb, out_dtype, bias)
     m, k, n = qa.shape[0], qa.shape[1], qb.shape[0]
-    failed = ("fp8-24-fwd", n, k, m, qb.device.index, out_dtype)
+    failed = (f"fp8-24-{gemm}", n, k, m, qb.device.index, out_dtype)
     if dispatch.failed(failed):
         return _dense_mm(qa, sa, qb, sb, out_dtype, bias)
 
     cands = {"sparse": lambda: _sparse_mm(qa, sa, qb, sb, out_dtype, bias),
              "dense": lambda: _dense_mm(qa, sa, qb, sb, out_dtype, bias)}
     try:
-        choice = dispatch.choose("fp8-fwd+bias" if bias is not None else "fp8-fwd", n, k, m, "col", qa.dtype, cands)
+        choice = dispatch.choose(f"fp8-{gemm}" + ("+bias" if bias is not None else ""), n, k, m, "col", qa.dtype,
+                                 cands)
         return cands[choice]()
     except Exception as e:  # noqa: BLE001 - cuSPARSELt refused the operands: the dense GEMM answers
         dispatch.record_failure(failed, "the FP8 2:4 GEMM", e, "the dense FP8 GEMM")
@@ -113,12 +115,13 @@ _scaled_mm_op = torch.library.custom_op("twofour::scaled_mm", _scaled_mm, mutate
 
 
 @_scaled_mm_op.register_fake
-def _(qa, sa, qb, sb, out_dtype, sparse_b=False, bias=None):
+def _(qa, sa, qb, sb, out_dtype, sparse_b=False, bias=None, gemm="fwd"):
     return qa.new_empty((qa.shape[0], qb.shape[0]), dtype=out_dtype)
 
 
 def scaled_mm(qa: torch.Tensor, sa: torch.Tensor, qb: torch.Tensor, sb: torch.Tensor,
-              out_dtype: torch.dtype, sparse_b: bool = False, bias: torch.Tensor | None = None) -> torch.Tensor:
+              out_dtype: torch.dtype, sparse_b: bool = False, bias: torch.Tensor | None = None,
+              gemm: str = "fwd") -> torch.Tensor:
     """``dequant(a) @ dequant(b)^T (+ bias)`` in ``out_dtype`` from quantized ``a`` (M, K) and ``b``
     (N, K), both row-major along K with scales from :func:`quantize`: ``torch._scaled_mm`` (a
     row-major, b column-major, rowwise scales as (M, 1) and (1, N); the bias, N values in
@@ -128,8 +131,9 @@ def scaled_mm(qa: torch.Tensor, sa: torch.Tensor, qb: torch.Tensor, sb: torch.Te
     ``sparse_b``: ``b`` is 2:4 along K (a pruned weight). Where cuSPARSELt has FP8 2:4 GEMMs (sm89+,
     e4m3 operands, ``a`` with a single scale), the GEMM also has a 2:4 route, ``b`` compressed on
     each call, and runs whichever of the two measured faster at this shape (``dispatch.choices()`` key
-    ``fp8-fwd``); the product is the same up to the GEMM's rounding.
+    ``fp8-GEMM``, ``gemm`` naming it: ``fwd``, or ``dx`` for dX = dY W with ``b`` = W^T 2:4 along
+    the output features); the product is the same up to the GEMM's rounding.
     Under torch's tracers this is the custom op ``twofour::scaled_mm``, so a compiled model keeps
     the FP8 linear in one graph."""
-    args = (qa, sa, qb, sb, out_dtype, sparse_b, bias)
+    args = (qa, sa, qb, sb, out_dtype, sparse_b, bias, gemm)
     return _scaled_mm_op(*args) if torch.compiler.is_compiling() else _scaled_mm(*args)
