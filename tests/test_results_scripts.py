@@ -375,3 +375,13 @@ def test_dx_sweep_runs_each_variant_at_its_best_rate_for_a_horizon(tmp_path):
     assert dx_sweep.block_weights("gpt-10m") == 6 * (1152 * 384 + 384 * 384 + 2 * 1536 * 384)
     with pytest.raises(SystemExit, match="no finished sweep"):
         dx_sweep.jobs(argparse.Namespace(**{**vars(args), "variants": [dx_sweep.variant("t-sr-ste")]}))
+
+
+def test_performances_step_tables_recompute_from_their_run_files():
+    """docs/PERFORMANCE.md's per-step kernel tables are peer.py's --summary of the files they name."""
+    text = (ROOT / "docs" / "PERFORMANCE.md").read_text()
+    tables = {"dx-speed/h100-4blocks.json": "dense,ste,s-ste,s-ste+dx=pruned-t,s-ste+dx=mvue,t-sr-ste,ao-float8",
+              "fp8-peer/h200.json": "ao-float8,dense,dense-fp8,ste-fp8,s-ste-fp8"}
+    for name, rows in tables.items():
+        run = json.loads((ROOT / "docs" / "results" / name).read_text())
+        assert _peer().summary_table(run, rows.split(",")) in text, name

@@ -219,11 +219,7 @@ def report(saved: list[tuple[str, dict]], ratios: list[float]) -> str:
           for row, r in res.items() if "error" not in r}
     if not ok:
         return "\n".join(out)
-    ours = twofour_kernels()
-    kinds = {row: dict.fromkeys(KINDS, 0.0) for row in ok}
-    for row, r in ok.items():
-        for k, (ms, _n) in r["kernels"].items():
-            kinds[row][kind(k, ours)] += ms
+    ours, kinds = twofour_kernels(), by_kind(ok)
     out += ["", "GPU ms per step by kernel kind (torch.profiler, 3 steps):", "", md_head("kind", *ok)]
     out += [md_row(k, *(f"{kinds[row][k]:.2f}" for row in ok)) for k in KINDS]
     out.append(md_row("sum", *(f"{sum(kinds[row].values()):.2f}" for row in ok)))
@@ -289,6 +285,38 @@ def report(saved: list[tuple[str, dict]], ratios: list[float]) -> str:
     return "\n".join(out)
 
 
+def by_kind(ok: dict[str, dict]) -> dict[str, dict[str, float]]:
+    """{row: {kind of kernel: GPU ms per step}} of the rows' profiles (ranges left out)."""
+    ours = twofour_kernels()
+    kinds = {row: dict.fromkeys(KINDS, 0.0) for row in ok}
+    for row, r in ok.items():
+        for k, (ms, _n) in r["kernels"].items():
+            if not RANGES.search(k):
+                kinds[row][kind(k, ours)] += ms
+    return kinds
+
+
+def summary_table(run: dict, rows: list[str]) -> str:
+    """One saved run's rows side by side in a few lines (docs/PERFORMANCE.md): the GEMMs, the rest
+    of the step, twofour's kernels and of them the weight kernels in passes over the FFN weights,
+    and the step with its tokens/s ratio to the first row."""
+    res = {row: run["rows"][row] for row in rows}
+    kinds = by_kind(res)
+    one_pass = next(iter(res.values()))["ffn_weights"] * 5 / (run["rates"]["copy_gbs"] * 1e9) * 1e3
+    weight = {row: sum(r["kernels"].get(k, (0.0, 0))[0] for k in WEIGHT_KERNELS) for row, r in res.items()}
+    rest = ("attention", "Inductor", "optimizer", "other")
+    base = res[rows[0]]["tokens_per_s"]
+    return "\n".join([
+        md_head("kind", *rows),
+        *(md_row(k, *(f"{kinds[row][k]:.2f}" for row in rows)) for k in ("GEMM dense", "GEMM 2:4")),
+        md_row(", ".join(rest), *(f"{sum(kinds[row][k] for k in rest):.2f}" for row in rows)),
+        md_row("twofour Triton", *(f"{kinds[row]['twofour Triton']:.2f}" for row in rows)),
+        md_row("of which weight kernels (passes)",
+               *(f"{weight[row]:.2f} ({weight[row] / one_pass:.1f})" for row in rows)),
+        md_row(f"step ms (ratio to {rows[0]})",
+               *(f"{r['ms']:.2f} ({r['tokens_per_s'] / base:.3f}x)" for r in res.values()))])
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--preset", default="llama-8b")
@@ -303,8 +331,13 @@ def main() -> None:
     ap.add_argument("--json", type=Path, help="write every row's numbers here (rewritten after each row)")
     ap.add_argument("--from-json", nargs="+", type=Path, metavar="JSON",
                     help="print the tables of saved runs (no GPU); rows of later files keep their file's name")
+    ap.add_argument("--summary", default=None, metavar="ROWS",
+                    help="with --from-json (one file): only the few-line table of these rows (docs/PERFORMANCE.md)")
     args = ap.parse_args()
     ratios = [float(r) for r in args.ratios.split(",") if r]
+    if args.from_json and args.summary:
+        print(summary_table(json.loads(args.from_json[0].read_text()), args.summary.split(",")))
+        return
     if args.from_json:
         print(report([(p.stem, json.loads(p.read_text())) for p in args.from_json], ratios))
         return
