@@ -58,6 +58,9 @@ def test_bad_sections_are_one_line_errors():
         tt.with_twofour(config_registry.llama3_debugmodel(), "step")
     with pytest.raises(TrainError, match="unknown recipe options"):
         tt.with_twofour(config_registry.llama3_debugmodel(), "ste", colour="blue")
+    with pytest.raises(TrainError, match="give total_steps"):  # t-sr-ste's dense fine-tune needs the run's length
+        apply_overrides(OverrideConfig(imports=[("twofour.integrations.titan3.sparse_ffn", {"recipe": "t-sr-ste"})]),
+                        config_registry.llama3_debugmodel())
 
 
 def test_float8_keeps_the_other_linears_and_the_override_takes_the_ffn_from_the_command_line():

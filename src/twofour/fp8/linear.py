@@ -239,7 +239,9 @@ def fp8_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
     GEMMs run in autocast's dtype if on, else ``x``'s; the output has that dtype. ``sparse``:
     ``w_eff`` is 2:4 along its rows, so the forward GEMM may run FP8 2:4 where that measures
     faster. ``dx``: the dX route (:data:`~twofour.sparse.recipes.DX_ROUTES`; ``pruned-t`` multiplies
-    dY by W_eff with its transpose pruned 2:4 too, ``mvue`` by dY's estimate in the reference).
+    dY by W_eff with its transpose pruned 2:4 too, ``mvue`` by dY's estimate in the reference;
+    ``transposable`` says ``w_eff`` is 2:4 along both dimensions, a transposable mask's). With
+    ``sparse`` and ``pruned-t`` or ``transposable`` the dX GEMM may run FP8 2:4 as well.
     ``ValueError`` for a precision with no GEMM in FP8 (``F.linear`` is that)."""
     precision = as_precision(precision)
     if not precision.fp8:

@@ -104,8 +104,9 @@ class TwoFourConverter(ModelConfigConverter):
         """dense, ste, sr-ste, s-ste or t-sr-ste (step needs twofour's STEPAdamW, which torchtitan doesn't build)."""
         precision: str = "bf16"
         """Which GEMMs of the 2:4 layers run in FP8: a name of twofour.fp8.PRECISIONS."""
-        total_steps: int = 1
-        """The run's optimizer steps (``training.steps``; :func:`with_twofour` sets it), for the recipe's phases."""
+        total_steps: int | None = None
+        """The run's optimizer steps (``training.steps``; :func:`with_twofour` sets it): needed by a recipe
+        with a phase at the end (t-sr-ste's dense fine-tune, an FP8 recipe's bf16_finetune)."""
         include: list[str] = field(default_factory=lambda: list(FFN_LINEARS))
         """fnmatch patterns on module names: the linears made 2:4."""
         exclude: list[str] = field(default_factory=lambda: ["lm_head"])
@@ -160,6 +161,10 @@ def recipe_of(config: TwoFourConverter.Config) -> Recipe:
     if recipe.starts_dense:
         raise TrainError(f"[twofour] recipe {config.recipe!r} needs twofour.STEPAdamW as its optimizer, which "
                          "torchtitan does not build: pick dense, ste, sr-ste, s-ste or t-sr-ste")
+    if recipe.dense_finetune and recipe.total_steps is None:  # else its dense phase would silently never come
+        raise TrainError(f"[twofour] recipe {config.recipe!r} ends with a dense phase (dense_finetune="
+                         f"{recipe.dense_finetune:.3g}): give total_steps, the run's training.steps, or "
+                         "dense_finetune=0")
     return recipe
 
 
@@ -179,7 +184,9 @@ def with_twofour(config: Any, recipe: str = DEFAULT_RECIPE, *, precision: str = 
                  include: list[str] | None = None, exclude: list[str] | None = None, **options: Any) -> Any:
     """A torchtitan ``Trainer.Config`` with its model's linears that match ``include`` (the FFN's by
     default) made 2:4 by ``recipe`` (with ``precision`` and the recipe ``options``), the recipe's
-    ``total_steps`` from ``config.training.steps``. A float8 converter already applied to the
+    ``total_steps`` from ``config.training.steps`` as it is now (a ``--training.steps`` given on
+    the command line later does not reach it: give a recipe with phases its steps through
+    :func:`sparse_ffn`'s ``total_steps`` instead). A float8 converter already applied to the
     model config is overruled on those linears (they become 2:4) and keeps the others."""
     cfg = TwoFourConverter.Config(recipe=recipe, precision=precision, total_steps=config.training.steps,
                                   include=list(include or FFN_LINEARS), exclude=list(exclude or ["lm_head"]),
@@ -189,8 +196,8 @@ def with_twofour(config: Any, recipe: str = DEFAULT_RECIPE, *, precision: str = 
 
 
 @override(target=Linear.Config, fqns=list(FFN_LINEARS), description="twofour: the FFN linears 2:4")
-def sparse_ffn(config: Linear.Config, recipe: str = DEFAULT_RECIPE, precision: str = "bf16", total_steps: int = 1,
-               **options: Any) -> TwoFourLinear.Config:
+def sparse_ffn(config: Linear.Config, recipe: str = DEFAULT_RECIPE, precision: str = "bf16",
+               total_steps: int | None = None, **options: Any) -> TwoFourLinear.Config:
     """torchtitan's override of a Llama 3 FFN linear by a 2:4 one, from the command line:
     ``--override.imports twofour.integrations.titan3.sparse_ffn``, with the recipe as the entry's
     keyword arguments (``recipe``, ``precision``, ``total_steps`` for recipes with phases, options)."""

@@ -199,7 +199,7 @@ def _continue(cfg: TrainConfig, overwrite: bool) -> TrainConfig:
     started over if it died before its first checkpoint; a folder holding another run is
     refused unless ``overwrite``."""
     out = Path(cfg.out_dir)
-    if overwrite or (checkpoint_path(out) is None and not (out / METRICS).exists()):
+    if overwrite or (checkpoint_path(out) is None and metrics_file(out) is None):
         return cfg
     if not same_run(read_config(out), cfg):
         raise TrainError(f"{out} holds a run with other settings; choose another --out, or --overwrite to "

@@ -38,8 +38,8 @@ FIELDS = ["step", "tokens", "lr", "train_loss", "val_loss", "flip_rate", "tokens
 #: What a run (and ``twofour export`` of it, in either weights format) leaves in its folder: a
 #: folder holding any of them is refused without ``--overwrite``, which removes them (the
 #: sharded checkpoint's folder ``ckpt/`` with all it holds).
-_OUTPUTS = (CKPT, CKPT + ".tmp", SHARDED, METRICS, "curves.png", "summary.json", "config.json", WEIGHTS,
-            str(Path(WEIGHTS).with_suffix(".pt")), MODEL_CONFIG)
+_OUTPUTS = (CKPT, CKPT + ".tmp", SHARDED, METRICS, METRICS + ".gz", "curves.png", "summary.json", "config.json",
+            WEIGHTS, str(Path(WEIGHTS).with_suffix(".pt")), MODEL_CONFIG)
 
 
 def prepare_run_dir(cfg: TrainConfig) -> Path:
@@ -54,7 +54,7 @@ def prepare_run_dir(cfg: TrainConfig) -> Path:
     if cfg.resume:
         if checkpoint_path(out) is None:
             raise TrainError(_no_checkpoint(out))
-    elif {CKPT, SHARDED, METRICS} & set(present) and not cfg.overwrite:
+    elif {CKPT, SHARDED, METRICS, METRICS + ".gz"} & set(present) and not cfg.overwrite:
         if checkpoint_path(out) is not None:
             raise TrainError(f"{out} already holds a run; pass --resume to continue it, --overwrite to replace it, "
                              "or choose another --out")
