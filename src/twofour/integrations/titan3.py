@@ -76,13 +76,17 @@ class TwoFourLinear(SparseLinear, Module):
         self.reset_state()
 
     def parallelize(self, parallel_dims: Any) -> None:
-        """torchtitan's placement of the layer's states: the weight's declared one for the mask (of
-        the weight's shape), replicated for the scalars; data parallelism only (TrainError for
-        tensor or pipeline parallelism, whose shards of a weight a mask can't be computed from)."""
+        """torchtitan's placement of the layer's states (its default ``spmd_types`` backend): the
+        weight's declared one for the mask (of the weight's shape), replicated for the scalars. Data
+        parallelism only: TrainError for tensor or pipeline parallelism, whose shards of a weight a
+        mask can't be computed from, and for the ``full_dtensor`` backend (every state a DTensor)."""
         if getattr(parallel_dims, "tp_enabled", False) or getattr(parallel_dims, "pp_enabled", False):
             raise TrainError("the twofour converter supports data parallelism (FSDP2, DDP) only, not tensor or "
                              "pipeline parallelism (parallelism.tensor_parallel_degree and "
                              "pipeline_parallel_degree must be 1)")
+        if getattr(parallel_dims, "spmd_backend", None) == "full_dtensor":
+            raise TrainError("the twofour converter runs with parallelism.spmd_backend spmd_types (the default) or "
+                             "partial_dtensor, not full_dtensor")
         sc = self._sharding_config
         if sc is not None and "weight" in sc.state_shardings:
             weight = sc.state_shardings["weight"]
