@@ -58,8 +58,9 @@ if HAS_TRITON:
         """One 64-row band x BC columns: the four entries of each group as four (64, BC/4)
         tensors (one tile load and a split, or four loads for a source with contiguous rows),
         the kept pair chosen elementwise, values and metadata packed by reshapes. With
-        ``WRITE_T`` (BC = 64) also the effective tile's transpose pruned 2:4 by magnitude along
-        the rows (the ``pruned-t`` dX route's W_pt^T) and compressed into ``tvals``/``tmeta``."""
+        ``WRITE_T`` (BC = 64) also the effective tile's transpose, 2:4 along the rows (pruned by
+        magnitude: the ``pruned-t`` dX route's W_pt^T; or by the transposed mask in mask mode),
+        compressed into ``tvals``/``tmeta`` (:func:`compress_both`)."""
         G: tl.constexpr = BC // 4
         band, pc = tl.program_id(0), tl.program_id(1)
         r = band * 64 + tl.arange(0, 64)[:, None]  # (64, 1)
@@ -139,7 +140,7 @@ if HAS_TRITON:
                                                                        (256, 8))],
         key=["m_rows", "k_cols", "sr", "sc", "MODE", "WRITE_DENSE", "WRITE_SPARSE"],
     )(_compress_kernel)
-    _compress_t_tuned = triton.autotune(  # with W_pt^T: square 64 x 64 tiles
+    _compress_t_tuned = triton.autotune(  # with W^T's operand too (compress_both): square 64 x 64 tiles
         configs=[triton.Config({"BC": 64}, num_warps=w) for w in (2, 4, 8)],
         key=["m_rows", "k_cols", "sr", "sc", "MODE", "WRITE_DENSE"],
     )(_compress_kernel)
@@ -196,8 +197,8 @@ def compress_tiled(x: torch.Tensor, mode: str, *, tile: tuple[int, int] | None =
 
 
 def compress_both(x: torch.Tensor, mode: str, *, out_dtype: torch.dtype = torch.bfloat16,
-                      scale: torch.Tensor | None = None, mask: torch.Tensor | None = None, dense_out: bool = False,
-                      tile: tuple[int, int] | None = None) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor]:
+                  scale: torch.Tensor | None = None, mask: torch.Tensor | None = None, dense_out: bool = False,
+                  tile: tuple[int, int] | None = None) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor]:
     """:func:`compress` of the (N, K) ``x`` and in the same pass its transpose's 2:4 operand: in
     ``hard`` or ``soft`` mode the ``pruned-t`` dX route's (the effective matrix's transpose, as
     rounded to ``out_dtype``, pruned 2:4 by magnitude along N: byte for byte what
@@ -219,7 +220,7 @@ def _compress(x: torch.Tensor, mode: str, *, out_dtype: torch.dtype = torch.bflo
               seed: torch.Tensor | None = None, dense_out: bool = False, sparse_out: bool = True,
               tile: tuple[int, int] | None = None, pruned_t: bool = False):
     """The launch behind :func:`compress` (returns (buf, dense)) and :func:`compress_both`
-    (returns (buf, dense, W_pt^T's buf))."""
+    (returns (buf, dense, W^T's 2:4 buf))."""
     if not HAS_TRITON:
         raise RuntimeError("twofour's fused compression needs Triton (pip install triton)")
     m, k = x.shape
