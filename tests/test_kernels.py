@@ -183,6 +183,29 @@ def test_mask_refresh_matches_reference(shape, wdtype, device):
     assert flips.item() == 0 and torch.equal(mask, want)
 
 
+def test_every_refresh_tile_writes_the_same_masks_and_counts(device):
+    """Each (groups per program, warps) the GPU may pick for the refresh (pinned through its
+    dispatch key) writes the reference mask and flip count; on the GPU the fastest is recorded."""
+    from twofour.kernels.mask import CONFIGS
+
+    torch.manual_seed(2)
+    w = torch.randn(96, 2048, device=device)
+    old = mask_24(torch.randn(96, 2048, device=device))
+    key = dispatch.choice_key("refresh", 96, 2048, 1, "row", w.dtype, [f"{bg}x{nw}" for bg, nw in CONFIGS])
+    try:
+        for bg, nw in CONFIGS:
+            dispatch.set_choice(key, f"{bg}x{nw}")
+            mask, flips = old.clone(), torch.zeros((), dtype=torch.long, device=device)
+            ops.refresh_mask_(w, mask, flips)
+            assert torch.equal(mask, mask_24(w)) and flips.item() == (mask_24(w) != old).sum().item(), (bg, nw)
+        if device == "cuda":
+            dispatch.clear_choices()
+            ops.refresh_mask_(w, old.clone(), torch.zeros((), dtype=torch.long, device=device))
+            assert set(dispatch.choices()[key]["ms"]) == {f"{bg}x{nw}" for bg, nw in CONFIGS}
+    finally:
+        dispatch.clear_choices()
+
+
 def test_mask_refresh_of_many_layers_in_one_call(device):
     """Layers of several shapes and weight dtypes in one call: each gets its own reference mask
     and flip count; a second call over unchanged weights counts none."""

@@ -17,6 +17,7 @@ from collections.abc import Sequence
 
 import torch
 
+from .. import dispatch
 from .triton_common import HAS_TRITON
 
 if HAS_TRITON:
@@ -59,9 +60,12 @@ if HAS_TRITON:
             tl.atomic_add(flips, tl.sum(tl.where(ok, changed, 0), axis=0).to(tl.int64))
 
 
-__all__ = ["refresh_mask_", "refresh_masks_"]
+__all__ = ["refresh_mask_", "refresh_masks_", "CONFIGS"]
 
-_BG = 1024  # groups of 4 per program
+_BG = 1024  # groups of 4 per program, with 4 warps, where nothing was measured (the interpreter, a capture)
+#: (groups per program, warps) the GPU times once per set of weight shapes (the launch's bytes are the
+#: same whatever the tile, so the fastest leaves the masks and counts as they are).
+CONFIGS = ((1024, 4), (2048, 4), (2048, 8), (4096, 8), (512, 4))
 _tables: dict[tuple, tuple[torch.Tensor, bool]] = {}  # the address tables on the device, by their contents
 
 
@@ -108,8 +112,33 @@ def refresh_masks_(weights: Sequence[torch.Tensor], masks: Sequence[torch.Tensor
     for idx in groups.values():
         ws = [weights[i] for i in idx]
         table, words = _table(ws, [masks[i].view(torch.uint8) for i in idx], [flips[i] for i in idx])
-        blocks = max(triton.cdiv(w.numel() // 4, _BG) for w in ws)
-        _refresh_kernel[(blocks, len(ws))](table, ws[0], len(ws), BG=_BG, WORDS=words, num_warps=4)
+        bg, warps = _config(ws)
+        blocks = max(triton.cdiv(w.numel() // 4, bg) for w in ws)
+        _refresh_kernel[(blocks, len(ws))](table, ws[0], len(ws), BG=bg, WORDS=words, num_warps=warps)
+
+
+def _config(ws: Sequence[torch.Tensor]) -> tuple[int, int]:
+    """(groups per program, warps) for a launch over ``ws``: on the GPU each of :data:`CONFIGS` timed
+    once (:func:`twofour.dispatch.measure`, key ``refresh:...``) on the largest weight with a scratch
+    mask and counter, the fastest kept; the default where nothing may be measured."""
+    w = max(ws, key=lambda t: t.numel())
+    key = dispatch.choice_key("refresh", w.shape[0], w.numel() // w.shape[0], len(ws), "row", w.dtype,
+                              [f"{bg}x{warps}" for bg, warps in CONFIGS])
+    choice = dispatch.recorded(key)
+    if choice is None and w.is_cuda and dispatch.can_measure():
+        mask = torch.zeros(w.shape, dtype=torch.bool, device=w.device)
+        counter = torch.zeros((), dtype=torch.long, device=w.device)
+        table, words = _table([w], [mask.view(torch.uint8)], [counter])
+
+        def launch(bg: int, warps: int) -> None:
+            _refresh_kernel[(triton.cdiv(w.numel() // 4, bg), 1)](table, w, 1, BG=bg, WORDS=words, num_warps=warps)
+
+        choice = dispatch.measure(key, {f"{bg}x{warps}": (lambda bg=bg, warps=warps: launch(bg, warps))
+                                        for bg, warps in CONFIGS})
+    if choice is None:
+        return _BG, 4
+    bg, warps = choice.split("x")
+    return int(bg), int(warps)
 
 
 def refresh_mask_(w: torch.Tensor, mask: torch.Tensor, flips: torch.Tensor) -> None:
