@@ -125,6 +125,27 @@ def test_torchtitans_launcher_trains_resumes_exactly_and_exports(tmp_path):
 
 
 
+@pytest.mark.slow
+def test_torchtitans_compiled_blocks_train_with_2to4_ffns(tmp_path):
+    """--compile.enable: torchtitan compiles each block whole (fullgraph); the masks' refresh runs
+    after the optimizer step, outside the compiled blocks, so the compiled run trains past step 1."""
+    data = tmp_path / "data"
+    subprocess.run([sys.executable, str(ROOT / "examples/torchtitan/make_data.py"), str(data), "--records", "100"],
+                   check=True, timeout=120)
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "1", "--master-port", str(free_port()),
+           str(Path(__file__).with_name("torchtitan_cpu_launcher.py")), "--module", "twofour.integrations.torchtitan",
+           "--config", "llama3_debugmodel_twofour", "--compile.enable",
+           "--hf_assets_path", str(ROOT / "examples/torchtitan/assets/tokenizer"),
+           "--dataloader.dataset_path", str(data), "--dump_folder", str(tmp_path / "out"),
+           "--training.local_batch_size", "2", "--training.seq_len", "64", "--training.steps", "3"]
+    res = subprocess.run(cmd, capture_output=True, text=True, env={**__import__("os").environ, "OMP_NUM_THREADS": "1"},
+                         timeout=600, cwd=ROOT)
+    log = re.sub(r"\x1b\[[0-9;]*m", "", res.stdout + res.stderr)
+    assert res.returncode == 0, log[-3000:]
+    steps = dict(re.findall(r"step: +(\d+) +loss: +([0-9.]+)", log))
+    assert "Compiling each TransformerBlock" in log and float(steps["3"]) < float(steps["1"])
+
+
 def test_torchtitans_optimizers_advance_the_masks_and_add_srstes_decay():
     """The hooks importing the integration installs, on the optimizers torchtitan builds for the model:
     SR-STE's masked decay added to the gradients before the step, every layer one step on after it."""

@@ -23,7 +23,7 @@ from typing import Any
 from torch.optim.optimizer import register_optimizer_step_post_hook, register_optimizer_step_pre_hook
 
 from ..errors import TrainError
-from ..sparse import DEFAULT_RECIPE, Recipe, SparseLinear, add_masked_decay, advance, make_recipe
+from ..sparse import DEFAULT_RECIPE, Recipe, SparseLinear, add_masked_decay, advance, make_recipe, sparse_layers
 
 try:
     import spmd_types as spmd
@@ -184,6 +184,16 @@ def _on_titan_optimizers(action: Any) -> Any:
     return hook
 
 
+def _advance_and_settle(part: Any) -> None:
+    """Every sparse layer of ``part`` one step on, its mask refresh done now: torchtitan compiles each
+    block whole (``fullgraph``), so a refresh left for the next forward (a sharded weight's, where
+    FSDP2 gathers it) cannot run there; here it reads the whole weight (``full_tensor``, a
+    collective every rank makes: one more gather of the sparse weights a step under FSDP2)."""
+    advance(part)
+    for _, layer in sparse_layers(part):
+        layer.settle()
+
+
 def with_twofour(config: Any, recipe: str = DEFAULT_RECIPE, *, precision: str = "bf16",
                  include: list[str] | None = None, exclude: list[str] | None = None, **options: Any) -> Any:
     """A torchtitan ``Trainer.Config`` with its model's linears that match ``include`` (the FFN's by
@@ -256,4 +266,4 @@ def llama3_8b_4layers_twofour() -> Any:
 
 # importing this module turns on its hooks; they act on the sparse layers of torchtitan's optimizers' model parts:
 register_optimizer_step_pre_hook(_on_titan_optimizers(add_masked_decay))  # SR-STE's decay, after the clipping
-register_optimizer_step_post_hook(_on_titan_optimizers(advance))  # masks, flip counts and phases
+register_optimizer_step_post_hook(_on_titan_optimizers(_advance_and_settle))  # masks, flip counts and phases
