@@ -150,3 +150,60 @@ def test_fsdp2_gradient_norm_and_clip_match_torchs(policy):
         for g, b in zip(grads, before):
             torch.testing.assert_close(g.full_tensor(), b * scale)
         torch.testing.assert_close(grad_norm(model, 0.0), torch.tensor(0.5), atol=1e-5, rtol=1e-4)
+
+
+def _settle_worker(rank: int, world: int, port: int, folder: str) -> None:
+    """One of ``world`` gloo processes: two FSDP2-sharded layers (rows split unevenly, one rank with
+    no rows of the second), a step's refresh settled from each rank's rows; what it finds goes to
+    ``folder``/RANK."""
+    import sys  # noqa: PLC0415
+    from pathlib import Path  # noqa: PLC0415
+
+    from torch.distributed.device_mesh import init_device_mesh  # noqa: PLC0415
+    from torch.distributed.fsdp import fully_shard  # noqa: PLC0415
+
+    from twofour.functional import mask_24  # noqa: PLC0415
+
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    dist.init_process_group("gloo", rank=rank, world_size=world)
+    mesh = init_device_mesh("cpu", (world,))
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(twofour.SparseLinear(64, 100, recipe="ste"),
+                                twofour.SparseLinear(64, 2, recipe="s-ste"))
+    for layer in model:
+        fully_shard(layer, mesh=mesh)
+    old = [layer.mask.clone() for layer in model]
+    with torch.no_grad():
+        for layer in model:  # every rank moves its own rows, as an optimizer step would
+            local = layer.weight.to_local()
+            local.add_(torch.randn(local.shape, generator=torch.Generator().manual_seed(rank)))
+    twofour.advance(model)
+    found = []
+    for layer, before in zip(model, old, strict=True):
+        assert layer.deferred.pending
+        layer.settle()
+        want = mask_24(layer.weight.detach().full_tensor())
+        found.append(f"{torch.equal(layer.mask, want)} {int(layer.flips) == int((want != before).sum()) > 0}")
+    Path(folder, str(rank)).write_text(" ".join(found))
+    dist.destroy_process_group()
+    sys.stdout.flush()
+    os._exit(0)  # no interpreter teardown with gloo's threads alive (see test_sharded_checkpoint)
+
+
+@pytest.mark.slow
+def test_a_sharded_refresh_settles_from_each_ranks_rows(tmp_path):
+    """FSDP2 over 3 CPU processes: a refresh settled (a checkpoint's, torchtitan's after each step)
+    computes each rank's rows of the mask and gathers them: every rank holds the mask of the whole
+    weight and the flips of the whole layer, with rows split unevenly and a rank holding none."""
+    import torch.multiprocessing as mp  # noqa: PLC0415
+
+    seen = os.environ.get("CUDA_VISIBLE_DEVICES")
+    os.environ["CUDA_VISIBLE_DEVICES"] = ""
+    try:
+        mp.start_processes(_settle_worker, args=(3, free_port(), str(tmp_path)), nprocs=3, start_method="spawn")
+    finally:
+        if seen is None:
+            del os.environ["CUDA_VISIBLE_DEVICES"]
+        else:
+            os.environ["CUDA_VISIBLE_DEVICES"] = seen
+    assert [(tmp_path / str(r)).read_text() for r in range(3)] == ["True True True True"] * 3

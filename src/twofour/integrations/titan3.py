@@ -187,8 +187,8 @@ def _on_titan_optimizers(action: Any) -> Any:
 def _advance_and_settle(part: Any) -> None:
     """Every sparse layer of ``part`` one step on, its mask refresh done now: torchtitan compiles each
     block whole (``fullgraph``), so a refresh left for the next forward (a sharded weight's, where
-    FSDP2 gathers it) cannot run there; here it reads the whole weight (``full_tensor``, a
-    collective every rank makes: one more gather of the sparse weights a step under FSDP2)."""
+    FSDP2 gathers it) cannot run there; here it runs from each rank's rows and a gather of the mask
+    (:meth:`~twofour.SparseLinear.settle`, a collective every rank makes)."""
     advance(part)
     for _, layer in sparse_layers(part):
         layer.settle()

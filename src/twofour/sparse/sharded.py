@@ -74,11 +74,47 @@ class DeferredRefresh:
     @torch.no_grad()
     def settle(self, layer: nn.Module) -> None:
         """Apply a pending refresh now, from the whole weight in the dtype the forward gathers it
-        in. A collective on a sharded weight: every rank must call it."""
+        in. A collective on a sharded weight: every rank must call it. A mask of the top-2 of |W|
+        in each row's groups of 4, on a weight sharded by rows (FSDP2's), comes from this rank's
+        rows and an all-gather of the mask's bytes (:func:`_settle_from_rows`: a quarter of the
+        bytes the float32 weight's gather moves)."""
         if not self.pending:
             return
-        w = whole(layer.weight.detach())
+        w = layer.weight.detach()
+        if layer.pruner.fused_refresh and _row_sharded(w):
+            local = w.to_local()
+            _settle_from_rows(layer, local if self.gathered_dtype is None else local.to(self.gathered_dtype))
+            self.pending, self.fresh_flips = False, True
+            return
+        w = whole(w)
         self.apply(layer, w if self.gathered_dtype is None else w.to(self.gathered_dtype))
+
+
+def _row_sharded(w: torch.Tensor) -> bool:
+    """Whether ``w`` is a DTensor sharded by rows over a one-dimensional mesh (FSDP2's layout)."""
+    from torch.distributed.tensor import Shard  # noqa: PLC0415
+
+    return is_shard(w) and w.device_mesh.ndim == 1 and tuple(w.placements) == (Shard(0),)
+
+
+def _settle_from_rows(layer: nn.Module, local: torch.Tensor) -> None:
+    """``layer``'s mask and flip count from this rank's rows ``local`` of its weight: each rank's rows
+    of the new mask (torch.chunk's split, FSDP2's), gathered into the whole mask on every rank, and
+    the flips summed over the ranks."""
+    import torch.distributed as dist  # noqa: PLC0415
+
+    mesh, n, k = layer.weight.device_mesh, layer.weight.shape[0], layer.weight.shape[1]
+    group, world, rank = mesh.get_group(), mesh.size(), mesh.get_local_rank()
+    rows = -(-n // world)  # rows per rank, the last ones fewer (or none)
+    mine = layer.pruner.mask(local)
+    flips = (mine != layer.mask[rank * rows: rank * rows + mine.shape[0]]).sum()
+    padded = torch.zeros((rows, k), dtype=torch.uint8, device=local.device)
+    padded[: mine.shape[0]] = mine
+    gathered = torch.empty((world * rows, k), dtype=torch.uint8, device=local.device)
+    dist.all_gather_into_tensor(gathered, padded, group=group)
+    dist.all_reduce(flips, group=group)
+    layer.mask.copy_(gathered[:n].bool())
+    layer.flips.copy_(flips)
 
 
 def _deferred(model: nn.Module) -> Iterator[nn.Module]:
