@@ -30,7 +30,8 @@ from torch import nn
 from torch.optim.optimizer import register_optimizer_step_pre_hook
 
 from ..errors import TrainError
-from ..sparse import DEFAULT_RECIPE, Recipe, add_masked_decay, advance, make_recipe, sparse_layers, sparsify
+from ..sparse import DEFAULT_RECIPE, Recipe, add_masked_decay, advance, sparse_layers, sparsify
+from .titan_common import ATTENTION_LINEARS, FFN_LINEARS, NAME, titan_recipe
 
 try:
     from torchtitan.components.optimizer import OptimizersContainer
@@ -43,8 +44,6 @@ except ImportError as e:  # pragma: no cover - the message is the test
 __all__ = ["NAME", "FLAVORS", "FFN_LINEARS", "ATTENTION_LINEARS", "TwoFour", "JobConfig", "TwoFourConverter",
            "recipe_from_config"]
 
-#: The name to list in ``[model] converters``.
-NAME = "twofour"
 #: Llama 3 shapes this module adds to torchtitan's ``llama3`` flavors (``model.flavor``), where
 #: torchtitan 0.2.2 has none: Llama 3.2 1B's dimensions, and the 8B's layer 4 deep (a benchmark
 #: of the 8B's GEMM shapes that fits one GPU and minutes).
@@ -54,10 +53,6 @@ FLAVORS: dict[str, dict[str, Any]] = {
     "8B_4layers": dict(dim=4096, n_layers=4, n_heads=32, n_kv_heads=8, ffn_dim_multiplier=1.3, multiple_of=1024,
                        rope_theta=500000),
 }
-#: torchtitan's Llama 3 FFN linears (``layers.<i>.feed_forward.w1``), the default ``include``.
-FFN_LINEARS: tuple[str, ...] = ("*.feed_forward.w1", "*.feed_forward.w2", "*.feed_forward.w3")
-#: Its attention projections, to add to ``include`` for a 2:4 attention as well.
-ATTENTION_LINEARS: tuple[str, ...] = ("*.attention.wq", "*.attention.wk", "*.attention.wv", "*.attention.wo")
 #: Converters of torchtitan that swap ``nn.Linear`` layers too, and where their skip lists live: the
 #: twofour converter runs first and adds its layers to these lists, so they stay 2:4.
 _LINEAR_SWAPPERS = {"float8": ("float8",), "mx": ("mx",)}
@@ -99,15 +94,7 @@ _OPTIONS = tuple(f.name for f in fields(TwoFour) if f.name not in ("recipe", "pr
 
 def recipe_from_config(cfg: TwoFour, total_steps: int) -> Recipe:
     """The :class:`~twofour.Recipe` a ``[twofour]`` section names, for a run of ``total_steps``."""
-    options = {k: getattr(cfg, k) for k in _OPTIONS if getattr(cfg, k) is not None}
-    try:
-        recipe = make_recipe(cfg.recipe, precision=cfg.precision, total_steps=total_steps, **options)
-    except (TypeError, ValueError) as e:
-        raise TrainError(f"[twofour] {e}") from None
-    if recipe.starts_dense:
-        raise TrainError(f"[twofour] recipe {cfg.recipe!r} needs twofour.STEPAdamW as its optimizer, which "
-                         "torchtitan does not build: pick dense, ste, sr-ste, s-ste or t-sr-ste")
-    return recipe
+    return titan_recipe(cfg.recipe, cfg.precision, total_steps, {k: getattr(cfg, k) for k in _OPTIONS})
 
 
 class TwoFourConverter:

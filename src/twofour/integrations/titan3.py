@@ -23,7 +23,8 @@ from typing import Any
 from torch.optim.optimizer import register_optimizer_step_post_hook, register_optimizer_step_pre_hook
 
 from ..errors import TrainError
-from ..sparse import DEFAULT_RECIPE, Recipe, SparseLinear, add_masked_decay, advance, make_recipe, sparse_layers
+from ..sparse import DEFAULT_RECIPE, Recipe, SparseLinear, add_masked_decay, advance, sparse_layers
+from .titan_common import ATTENTION_LINEARS, FFN_LINEARS, NAME, titan_recipe
 
 try:
     import spmd_types as spmd
@@ -37,12 +38,6 @@ except ImportError as e:  # pragma: no cover - the message is the test
     raise ImportError(f"twofour.integrations.titan3 needs torchtitan 0.3 ({e}): "
                       "pip install \"twofour[torchtitan]\"") from None
 
-#: torchtitan's Llama 3 FFN linears (``layers.<i>.feed_forward.w1``), the default ``include``.
-FFN_LINEARS: tuple[str, ...] = ("*.feed_forward.w1", "*.feed_forward.w2", "*.feed_forward.w3")
-#: Its attention projections, to add to ``include`` for a 2:4 attention as well.
-ATTENTION_LINEARS: tuple[str, ...] = ("*.attention.wq", "*.attention.wk", "*.attention.wv", "*.attention.wo")
-#: The name torchtitan's logs give the converter.
-NAME = "twofour"
 #: This module's trainer configs (``--config NAME``), twofour's on top of torchtitan's Llama 3 ones.
 CONFIG_NAMES = ("llama3_debugmodel_twofour", "llama3_8b_twofour", "llama3_8b_4layers", "llama3_8b_4layers_float8",
                 "llama3_8b_4layers_twofour")
@@ -157,19 +152,7 @@ def recipe_of(config: TwoFourConverter.Config) -> Recipe:
     unknown = set(config.options) - set(OPTIONS)
     if unknown:
         raise TrainError(f"[twofour] unknown recipe options {sorted(unknown)}; the options are {', '.join(OPTIONS)}")
-    try:
-        recipe = make_recipe(config.recipe, precision=config.precision, total_steps=config.total_steps,
-                             **{k: v for k, v in config.options.items() if v is not None})
-    except (TypeError, ValueError) as e:
-        raise TrainError(f"[twofour] {e}") from None
-    if recipe.starts_dense:
-        raise TrainError(f"[twofour] recipe {config.recipe!r} needs twofour.STEPAdamW as its optimizer, which "
-                         "torchtitan does not build: pick dense, ste, sr-ste, s-ste or t-sr-ste")
-    if recipe.dense_finetune and recipe.total_steps is None:  # else its dense phase would silently never come
-        raise TrainError(f"[twofour] recipe {config.recipe!r} ends with a dense phase (dense_finetune="
-                         f"{recipe.dense_finetune:.3g}): give total_steps, the run's training.steps, or "
-                         "dense_finetune=0")
-    return recipe
+    return titan_recipe(config.recipe, config.precision, config.total_steps, config.options)
 
 
 def _on_titan_optimizers(action: Any) -> Any:

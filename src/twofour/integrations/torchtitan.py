@@ -10,7 +10,7 @@ torchtitan 0.2.2 (:mod:`~twofour.integrations.titan2`): a model converter turned
 toml (``job.custom_config_module = "twofour.integrations.torchtitan"``, ``model.converters =
 ["twofour"]``, a ``[twofour]`` section). Either way a checkpoint exports to 2:4 weights:
 ``python -m twofour.integrations.torchtitan CHECKPOINT OUT.safetensors``
-(:func:`~twofour.integrations.titan_export.export_checkpoint`). docs/torchtitan.md has the rest.
+(:func:`~twofour.integrations.titan_common.export_checkpoint`). docs/torchtitan.md has the rest.
 """
 
 from importlib.metadata import PackageNotFoundError, version
@@ -35,7 +35,7 @@ if TORCHTITAN >= (0, 3):
 else:
     from .titan2 import *  # noqa: F403
     from .titan2 import __all__ as _names
-from .titan_export import export_checkpoint, main  # noqa: E402
+from .titan_common import export_checkpoint, main  # noqa: E402
 
 __all__ = ["TORCHTITAN", *_names, "export_checkpoint"]
 

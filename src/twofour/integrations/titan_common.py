@@ -1,5 +1,7 @@
-"""A torchtitan checkpoint of a twofour run as one safetensors file of 2:4 weights (torchtitan 0.2.2
-and 0.3 alike: it reads the checkpoint through torch.distributed.checkpoint, not torchtitan).
+"""What twofour's torchtitan 0.2.2 and 0.3 integrations share, none of it importing torchtitan:
+the layer names they cover, the recipe a section or converter names (with torchtitan's limits),
+and a checkpoint of a twofour run as one safetensors file of 2:4 weights (read through
+torch.distributed.checkpoint).
 
     python -m twofour.integrations.torchtitan CHECKPOINT OUT.safetensors [--dtype bfloat16]
 """
@@ -11,10 +13,37 @@ from pathlib import Path
 import torch
 
 from ..errors import TrainError
+from ..sparse import Recipe, make_recipe
 from ..sparse.layer import RECIPE_BUFFERS
 from ..sparse.pruners import SOFT
 
-__all__ = ["export_checkpoint", "main"]
+__all__ = ["NAME", "FFN_LINEARS", "ATTENTION_LINEARS", "titan_recipe", "export_checkpoint", "main"]
+
+#: The converter's name (``[model] converters`` in 0.2.2, torchtitan's logs in 0.3).
+NAME = "twofour"
+#: torchtitan's Llama 3 FFN linears (``layers.<i>.feed_forward.w1``), the default ``include``.
+FFN_LINEARS: tuple[str, ...] = ("*.feed_forward.w1", "*.feed_forward.w2", "*.feed_forward.w3")
+#: Its attention projections, to add to ``include`` for a 2:4 attention as well.
+ATTENTION_LINEARS: tuple[str, ...] = ("*.attention.wq", "*.attention.wk", "*.attention.wv", "*.attention.wo")
+
+
+def titan_recipe(name: str, precision: str, total_steps: int | None, options: dict) -> Recipe:
+    """The :class:`~twofour.Recipe` a torchtitan job names (``options``: the recipe's, None left
+    out), or TrainError in one line: a bad recipe or option, ``step`` (its STEPAdamW is not one
+    torchtitan builds), a dense phase at the end without ``total_steps`` (it would never come)."""
+    try:
+        recipe = make_recipe(name, precision=precision, total_steps=total_steps,
+                             **{k: v for k, v in options.items() if v is not None})
+    except (TypeError, ValueError) as e:
+        raise TrainError(f"[twofour] {e}") from None
+    if recipe.starts_dense:
+        raise TrainError(f"[twofour] recipe {name!r} needs twofour.STEPAdamW as its optimizer, which "
+                         "torchtitan does not build: pick dense, ste, sr-ste, s-ste or t-sr-ste")
+    if recipe.dense_finetune and recipe.total_steps is None:
+        raise TrainError(f"[twofour] recipe {name!r} ends with a dense phase (dense_finetune="
+                         f"{recipe.dense_finetune:.3g}): give total_steps, the run's training.steps, or "
+                         "dense_finetune=0")
+    return recipe
 
 
 @torch.no_grad()
