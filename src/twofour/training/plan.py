@@ -1,9 +1,9 @@
 """A run's decisions, made once per process before anything is built: the recipe, the device, the
-processes and how they split the model, the micro-batches a step, the precision the forwards run
-in, which CUDA graphs replay the steps and which optimizer steps. :func:`plan_run` makes them from
+micro-batches a step, the precision the forwards run in, which CUDA graphs replay the steps and
+which optimizer steps. :func:`plan_run` makes them from
 the options (:class:`~twofour.training.config.TrainConfig`) and the processes
-(:class:`~twofour.training.parallel.Parallel`); set-up, the step and the loop read the
-:class:`Plan` instead of deciding again."""
+(:class:`~twofour.training.parallel.Parallel`, which holds the processes' own decisions: world,
+sharding); set-up, the step and the loop read the :class:`Plan` instead of deciding again."""
 
 from __future__ import annotations
 
@@ -26,8 +26,6 @@ class Plan:
 
     recipe: Recipe
     device: torch.device
-    world: int  # processes
-    sharded: bool  # FSDP2 (else DDP when world > 1)
     accum: int  # micro-batches per optimizer step in this process
     autocast: bool  # the forwards under bf16 autocast (else float32)
     graphs: str  # the CUDA graphs the steps replay: "compiled", "step" or "" (graphs.capture_plan)
@@ -51,7 +49,7 @@ def plan_run(cfg: TrainConfig, par: Parallel) -> Plan:
     device = resolve_device(cfg.device, par.local_rank)
     accum = cfg.micro_batches(par.world)
     autocast = autocast_on(cfg, device)
-    return Plan(recipe=recipe, device=device, world=par.world, sharded=par.sharded, accum=accum, autocast=autocast,
+    return Plan(recipe=recipe, device=device, accum=accum, autocast=autocast,
                 graphs=capture_plan(cfg, par.world, accum, par.sharded, device, recipe.starts_dense),
                 optimizer="step-adamw" if recipe.starts_dense else "adamw", plan_layers=cfg.compile and autocast)
 

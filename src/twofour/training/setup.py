@@ -115,7 +115,7 @@ class Run:
     @property
     def tokens_per_step(self) -> int:
         """Tokens of one optimizer step over all processes."""
-        return self.cfg.batch_size * self.cfg.seq_len * self.accum * self.plan.world
+        return self.cfg.batch_size * self.cfg.seq_len * self.accum * self.par.world
 
     @property
     def header(self) -> str:
@@ -128,8 +128,8 @@ class Run:
         if self.cfg.precision != "bf16":
             layers = "FFN and attention" if self.cfg.sparse_attention else "FFN"
             how += f", {self.cfg.precision} GEMMs in the {layers} linears"
-        if self.plan.world > 1:
-            how += f", {self.plan.world} processes ({'FSDP2' if self.plan.sharded else 'DDP'})"
+        if self.par.world > 1:
+            how += f", {self.par.world} processes ({'FSDP2' if self.par.sharded else 'DDP'})"
         if self.resumed and self.cfg.reschedule:
             how += f"; --reschedule: the learning-rate schedule now spans {self.cfg.steps} steps"
         return f"on {where}, {how}"
@@ -157,7 +157,7 @@ def setup(cfg: TrainConfig, data: TokenData | None, par: Parallel) -> Run:
     if data is None:
         data = load_data(cfg.data, cfg.vocab_size)
     data.check(cfg.seq_len)
-    check_memory(cfg, data.vocab_size, device, plan.world if plan.sharded else 1)  # before the run folder is touched
+    check_memory(cfg, data.vocab_size, device, par.world if par.sharded else 1)  # before the run folder is touched
     out = prepare_run_dir(cfg) if par.main else Path(cfg.out_dir)
     par.barrier()
     ckpt = load_checkpoint(out, cfg) if cfg.resume else None  # ckpt.pt, or the sharded ckpt/'s meta.pt
@@ -166,16 +166,16 @@ def setup(cfg: TrainConfig, data: TokenData | None, par: Parallel) -> Run:
 
     torch.manual_seed(cfg.seed)
     # an FSDP2 run's model is built on its GPU (a large model's init on the CPU takes minutes)
-    with torch.device(device) if plan.sharded else contextlib.nullcontext():
+    with torch.device(device) if par.sharded else contextlib.nullcontext():
         raw = build_model(cfg, recipe, data.vocab_size).to(device)
     if cfg.activation_checkpointing:
         checkpoint_blocks(raw)
-    if plan.sharded:
+    if par.sharded:
         shard(raw, par.fsdp)
     opt = _optimizer(cfg, raw, plan)
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: lr_at(cfg, s) / cfg.peak_lr)
     data_gen = torch.Generator().manual_seed(cfg.seed + 7919 * par.rank)
-    saver = Checkpointer(out, cfg, raw, opt, sched, data_gen, par.rank, plan.world, plan.sharded)
+    saver = Checkpointer(out, cfg, raw, opt, sched, data_gen, par.rank, par.world, par.sharded)
     start = 0 if ckpt is None else saver.resume(ckpt)
     attach(raw, opt)  # masks, refreshes and phases advance once per optimizer step
     autocast = plan.autocast_context()
@@ -231,7 +231,7 @@ def _step(cfg: TrainConfig, plan: Plan, par: Parallel, raw: torch.nn.Module, mod
     reduce = None
     if par.ddp:
         GradAllReduce.broadcast(raw)  # the replicas start equal, as DDP's constructor makes them
-        reduce = GradAllReduce([p for p in raw.parameters() if p.requires_grad], plan.world)
+        reduce = GradAllReduce([p for p in raw.parameters() if p.requires_grad], par.world)
     return StepGraphs(raw, micro_step, clip, reduce=reduce)
 
 
