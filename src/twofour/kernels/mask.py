@@ -117,11 +117,19 @@ def refresh_masks_(weights: Sequence[torch.Tensor], masks: Sequence[torch.Tensor
         _refresh_kernel[(blocks, len(ws))](table, ws[0], len(ws), BG=bg, WORDS=words, num_warps=warps)
 
 
+_configs: dict[tuple, tuple[int, int]] = {}  # (device, dtype, largest shape, layers) -> (groups, warps)
+dispatch.on_choice_change(_configs.clear)  # a pinned or forgotten choice is read again
+
+
 def _config(ws: Sequence[torch.Tensor]) -> tuple[int, int]:
     """(groups per program, warps) for a launch over ``ws``: on the GPU each of :data:`CONFIGS` timed
     once (:func:`twofour.dispatch.measure`, key ``refresh:...``) on the largest weight with a scratch
-    mask and counter, the fastest kept; the default where nothing may be measured."""
+    mask and counter, the fastest kept (and looked up once: the refresh runs every step); the
+    default where nothing may be measured."""
     w = max(ws, key=lambda t: t.numel())
+    cached = (w.device, w.dtype, tuple(w.shape), len(ws))
+    if cached in _configs:
+        return _configs[cached]
     key = dispatch.choice_key("refresh", w.shape[0], w.numel() // w.shape[0], len(ws), "row", w.dtype,
                               [f"{bg}x{warps}" for bg, warps in CONFIGS])
     choice = dispatch.recorded(key)
@@ -138,7 +146,8 @@ def _config(ws: Sequence[torch.Tensor]) -> tuple[int, int]:
     if choice is None:
         return _BG, 4
     bg, warps = choice.split("x")
-    return int(bg), int(warps)
+    _configs[cached] = (int(bg), int(warps))
+    return _configs[cached]
 
 
 def refresh_mask_(w: torch.Tensor, mask: torch.Tensor, flips: torch.Tensor) -> None:
