@@ -100,7 +100,7 @@ if HAS_TRITON:
         if WRITE_DENSE:  # the effective matrix, row-major, for GEMMs that stay dense
             tl.store(dense_out + r * k_cols + c, _spread(v0, v1, i0, i1, tl.zeros_like(v0), BC), mask=ok)
         if WRITE_T:  # W_eff^T's groups run down this tile's columns: 4 rows of W_eff each
-            _store_pruned_t(in_float(v0, OUT_BF16), in_float(v1, OUT_BF16), i0, i1, band, pc, m_rows, k_cols, n_ct_t,
+            _store_transposed(in_float(v0, OUT_BF16), in_float(v1, OUT_BF16), i0, i1, band, pc, m_rows, k_cols, n_ct_t,
                             tvals, tmeta, OUT_BF16, BIG, BC, MODE == 2)
 
     @triton.jit
@@ -112,7 +112,7 @@ if HAS_TRITON:
         return tl.reshape(tl.join(tl.join(d0, d1), tl.join(d2, d3)).permute(0, 1, 3, 2), (64, BC))  # (64, G, e)
 
     @triton.jit
-    def _store_pruned_t(f0, f1, i0, i1, band, pc, m_rows, k_cols, n_ct_t, tvals, tmeta, OUT_BF16: tl.constexpr,
+    def _store_transposed(f0, f1, i0, i1, band, pc, m_rows, k_cols, n_ct_t, tvals, tmeta, OUT_BF16: tl.constexpr,
                         BIG: tl.constexpr, BC: tl.constexpr, MASK_T: tl.constexpr):
         """The transpose's operand of a square (64, 64) tile: the effective tile (its kept pairs
         ``f0``, ``f1`` in float32, as rounded) transposed and written compressed as W^T's band
@@ -207,18 +207,20 @@ def compress_both(x: torch.Tensor, mode: str, *, out_dtype: torch.dtype = torch.
     mask=mask.t())`` writes). N a multiple of 32; the tiles are 64 x 64 (``tile``: (64, warps))."""
     if mode not in ("hard", "soft", "mask"):
         raise ValueError(f"compress_both: mode must be hard, soft or mask, got {mode!r}")
+    if (mode == "mask") != (mask is not None):
+        raise ValueError("compress_both: a mask is given in mask mode, and only there")
     if not supported_shape(x.shape[1], x.shape[0]):
         raise ValueError(f"compress_both: N and K must be multiples of 32, got shape {tuple(x.shape)}")
     if tile is not None and tile[0] != 64:
         raise ValueError(f"compress_both: tiles are 64 columns wide, got {tile[0]}")
     return _compress(x, mode, out_dtype=out_dtype, scale=scale, mask=mask, dense_out=dense_out, tile=tile,
-                     pruned_t=True)
+                     with_t=True)
 
 
 def _compress(x: torch.Tensor, mode: str, *, out_dtype: torch.dtype = torch.bfloat16,
               scale: torch.Tensor | None = None, mask: torch.Tensor | None = None, u: torch.Tensor | None = None,
               seed: torch.Tensor | None = None, dense_out: bool = False, sparse_out: bool = True,
-              tile: tuple[int, int] | None = None, pruned_t: bool = False):
+              tile: tuple[int, int] | None = None, with_t: bool = False):
     """The launch behind :func:`compress` (returns (buf, dense)) and :func:`compress_both`
     (returns (buf, dense, W^T's 2:4 buf))."""
     if not HAS_TRITON:
@@ -235,8 +237,8 @@ def _compress(x: torch.Tensor, mode: str, *, out_dtype: torch.dtype = torch.bflo
     if not sparse_out:  # unused pointers must still point at memory
         vals = meta = dense_bits
     dummy = vals
-    tbuf = torch.empty(compressed_size(k, m, 2) if pruned_t else 0, dtype=torch.uint8, device=x.device)
-    tvals, tmeta = (tbuf[: m * k].view(bits), tbuf[m * k:].view(torch.int16)) if pruned_t else (dummy, dummy)
+    tbuf = torch.empty(compressed_size(k, m, 2) if with_t else 0, dtype=torch.uint8, device=x.device)
+    tvals, tmeta = (tbuf[: m * k].view(bits), tbuf[m * k:].view(torch.int16)) if with_t else (dummy, dummy)
     if mode == "mvue" and u is None and seed is None:
         seed = torch.randint(0, 2**31 - 1, (1,), device=x.device, dtype=torch.int64)
     if mask is not None:
@@ -251,12 +253,12 @@ def _compress(x: torch.Tensor, mode: str, *, out_dtype: torch.dtype = torch.bflo
     span = (m - 1) * abs(x.stride(0)) + (k - 1) * abs(x.stride(1)) + 1
     consts = dict(MODE=MODES[mode], HAS_U=u is not None, WRITE_DENSE=dense_out, OUT_BF16=out_dtype == torch.bfloat16,
                   BIG=max(span, m * k) >= 2**31, QUAD_LOADS=x.stride(0) == 1 and k > 1,
-                  WRITE_SPARSE=sparse_out, WRITE_T=pruned_t)
-    tuned = (_compress_t_tuned if pruned_t else _compress_tuned) if x.is_cuda else None
+                  WRITE_SPARSE=sparse_out, WRITE_T=with_t)
+    tuned = (_compress_t_tuned if with_t else _compress_tuned) if x.is_cuda else None
     launch_tuned(_compress_kernel, tuned, lambda meta: (triton.cdiv(m, 64), triton.cdiv(k, meta["BC"])), args, consts,
-                 names=("BC",), default=(64 if pruned_t else BC,), cache=_launch,
+                 names=("BC",), default=(64 if with_t else BC,), cache=_launch,
                  key=(m, k, x.stride(0), x.stride(1), x.dtype, tuple(consts.values())), tile=tile, on_gpu=x.is_cuda)
-    return (buf, dense, tbuf) if pruned_t else (buf, dense)
+    return (buf, dense, tbuf) if with_t else (buf, dense)
 
 
 def _check(m: int, k: int, mode: str, out_dtype: torch.dtype, sparse_out: bool, dense_out: bool) -> None:

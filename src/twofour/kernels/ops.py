@@ -185,7 +185,7 @@ def _compress(x: torch.Tensor, mode: str, scale: torch.Tensor | None, mask: torc
 
 
 def _compress_both(x: torch.Tensor, mode: str, scale: torch.Tensor | None, mask: torch.Tensor | None,
-                       out_dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+                   out_dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     return _ck.compress_both(x, mode, out_dtype=out_dtype, scale=scale, mask=mask, dense_out=True)
 
 
@@ -242,8 +242,8 @@ def compress(x: torch.Tensor, mode: str, *, scale: torch.Tensor | None = None, m
 
 
 def compress_both(x: torch.Tensor, mode: str, *, scale: torch.Tensor | None = None,
-                      mask: torch.Tensor | None = None,
-                      out_dtype: torch.dtype = torch.bfloat16) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+                  mask: torch.Tensor | None = None,
+                  out_dtype: torch.dtype = torch.bfloat16) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """(compressed W_eff, dense W_eff, compressed W_eff^T 2:4) of the weight ``x`` in one pass of the
     fused kernel (:func:`twofour.kernels.compress.compress_both`): the ``pruned-t`` dX route's
     operands (``mode`` ``hard`` or ``soft``), or a transposable mask's (``mask``). Eager calls

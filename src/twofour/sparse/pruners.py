@@ -112,10 +112,11 @@ def _no_transpose(w: torch.Tensor) -> torch.Tensor:
     return w.new_empty(0, dtype=torch.uint8)
 
 
-def _fused_pruned_t(w: torch.Tensor, mode: str, scale: torch.Tensor | None, dtype: torch.dtype) -> Compressed | None:
-    """The ``pruned-t`` operands by one pass of the fused kernel (:func:`twofour.kernels.ops.compress_both`)
+def _one_pass(w: torch.Tensor, mode: str, dtype: torch.dtype, scale: torch.Tensor | None = None,
+              mask: torch.Tensor | None = None) -> Compressed | None:
+    """W's and W^T's 2:4 operands from one pass of the fused kernel (:func:`twofour.kernels.ops.compress_both`)
     where the output features are a multiple of 32 (its W^T tiles), else None."""
-    return None if w.shape[0] % 32 else ops.compress_both(w, mode, scale=scale, out_dtype=dtype)
+    return None if w.shape[0] % 32 else ops.compress_both(w, mode, scale=scale, mask=mask, out_dtype=dtype)
 
 
 class HardPruner(Pruner):
@@ -131,7 +132,7 @@ class HardPruner(Pruner):
         return wc, wd, _no_transpose(w)
 
     def compress_pruned_t(self, w, beta, mask, dtype):
-        return _fused_pruned_t(w, "hard", None, dtype) or super().compress_pruned_t(w, beta, mask, dtype)
+        return _one_pass(w, "hard", dtype) or super().compress_pruned_t(w, beta, mask, dtype)
 
 
 class SoftPruner(Pruner):
@@ -155,7 +156,7 @@ class SoftPruner(Pruner):
         return wc, wd, _no_transpose(w)
 
     def compress_pruned_t(self, w, beta, mask, dtype):
-        return _fused_pruned_t(w, "soft", beta.reshape(1), dtype) or super().compress_pruned_t(w, beta, mask, dtype)
+        return _one_pass(w, "soft", dtype, scale=beta.reshape(1)) or super().compress_pruned_t(w, beta, mask, dtype)
 
 
 class TransposablePruner(Pruner):
@@ -181,8 +182,9 @@ class TransposablePruner(Pruner):
         return w * mask
 
     def compress(self, w, beta, mask, dtype, sparse=True):
-        if sparse and w.shape[0] % 32 == 0:  # W_eff and W_eff^T from one pass
-            return ops.compress_both(w, "mask", mask=mask, out_dtype=dtype)
+        both = _one_pass(w, "mask", dtype, mask=mask) if sparse else None
+        if both:
+            return both
         wc, wd = ops.compress(w, "mask", mask=mask, dense_out=True, out_dtype=dtype, sparse_out=sparse)
         wtc = ops.compress(w.t(), "mask", mask=mask.t(), out_dtype=dtype)[0] if sparse else _no_transpose(w)
         return wc, wd, wtc
