@@ -43,14 +43,13 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import torch
-from results_tables import sweep_tables
+from results_tables import sweep_summaries, sweep_tables
 
 from twofour.models import from_preset
 from twofour.training.compare import run_folder, run_label
 from twofour.training.config import TrainConfig
 from twofour.training.options import parse_option
-from twofour.training.runs import read_summary
-from twofour.training.sweep import best_rates, parse_rates, sweep_runs
+from twofour.training.sweep import best_rates, parse_rates
 
 HERE = Path(__file__).resolve().parent
 #: What each run folder keeps (checkpoints and plots are not kept).
@@ -78,10 +77,10 @@ def block_weights(model: str) -> int:
 
 def best_rates_in(folder: Path) -> dict[str, float | None]:
     """Each variant's best rate in a finished sweep folder (its selection scores: ``val_halves.json``)."""
-    runs = [s for s in (read_summary(p.parent) for p in sorted(folder.glob("*/summary.json"))) if s]
+    runs = sweep_summaries(folder)
     if not runs:
         raise SystemExit(f"--best-from {folder}: no finished runs there")
-    return best_rates(sweep_runs(folder, runs[0]))
+    return best_rates(runs)
 
 
 def rates_for(args: argparse.Namespace, recipe: str, opts: tuple[str, ...]) -> list[str]:

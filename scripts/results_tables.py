@@ -145,11 +145,18 @@ def _folder_tables(folder: Path, base: str = "dense", versus: tuple[str, ...] = 
     return "\n".join(parts)
 
 
+def sweep_summaries(folder: Path) -> list[dict]:
+    """A learning-rate sweep's finished runs with their rates and scores (``val_halves.json``), as
+    ``twofour compare --lrs`` reads them; empty where the folder has none."""
+    runs = [s for s in (read_summary(p.parent) for p in sorted(Path(folder).glob("*/summary.json"))) if s]
+    return sweep_runs(Path(folder), runs[0]) if runs else []
+
+
 def sweep_tables(folder: Path) -> str:
     """A learning-rate sweep's tables (``twofour compare --lrs``: each recipe at its best rate, every
     recipe at every rate, every run), from its runs' files, ``val_halves.json`` included."""
-    runs = [s for s in (read_summary(p.parent) for p in sorted(Path(folder).glob("*/summary.json"))) if s]
-    return sweep_table(sweep_runs(Path(folder), runs[0])) if runs else f"No finished runs in {folder}."
+    runs = sweep_summaries(folder)
+    return sweep_table(runs) if runs else f"No finished runs in {folder}."
 
 
 def shift_table(folder: Path, recipe: str = "s-ste", versus: str = "ste", factor: float = 1.5) -> str:
