@@ -225,8 +225,7 @@ def report(saved: list[tuple[str, dict]], ratios: list[float]) -> str:
     out.append(md_row("sum", *(f"{sum(kinds[row].values()):.2f}" for row in ok)))
 
     ffn, tokens = next(iter(ok.values()))["ffn_weights"], a["batch"] * 1024
-    one_pass = ffn * (4 + 1) / (rates["copy_gbs"] * 1e9) * 1e3  # read the fp32 master, write 1 byte each
-    weight_ms = {row: sum(r["kernels"].get(k, (0.0, 0))[0] for k in WEIGHT_KERNELS) for row, r in ok.items()}
+    one_pass, weight_ms = weight_passes(ok, rates)
     out += ["", f"Weight passes: the FFN weights are {ffn / 1e6:,.0f}M elements; one pass over them (read "
             f"fp32, write one byte each) takes {one_pass:.2f} ms at the copy bandwidth measured in the same run "
             f"({rates['copy_gbs']:,.0f} GB/s). Weight kernels: {', '.join(WEIGHT_KERNELS)} (in bf16 with MVUE, "
@@ -296,14 +295,20 @@ def by_kind(ok: dict[str, dict]) -> dict[str, dict[str, float]]:
     return kinds
 
 
+def weight_passes(rows: dict[str, dict], rates: dict) -> tuple[float, dict[str, float]]:
+    """(ms of one pass over the FFN weights at the run's copy bandwidth: read the fp32 master, write
+    a byte each; {row: its weight kernels' ms per step})."""
+    one_pass = next(iter(rows.values()))["ffn_weights"] * (4 + 1) / (rates["copy_gbs"] * 1e9) * 1e3
+    return one_pass, {row: sum(r["kernels"].get(k, (0.0, 0))[0] for k in WEIGHT_KERNELS) for row, r in rows.items()}
+
+
 def summary_table(run: dict, rows: list[str]) -> str:
     """One saved run's rows side by side in a few lines (docs/PERFORMANCE.md): the GEMMs, the rest
     of the step, twofour's kernels and of them the weight kernels in passes over the FFN weights,
     and the step with its tokens/s ratio to the first row."""
     res = {row: run["rows"][row] for row in rows}
     kinds = by_kind(res)
-    one_pass = next(iter(res.values()))["ffn_weights"] * 5 / (run["rates"]["copy_gbs"] * 1e9) * 1e3
-    weight = {row: sum(r["kernels"].get(k, (0.0, 0))[0] for k in WEIGHT_KERNELS) for row, r in res.items()}
+    one_pass, weight = weight_passes(res, run["rates"])
     rest = ("attention", "Inductor", "optimizer", "other")
     base = res[rows[0]]["tokens_per_s"]
     return "\n".join([
