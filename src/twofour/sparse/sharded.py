@@ -136,8 +136,10 @@ _WALKED: weakref.WeakSet = weakref.WeakSet()  # the models whose units were all 
 def refresh_where_gathered(model: nn.Module, layers: Iterable[nn.Module]) -> None:
     """Under FSDP2, a forward pre-hook on each unit holding some of ``layers`` (``model``'s sparse
     layers), run after FSDP2's own (which gathers the unit's weights): it applies the refreshes
-    left pending, eagerly, before the unit's forward. So a unit compiled whole (torchtitan
-    compiles each block with ``fullgraph``) never meets a refresh in its traced code. Walks
+    left pending, eagerly, before the unit's forward. So a unit wrapped whole by ``torch.compile``
+    (torchtitan 0.2.2's blocks, ``fullgraph``) never meets a refresh in its traced code; one
+    compiled in place (``module.compile()``, torchtitan 0.3's) traces its hooks too, so there the
+    refresh is settled right after the optimizer step instead (``integrations/titan3.py``). Walks
     ``model`` once, the first time a refresh is pending; installed once per unit."""
     layers = list(layers)
     if model in _WALKED or not any(layer.deferred.pending for layer in layers):
