@@ -25,7 +25,7 @@ from torch import nn
 import twofour
 from twofour import timing
 from twofour.inference import SparseInferenceLinear
-from twofour.models import FFN_IN_PATTERNS, FFN_PATTERNS, PRESETS
+from twofour.models import ATTN_PATTERNS, FFN_IN_PATTERNS, FFN_PATTERNS, PRESETS
 from twofour.sparse import Recipe, attach, sparsify
 from twofour.training.config import CUDA_GRAPH_MODES
 
@@ -177,20 +177,23 @@ def gpu_line() -> str:
 def preset_train_step(preset: str, batch: int, recipe: Recipe, *, transposed_output: bool = True,
                       advance: bool = True, vocab_size: int = 50304,
                       compile: bool | str = False, n_layer: int | None = None,
-                      convert: Callable[[nn.Module], object] | None = None) -> tuple[nn.Module, Callable[[], None]]:
+                      convert: Callable[[nn.Module], object] | None = None,
+                      sparse_attention: bool = False) -> tuple[nn.Module, Callable[[], None]]:
     """A model ``preset`` (GPT or Llama; vocabulary ``vocab_size``, sequence 1024) on the GPU with
     ``recipe`` on its FFN linears (dense bf16 left as nn.Linear; the first, fc or gate|up, with
     ``transposed_output``), fused AdamW and, with ``advance``, ``attach()``; returns the model and
     a function that runs one training step on a fixed random batch, through ``torch.compile(model)``
     with ``compile`` (as ``twofour train --compile`` runs it; a string is torch.compile's ``mode``);
     ``n_layer`` blocks instead of the preset's where given; ``convert(model)`` runs before the
-    optimizer is made (a peer's conversion, e.g. torchao's float8, on a dense-bf16 ``recipe``)."""
+    optimizer is made (a peer's conversion, e.g. torchao's float8, on a dense-bf16 ``recipe``);
+    ``sparse_attention``: the recipe on the attention projections too."""
     torch.manual_seed(0)
     with torch.device("cuda"):  # initialized on the GPU: a 1B model's init on the CPU takes a while
         model = PRESETS[preset].build(block_size=1024, vocab_size=vocab_size,
                                       **({"n_layer": n_layer} if n_layer else {}))
     if recipe.sparse or recipe.precision.fp8:
-        sparsify(model, recipe, include=FFN_PATTERNS, transposed_output=FFN_IN_PATTERNS if transposed_output else ())
+        sparsify(model, recipe, include=FFN_PATTERNS + (ATTN_PATTERNS if sparse_attention else ()),
+                 transposed_output=FFN_IN_PATTERNS if transposed_output else ())
     if convert is not None:
         convert(model)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-4, fused=True)

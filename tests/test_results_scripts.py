@@ -319,6 +319,8 @@ def test_the_peer_takes_any_recipe_with_options_as_a_row():
     assert peer.row_recipe("ao-float8") == ("dense", "bf16", {})
     assert peer.row_recipe("s-ste-fp8+dx=mvue") == ("s-ste", "fp8", {"dx": "mvue"})
     assert peer.row_recipe("t-sr-ste") == ("t-sr-ste", "bf16", {})
+    assert peer.row_recipe("s-ste+dx=pruned-t+attn") == ("s-ste", "bf16", {"dx": "pruned-t"})
+    assert peer.row_attention("s-ste+dx=pruned-t+attn") and not peer.row_attention("s-ste+dx=pruned-t")
     with pytest.raises(ValueError, match="dx must be one of"):
         peer.row_recipe("ste+dx=sideways")
 

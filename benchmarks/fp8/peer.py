@@ -65,8 +65,10 @@ ROWS = {
 def row_recipe(row: str) -> tuple[str, str, dict]:
     """(recipe, precision, options) of a row: a name of :data:`ROWS`, or any recipe with ``-fp8``
     for FP8 and ``+KEY=VALUE`` recipe options (``ste+dx=pruned-t``, ``s-ste-fp8+dx=mvue``,
-    ``t-sr-ste``); ``ValueError`` naming what is wrong."""
+    ``t-sr-ste``; a ``+attn`` as well, :func:`row_attention`, is no recipe option);
+    ``ValueError`` naming what is wrong."""
     base, *opts = row.split("+")
+    opts = [o for o in opts if o != "attn"]
     if base in ROWS:
         name, precision = ROWS[base]
     else:
@@ -74,6 +76,12 @@ def row_recipe(row: str) -> tuple[str, str, dict]:
     options = dict(parse_option(o) for o in opts)
     make_recipe(name, precision=precision, **options)  # refuses unknown recipes and options
     return name, precision, options
+
+def row_attention(row: str) -> bool:
+    """Whether a row's recipe takes the attention projections too (``+attn``: ``twofour train
+    --sparse-attention``), not only the FFN linears."""
+    return "attn" in row.split("+")[1:]
+
 
 #: Profiler ranges that a CPU+CUDA profile also lists among the GPU's entries (compiled graphs,
 #: the optimizer step): spans over kernels counted on their own, so left out of the kinds.
@@ -139,7 +147,8 @@ def run_row(row: str, args: argparse.Namespace) -> dict:
     name, precision, options = row_recipe(row)
     convert: Callable[[nn.Module], object] | None = ao_float8 if row == "ao-float8" else None
     model, step = preset_train_step(args.preset, args.batch, make_recipe(name, precision=precision, **options),
-                                    vocab_size=args.vocab, compile=True, n_layer=args.layers, convert=convert)
+                                    vocab_size=args.vocab, compile=True, n_layer=args.layers, convert=convert,
+                                    sparse_attention=row_attention(row))
     for _ in range(3):
         step()
     windows = [steps_ms(step, args.steps) for _ in range(args.runs)]
