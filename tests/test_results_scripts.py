@@ -332,7 +332,13 @@ def test_the_dx_route_tables_recompute_from_their_run_files():
     runs = json.loads((ROOT / "docs" / "results" / "dx-speed" / "h100-4blocks.json").read_text())
     table = _peer().report([("", runs)], [2.0])
     assert "| s-ste+dx=pruned-t | 88.67 | 92,392 | 1.077x | 0.922x |" in table
-    assert "| **s-ste dx=pruned-t** | fwd, dX, dW | **88.67** | **1.077x** |" in note
+    assert "| s-ste dx=pruned-t | fwd, dX, dW | 88.67 | 1.077x |" in note
+    four, eight = (json.loads((ROOT / "docs" / "results" / "dx-speed" / f"h100-one-pass-{n}blocks.json").read_text())
+                   ["rows"] for n in (4, 8))
+    r = "s-ste+dx=pruned-t"
+    cells = [f"{rows[r]['ms']:.2f}** | **{rows['dense']['ms'] / rows[r]['ms']:.3f}x" for rows in (four, eight)]
+    per_block = (eight["dense"]["ms"] - four["dense"]["ms"]) / (eight[r]["ms"] - four[r]["ms"])
+    assert f"| **s-ste dx=pruned-t** | fwd, dX, dW | **{cells[0]}** | **{cells[1]}** | **{per_block:.3f}x** |" in note
     twins = results_tables.twin_table(ROOT / "docs" / "results" / "dx-code").splitlines()
     assert len(twins) == 6 and all(line in note for line in twins)
 
@@ -383,6 +389,7 @@ def test_performances_step_tables_recompute_from_their_run_files():
     """docs/PERFORMANCE.md's per-step kernel tables are peer.py's --summary of the files they name."""
     text = (ROOT / "docs" / "PERFORMANCE.md").read_text()
     tables = {"dx-speed/h100-4blocks.json": "dense,ste,s-ste,s-ste+dx=pruned-t,s-ste+dx=mvue,t-sr-ste,ao-float8",
+              "dx-speed/h100-one-pass-4blocks.json": "dense,ste+dx=pruned-t,s-ste+dx=pruned-t,t-sr-ste,ao-float8",
               "fp8-peer/h200.json": "ao-float8,dense,dense-fp8,ste-fp8,s-ste-fp8"}
     for name, rows in tables.items():
         run = json.loads((ROOT / "docs" / "results" / name).read_text())
