@@ -11,7 +11,8 @@
 ``--variants`` picks the recipes (with their ``--opt`` values joined by ``+``), ``--best-from`` runs
 each at its best rate in a finished sweep folder (the lowest mean selection score, as ``twofour
 compare --lrs`` picks it) instead of ``--lrs``, ``--tokens-per-weight`` sizes the runs in tokens per
-block weight of the model instead of ``--steps``.
+block weight of the model instead of ``--steps``, ``--sparse-attention`` makes the attention
+projections 2:4 too in every run (a sweep folder of its own: dense runs are the same either way).
 
 Builds the corpus first if missing (``scripts/make_corpus.py --kind KIND`` on this machine's
 files, ``--corpus-bytes`` of them, split by file: no validation text is seen in training). Each
@@ -94,12 +95,16 @@ def rates_for(args: argparse.Namespace, recipe: str, opts: tuple[str, ...]) -> l
 
 
 def reused(args: argparse.Namespace, recipe: str, opts: tuple[str, ...], lr: str, seed: int) -> bool:
-    """Whether ``--reuse`` (a folder of run folders, as docs/results/dx-code) holds this run scored."""
+    """Whether ``--reuse`` (a folder of run folders, as docs/results/dx-code) holds this run scored,
+    with the attention projections as ``--sparse-attention`` asks (a folder without its config.json:
+    FFN only)."""
     if args.reuse is None:
         return False
     rate = parse_rates(lr, TrainConfig(model=args.model))[0]
-    name = run_folder(recipe, dict(parse_option(o) for o in opts), seed, "bf16", rate)
-    return (args.reuse / name / "val_halves.json").is_file()
+    folder = args.reuse / run_folder(recipe, dict(parse_option(o) for o in opts), seed, "bf16", rate)
+    config = folder / "config.json"
+    attention = config.is_file() and json.loads(config.read_text()).get("sparse_attention", False)
+    return (folder / "val_halves.json").is_file() and attention == args.sparse_attention
 
 
 def jobs(args: argparse.Namespace) -> list[tuple[str, list[str]]]:
@@ -112,7 +117,8 @@ def jobs(args: argparse.Namespace) -> list[tuple[str, list[str]]]:
         for _, lr, recipe, opts in runs:
             if reused(args, recipe, opts, lr, seed):
                 continue
-            name = "-".join([recipe, *(o.replace("=", "_") for o in opts), f"lr{lr}", f"s{seed}"])
+            name = "-".join([recipe, *(o.replace("=", "_") for o in opts), *(["attn"] if args.sparse_attention else []),
+                             f"lr{lr}", f"s{seed}"])
             cmd = [sys.executable, "-m", "twofour", "compare", "--recipes", recipe, "--lrs", lr,
                    "--seeds", str(seed), "--model", args.model, "--steps", str(args.steps),
                    "--batch-size", str(args.batch_size), "--seq-len", str(args.seq_len),
@@ -121,6 +127,8 @@ def jobs(args: argparse.Namespace) -> list[tuple[str, list[str]]]:
                    "--no-progress", "--out", str(args.runs / "parts" / name)]
             for o in opts:
                 cmd += ["--opt", o]
+            if args.sparse_attention:
+                cmd.append("--sparse-attention")
             out.append((name, cmd))
     return out
 
@@ -197,6 +205,8 @@ def main() -> int:
                     "runs it holds are not trained again")
     ap.add_argument("--variants", type=lambda s: [variant(v) for v in s.split(",")], default=list(VARIANTS),
                     help="recipes with their --opt values joined by '+' (s-ste+dx=pruned-t); default the dX sweep's")
+    ap.add_argument("--sparse-attention", action="store_true",
+                    help="every run with the attention projections 2:4 too (twofour compare --sparse-attention)")
     ap.add_argument("--best-from", type=Path, default=None,
                     help="a finished sweep folder: each variant at its best rate there instead of --lrs")
     ap.add_argument("--tokens-per-weight", type=float, default=None,

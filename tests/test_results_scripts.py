@@ -352,9 +352,13 @@ def test_dx_sweep_leaves_out_the_runs_a_results_folder_holds(tmp_path):
     (tmp_path / "ste-dx=pruned-t-lr=0.0015-s3" / "val_halves.json").write_text("{}")
     args = argparse.Namespace(seeds=[3], lrs=["1.5x"], model="gpt-10m", reuse=tmp_path, steps=500, batch_size=32,
                               seq_len=1024, evals=5, eval_iters=16, corpus=tmp_path / "c", device="auto",
-                              runs=tmp_path / "r", variants=list(dx_sweep.VARIANTS), best=None)
+                              runs=tmp_path / "r", variants=list(dx_sweep.VARIANTS), best=None, sparse_attention=False)
     names = [name for name, _ in dx_sweep.jobs(args)]
     assert len(names) == len(dx_sweep.VARIANTS) - 1 and "ste-dx_pruned-t-lr1.5x-s3" not in names
+    # with --sparse-attention an FFN-only run is no reuse, and every run takes the flag
+    attention = dx_sweep.jobs(argparse.Namespace(**{**vars(args), "sparse_attention": True}))
+    assert len(attention) == len(dx_sweep.VARIANTS) and all("--sparse-attention" in cmd for _, cmd in attention)
+    assert "ste-dx_pruned-t-attn-lr1.5x-s3" in [name for name, _ in attention]
 
 
 def test_dx_sweep_runs_each_variant_at_its_best_rate_for_a_horizon(tmp_path):
@@ -377,7 +381,7 @@ def test_dx_sweep_runs_each_variant_at_its_best_rate_for_a_horizon(tmp_path):
     args = argparse.Namespace(seeds=[1], lrs=["1x"], model="gpt-10m", reuse=None, steps=6480, batch_size=32,
                               seq_len=1024, evals=5, eval_iters=16, corpus=tmp_path / "c", device="auto",
                               runs=tmp_path / "r", variants=[dx_sweep.variant("s-ste+dx=pruned-t")], best=best,
-                              best_from=folder)
+                              best_from=folder, sparse_attention=False)
     [(name, cmd)] = dx_sweep.jobs(args)
     assert cmd[cmd.index("--lrs") + 1] == json.dumps(best["s-ste dx=pruned-t"]) and "--opt" in cmd
     assert dx_sweep.block_weights("gpt-10m") == 6 * (1152 * 384 + 384 * 384 + 2 * 1536 * 384)
