@@ -23,14 +23,15 @@ import torch
 from .. import dispatch
 from . import compress as _ck
 from . import cusparselt as _cs
+from . import decay as _decay
 from .layout import compressed_size, supported_shape
 from .mask import refresh_mask_, refresh_masks_
 from .triton_common import HAS_TRITON
 
 log = logging.getLogger(__name__)
 
-__all__ = ["spmm", "compress", "compress_both", "refresh_mask_", "refresh_masks_", "order", "fast_available",
-           "triton_ok", "as_2d"]
+__all__ = ["spmm", "compress", "compress_both", "refresh_mask_", "refresh_masks_", "masked_decay_", "order",
+           "fast_available", "triton_ok", "as_2d"]
 
 
 def order(t: torch.Tensor) -> str | None:
@@ -264,3 +265,12 @@ def prune_transpose_ok(w: torch.Tensor) -> bool:
     """:func:`prune_transpose` runs on ``w``: Triton on its device, bf16/fp16, output features a
     multiple of 32."""
     return triton_ok(w) and w.dtype in (torch.bfloat16, torch.float16) and supported_shape(w.shape[1], w.shape[0])
+
+
+def masked_decay_(g: torch.Tensor, w: torch.Tensor, mask: torch.Tensor, decay: float) -> torch.Tensor:
+    """SR-STE's masked decay ``g += decay * W * (1 - mask)`` in place: one Triton pass where the
+    tensors are on the GPU and :func:`twofour.kernels.decay.fits` them (eagerly), else its
+    plain-torch reference. Returns ``g``."""
+    if triton_ok(g) and _decay.fits(g, w, mask) and not torch.compiler.is_compiling():
+        return _decay.masked_decay_(g, w, mask, decay)
+    return _decay.masked_decay_reference_(g, w, mask, decay)

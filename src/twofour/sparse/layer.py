@@ -275,9 +275,7 @@ class SparseLinear(nn.Linear):
         if not self.recipe.decay or self._dense or g is None:
             return
         g, w, m = local_rows(g, self.weight.detach(), self.mask)  # this rank's rows of a sharded weight
-        # one elementwise pass over g, W and the pruned positions (masked_fill's copy of W, then an
-        # add, took three over the weight)
-        g.addcmul_(w, m.logical_not(), value=self.recipe.decay)
+        ops.masked_decay_(g, w, m, self.recipe.decay)  # one pass over g, W and the mask on the GPU
 
     @property
     def is_fp8_phase(self) -> bool:
