@@ -77,6 +77,7 @@ def row_recipe(row: str) -> tuple[str, str, dict]:
     make_recipe(name, precision=precision, **options)  # refuses unknown recipes and options
     return name, precision, options
 
+
 def row_attention(row: str) -> bool:
     """Whether a row's recipe takes the attention projections too (``+attn``: ``twofour train
     --sparse-attention``), not only the FFN linears."""
