@@ -28,7 +28,7 @@ def test_kernel_matches_the_reference(device, dtype, shape):
 def test_kernel_refuses_what_it_cannot_read():
     g, w = torch.zeros(4, 8), torch.zeros(4, 8)
     with pytest.raises(ValueError, match="contiguous tensors of one shape"):
-        decay.masked_decay_(g, w, torch.zeros(4, 8, dtype=torch.bool).t().contiguous().t()[:, :4], 0.1)
+        decay.masked_decay_(g, w, torch.zeros(4, 4, dtype=torch.bool), 0.1)
     with pytest.raises(ValueError, match="bool mask"):
         decay.masked_decay_(g, w, torch.zeros(4, 8), 0.1)
 

@@ -101,7 +101,7 @@ if HAS_TRITON:
             tl.store(dense_out + r * k_cols + c, _spread(v0, v1, i0, i1, tl.zeros_like(v0), BC), mask=ok)
         if WRITE_T:  # W_eff^T's groups run down this tile's columns: 4 rows of W_eff each
             _store_transposed(in_float(v0, OUT_BF16), in_float(v1, OUT_BF16), i0, i1, band, pc, m_rows, k_cols, n_ct_t,
-                            tvals, tmeta, OUT_BF16, BIG, BC, MODE == 2)
+                              tvals, tmeta, OUT_BF16, BIG, BC, MODE == 2)
 
     @triton.jit
     def _spread(v0, v1, i0, i1, zero, BC: tl.constexpr):
@@ -113,7 +113,7 @@ if HAS_TRITON:
 
     @triton.jit
     def _store_transposed(f0, f1, i0, i1, band, pc, m_rows, k_cols, n_ct_t, tvals, tmeta, OUT_BF16: tl.constexpr,
-                        BIG: tl.constexpr, BC: tl.constexpr, MASK_T: tl.constexpr):
+                          BIG: tl.constexpr, BC: tl.constexpr, MASK_T: tl.constexpr):
         """The transpose's operand of a square (64, 64) tile: the effective tile (its kept pairs
         ``f0``, ``f1`` in float32, as rounded) transposed and written compressed as W^T's band
         ``pc``, column block ``band``, keeping in each group of 4 rows its 2 largest magnitudes (the
