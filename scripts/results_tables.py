@@ -295,6 +295,35 @@ def problems(text: str) -> list[str]:
     return found
 
 
+def _report_losses(folder: Path) -> dict[tuple[str, float], dict[int, float]]:
+    """``{(label, rate): {seed: report-half loss}}`` of a sweep folder's scored runs."""
+    runs = [s for s in (read_summary(p.parent) for p in sorted(Path(folder).glob("*/summary.json"))) if s]
+    loss: dict[tuple[str, float], dict[int, float]] = {}
+    for r in (r for r in sweep_runs(Path(folder), runs[0]) if "report" in r) if runs else ():
+        loss.setdefault((summary_label(r), r["lr"]), {})[r["seed"]] = r["report"]
+    return loss
+
+
+def against_table(folder: Path, other: Path) -> str:
+    """Each label and rate of one sweep (``--sparse-attention`` runs, say) against the same label at
+    the same rate in ``other``: report-half losses paired by seed, relative gap in %, and whether it
+    is within the seed spread (mean at most one standard deviation above 0)."""
+    mine, theirs = _report_losses(folder), _report_losses(other)
+    if not mine:
+        return f"No finished runs in {folder}."
+    lines = [f"| run | rate | seeds | gap to the same run in {other.name}, paired | within the spread |",
+             "|---|---|---|---|---|"]
+    for (label, lr), seeds in mine.items():
+        _, rel = paired_gaps(seeds, theirs.get((label, lr), {}))
+        if len(rel) < 2:
+            gap, ok = ("no twin" if not rel else f"{100 * rel[0]:+.2f} % (one seed)"), "-"
+        else:
+            m, sd = (100 * v for v in compare_mean_std(rel))
+            gap, ok = f"{m:+.2f} ± {sd:.2f} % (n={len(rel)})", "yes" if m <= sd else "no"
+        lines.append(f"| {label} | {lr:g} | {', '.join(map(str, sorted(seeds)))} | {gap} | {ok} |")
+    return "\n".join(lines)
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--write", type=Path, help="rewrite the marked tables of this markdown file")
@@ -304,8 +333,12 @@ def main() -> int:
     ap.add_argument("--versus", nargs="*", default=[], help="with --folder: more labels to pair gaps with (s-ste ste)")
     ap.add_argument("--twins", action="store_true", help="with --folder (a dX-route sweep): each route against its "
                     "twin with the exact dX")
+    ap.add_argument("--against", type=Path, help="with --folder (a sweep): each run against the same run (label, "
+                    "rate, seed) in this sweep folder")
     args = ap.parse_args()
-    if args.folder:
+    if args.folder and args.against:
+        print(against_table(args.folder, args.against))
+    elif args.folder:
         sweep = any(args.folder.glob(f"*/{SCORES}"))  # a twofour compare --lrs folder
         if args.twins:
             print(twin_table(args.folder))

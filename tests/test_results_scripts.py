@@ -88,6 +88,24 @@ def test_the_shift_table_pairs_each_rate_with_the_other_recipes_at_that_rate_and
                     "| 0.0015 | +5.56 % (one seed) | not run |"]
 
 
+def test_against_pairs_each_run_with_the_same_run_of_another_sweep(tmp_path):
+    from twofour.training.sweep import SCORES
+
+    for name, runs in (("attn", (("ste", 1e-3, 1, 2.2), ("ste", 1e-3, 2, 4.4), ("s-ste", 1e-3, 1, 2.0))),
+                       ("ffn", (("ste", 1e-3, 1, 2.0), ("ste", 1e-3, 2, 4.0), ("ste", 2e-3, 1, 1.0)))):
+        (tmp_path / name).mkdir()
+        _fake_runs(tmp_path / name, runs)
+        for run in (tmp_path / name).iterdir():
+            loss = json.loads((run / "summary.json").read_text())["final_val_loss"]
+            (run / SCORES).write_text(json.dumps({"selection": loss, "report": loss, "steps": 2,
+                                                   "final_val_loss": loss}))
+            (run / "metrics.csv").write_text("step,tokens,lr,train_loss,val_loss,flip_rate,tokens_per_s,elapsed_s\n")
+    rows = results_tables.against_table(tmp_path / "attn", tmp_path / "ffn").splitlines()[2:]
+    # ste at 1e-3 is 10 % worse on both seeds: outside a spread of 0; s-ste has no twin there
+    assert sorted(rows) == ["| s-ste | 0.001 | 1 | no twin | - |",
+                            "| ste | 0.001 | 1, 2 | +10.00 ± 0.00 % (n=2) | no |"]
+
+
 def test_rewrite_fills_each_block_and_refuses_unknown_names(monkeypatch):
     monkeypatch.setattr(results_tables, "TABLES", {"a": lambda: "| x |", "b": lambda: "| y |"})
     text = "intro\n<!-- table a -->\nold\n<!-- /table -->\nmid\n<!-- table b -->\n<!-- /table -->\nend\n"
