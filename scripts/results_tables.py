@@ -295,22 +295,26 @@ def problems(text: str) -> list[str]:
     return found
 
 
-def _report_losses(folder: Path) -> dict[tuple[str, float], dict[int, float]]:
-    """``{(label, rate): {seed: report-half loss}}`` of a sweep folder's scored runs."""
+def _report_losses(folder: Path) -> tuple[tuple, dict[tuple[str, float], dict[int, float]]]:
+    """A sweep folder's (model, tokens a run) and ``{(label, rate): {seed: report-half loss}}`` of
+    its scored runs."""
     runs = [s for s in (read_summary(p.parent) for p in sorted(Path(folder).glob("*/summary.json"))) if s]
     loss: dict[tuple[str, float], dict[int, float]] = {}
     for r in (r for r in sweep_runs(Path(folder), runs[0]) if "report" in r) if runs else ():
         loss.setdefault((summary_label(r), r["lr"]), {})[r["seed"]] = r["report"]
-    return loss
+    return ((runs[0]["model"], runs[0]["tokens"]) if runs else ()), loss
 
 
 def against_table(folder: Path, other: Path) -> str:
     """Each label and rate of one sweep (``--sparse-attention`` runs, say) against the same label at
     the same rate in ``other``: report-half losses paired by seed, relative gap in %, and whether it
     is within the seed spread (mean at most one standard deviation above 0)."""
-    mine, theirs = _report_losses(folder), _report_losses(other)
+    (like, mine), (like_other, theirs) = _report_losses(folder), _report_losses(other)
     if not mine:
         return f"No finished runs in {folder}."
+    if like != like_other:
+        raise SystemExit(f"results_tables.py: {folder} holds runs of {like} (model, tokens), {other} of {like_other}; "
+                         "only runs of one model and length pair")
     lines = [f"| run | rate | seeds | gap to the same run in {other.name}, paired | within the spread |",
              "|---|---|---|---|---|"]
     for (label, lr), seeds in mine.items():

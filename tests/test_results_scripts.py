@@ -104,6 +104,11 @@ def test_against_pairs_each_run_with_the_same_run_of_another_sweep(tmp_path):
     # ste at 1e-3 is 10 % worse on both seeds: outside a spread of 0; s-ste has no twin there
     assert sorted(rows) == ["| s-ste | 0.001 | 1 | no twin | - |",
                             "| ste | 0.001 | 1, 2 | +10.00 ± 0.00 % (n=2) | no |"]
+    for run in (tmp_path / "ffn").iterdir():  # runs of another length do not pair
+        s = json.loads((run / "summary.json").read_text())
+        (run / "summary.json").write_text(json.dumps(s | {"tokens": 128}))
+    with pytest.raises(SystemExit, match="only runs of one model and length pair"):
+        results_tables.against_table(tmp_path / "attn", tmp_path / "ffn")
 
 
 def test_rewrite_fills_each_block_and_refuses_unknown_names(monkeypatch):
