@@ -38,7 +38,7 @@ case $part in
     done
     wait
     for f in "$OUT"/test_*.log; do echo "== $(basename "$f")"; tail -3 "$f"; done ;;
-  attn-speed) peer h100-attn-4blocks dense,s-ste+dx=pruned-t,s-ste+dx=pruned-t+attn ;;
+  attn-speed) peer attn-4blocks dense,s-ste+dx=pruned-t,s-ste+dx=pruned-t+attn ;;
   fp8-rows) peer fp8-4blocks ao-float8,dense,s-ste-fp8,s-ste-fp8+dx=pruned-t,t-sr-ste-fp8 ;;
   llama-1b)
     common="--model llama-1b --batch-size 8 --seq-len 1024 --compile --steps 40 --eval-interval 40 --eval-iters 2"
