@@ -340,6 +340,8 @@ def main() -> int:
     ap.add_argument("--against", type=Path, help="with --folder (a sweep): each run against the same run (label, "
                     "rate, seed) in this sweep folder")
     args = ap.parse_args()
+    if args.against and not args.folder:
+        ap.error("--against pairs the runs of --folder with another sweep's: give --folder too")
     if args.folder and args.against:
         print(against_table(args.folder, args.against))
     elif args.folder:
