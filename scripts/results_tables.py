@@ -183,27 +183,44 @@ def shift_table(folder: Path, recipe: str = "s-ste", versus: str = "ste", factor
     return "\n".join(lines)
 
 
+def scored_runs(folder: Path) -> list[dict]:
+    """A sweep folder's finished runs with their report-half scores (:func:`sweep_runs`)."""
+    runs = [s for s in (read_summary(p.parent) for p in sorted(Path(folder).glob("*/summary.json"))) if s]
+    return [r for r in sweep_runs(Path(folder), runs[0]) if "report" in r] if runs else []
+
+
+def report_losses(found: list[dict]) -> dict[tuple[str, float], dict[int, float]]:
+    """``{(label, rate): {seed: report-half loss}}`` of scored runs."""
+    loss: dict[tuple[str, float], dict[int, float]] = {}
+    for r in found:
+        loss.setdefault((summary_label(r), r["lr"]), {})[r["seed"]] = r["report"]
+    return loss
+
+
+def paired_cell(mine: dict[int, float], theirs: dict[int, float], empty: str) -> tuple[str, bool | None]:
+    """The relative gap of ``mine`` to ``theirs`` paired by seed, in %, and whether it is within
+    the seed spread (mean at most one standard deviation above 0; None under two seeds)."""
+    _, rel = paired_gaps(mine, theirs)
+    if len(rel) < 2:
+        return (empty if not rel else f"{100 * rel[0]:+.2f} % (one seed)"), None
+    m, sd = (100 * v for v in compare_mean_std(rel))
+    return f"{m:+.2f} ± {sd:.2f} % (n={len(rel)})", m <= sd
+
+
 def twin_table(folder: Path, full_seeds: int = 3) -> str:
     """A dX-route sweep's test (scripts/dx_sweep.py): each route (a label with ``dx=``) against its
     twin with the exact dX (the same label without it), report-half losses paired by seed, relative
     gap in %: each at its own best rate, then at each rate both ran with ``full_seeds`` seeds. A
     route is kept where it is no worse than its twin beyond the seed spread: the mean of its paired
     gap at the best rates at most one standard deviation above 0."""
-    runs = [s for s in (read_summary(p.parent) for p in sorted(Path(folder).glob("*/summary.json"))) if s]
-    if not runs:
+    found = scored_runs(folder)
+    if not found:
         return f"No finished runs in {folder}."
-    found = [r for r in sweep_runs(Path(folder), runs[0]) if "report" in r]
-    loss: dict[tuple[str, float], dict[int, float]] = {}
-    for r in found:
-        loss.setdefault((summary_label(r), r["lr"]), {})[r["seed"]] = r["report"]
+    loss = report_losses(found)
     best = best_rates(found)
 
     def cell(route: tuple[str, float], twin: tuple[str, float]) -> tuple[str, bool | None]:
-        _, rel = paired_gaps(loss.get(route, {}), loss.get(twin, {}))
-        if len(rel) < 2:
-            return ("n/a" if not rel else f"{100 * rel[0]:+.2f} % (one seed)"), None
-        m, sd = (100 * v for v in compare_mean_std(rel))
-        return f"{m:+.2f} ± {sd:.2f} % (n={len(rel)})", m <= sd
+        return paired_cell(loss.get(route, {}), loss.get(twin, {}), "n/a")
 
     labels = [label for label in dict.fromkeys(summary_label(r) for r in found) if " dx=" in label]
     rates = sorted({lr for (_, lr), seeds in loss.items() if len(seeds) >= full_seeds})
@@ -295,36 +312,24 @@ def problems(text: str) -> list[str]:
     return found
 
 
-def _report_losses(folder: Path) -> tuple[tuple, dict[tuple[str, float], dict[int, float]]]:
-    """A sweep folder's (model, tokens a run) and ``{(label, rate): {seed: report-half loss}}`` of
-    its scored runs."""
-    runs = [s for s in (read_summary(p.parent) for p in sorted(Path(folder).glob("*/summary.json"))) if s]
-    loss: dict[tuple[str, float], dict[int, float]] = {}
-    for r in (r for r in sweep_runs(Path(folder), runs[0]) if "report" in r) if runs else ():
-        loss.setdefault((summary_label(r), r["lr"]), {})[r["seed"]] = r["report"]
-    return ((runs[0]["model"], runs[0]["tokens"]) if runs else ()), loss
-
-
 def against_table(folder: Path, other: Path) -> str:
     """Each label and rate of one sweep (``--sparse-attention`` runs, say) against the same label at
     the same rate in ``other``: report-half losses paired by seed, relative gap in %, and whether it
-    is within the seed spread (mean at most one standard deviation above 0)."""
-    (like, mine), (like_other, theirs) = _report_losses(folder), _report_losses(other)
+    is within the seed spread; refused where the two hold runs of another model or length."""
+    mine, theirs = scored_runs(folder), scored_runs(other)
     if not mine:
         return f"No finished runs in {folder}."
-    if like != like_other:
-        raise SystemExit(f"results_tables.py: {folder} holds runs of {like} (model, tokens), {other} of {like_other}; "
-                         "only runs of one model and length pair")
+    like, like_other = ({(r["model"], r["tokens"]) for r in runs} for runs in (mine, theirs))
+    if theirs and like != like_other:
+        raise SystemExit(f"results_tables.py: {folder} holds runs of {sorted(like)} (model, tokens), {other} of "
+                         f"{sorted(like_other)}; only runs of one model and length pair")
+    theirs_loss = report_losses(theirs)
     lines = [f"| run | rate | seeds | gap to the same run in {other.name}, paired | within the spread |",
              "|---|---|---|---|---|"]
-    for (label, lr), seeds in mine.items():
-        _, rel = paired_gaps(seeds, theirs.get((label, lr), {}))
-        if len(rel) < 2:
-            gap, ok = ("no twin" if not rel else f"{100 * rel[0]:+.2f} % (one seed)"), "-"
-        else:
-            m, sd = (100 * v for v in compare_mean_std(rel))
-            gap, ok = f"{m:+.2f} ± {sd:.2f} % (n={len(rel)})", "yes" if m <= sd else "no"
-        lines.append(f"| {label} | {lr:g} | {', '.join(map(str, sorted(seeds)))} | {gap} | {ok} |")
+    for (label, lr), seeds in report_losses(mine).items():
+        gap, ok = paired_cell(seeds, theirs_loss.get((label, lr), {}), "no twin")
+        lines.append(f"| {label} | {lr:g} | {', '.join(map(str, sorted(seeds)))} | {gap} "
+                     f"| {'-' if ok is None else 'yes' if ok else 'no'} |")
     return "\n".join(lines)
 
 
