@@ -184,9 +184,8 @@ def shift_table(folder: Path, recipe: str = "s-ste", versus: str = "ste", factor
 
 
 def scored_runs(folder: Path) -> list[dict]:
-    """A sweep folder's finished runs with their report-half scores (:func:`sweep_runs`)."""
-    runs = [s for s in (read_summary(p.parent) for p in sorted(Path(folder).glob("*/summary.json"))) if s]
-    return [r for r in sweep_runs(Path(folder), runs[0]) if "report" in r] if runs else []
+    """A sweep folder's finished runs that have report-half scores (:func:`sweep_summaries`)."""
+    return [r for r in sweep_summaries(folder) if "report" in r]
 
 
 def report_losses(found: list[dict]) -> dict[tuple[str, float], dict[int, float]]:
